@@ -1,0 +1,30 @@
+# The two commands a new machine needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hf_dist-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# torch 2.13.0 first: it resolves to the local CPU wheel; anything else would pull a CUDA build.
+# DeepSpeed builds against the installed torch, so it needs --no-build-isolation.
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet ninja
+	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.16"
+	touch $(STAMP)
+
+demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/harbor/demo.sh
+
+test: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -ra $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) runs

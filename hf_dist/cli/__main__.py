@@ -1,0 +1,5 @@
+import sys
+
+from hf_dist.cli import main
+
+sys.exit(main())

@@ -1,0 +1,154 @@
+"""The one object that describes a parallel layout.
+
+``ParallelDims`` says how the world is factored into data-parallel replicas
+(``dp_replicate``), data-parallel shards (``dp_shard``, what FSDP/ZeRO shards
+over), tensor-parallel ranks (``tp``) and pipeline stages (``pp``). It builds a
+named ``DeviceMesh`` and answers "which group do I talk to for X" questions.
+
+It is not a process-group manager: nothing here is global, two layouts can live
+in one process (tests do that), and building the mesh is explicit.
+
+Mesh axis order, outermost first: ``pp, dp_replicate, dp_shard, tp``. Tensor
+parallelism is innermost so that its ranks are neighbours (one node, fast
+links); pipeline stages are outermost so that they cross nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_FACTORS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """A factorisation of ``world_size`` into ``pp x dp_replicate x dp_shard x tp``."""
+
+    world_size: int
+    """Number of processes in the job."""
+    dp_replicate: int = 1
+    """Data-parallel replicas that hold full copies (DDP, or HSDP's outer axis)."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard parameters/states (FSDP/ZeRO). -1: the ranks left over."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of physical stages)."""
+    _mesh: object | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r} must be a positive integer")
+        values = {name: getattr(self, name) for name in _FACTORS}
+        for name, value in values.items():
+            if not isinstance(value, int) or (value < 1 and value != -1):
+                raise ValueError(f"{name}={value!r} must be a positive integer or -1 (the ranks left over)")
+        left_over = [name for name, value in values.items() if value == -1]
+        if len(left_over) > 1:
+            raise ValueError(
+                f"only one factor may be -1, got {', '.join(f'{n}=-1' for n in left_over)}; "
+                f"set all but one explicitly"
+            )
+        if left_over:
+            known = 1
+            for name, value in values.items():
+                if value != -1:
+                    known *= value
+            if self.world_size % known != 0:
+                raise ValueError(
+                    f"{self._describe()} cannot fill world_size={self.world_size}: the fixed factors multiply to "
+                    f"{known}, which does not divide {self.world_size}; use a world size that is a multiple of {known}"
+                )
+            setattr(self, left_over[0], self.world_size // known)
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"{self._describe()} multiply to {product}, but world_size={self.world_size}; "
+                f"the four factors must multiply to the world size (set one of them to -1 to take the ranks left over)"
+            )
+
+    def _describe(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)}" for name in _FACTORS)
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the number of different batches seen per micro step."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    # -- coordinates (pure: no process group needed) ---------------------------------------------
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of ``rank``: ``{"pp", "dp_replicate", "dp_shard", "tp", "dp"}``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
+        coords: dict[str, int] = {}
+        remainder = rank
+        for name in reversed(_FACTORS):  # innermost axis varies fastest
+            size = getattr(self, name)
+            coords[name] = remainder % size
+            remainder //= size
+        coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
+        return coords
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel shard of the batch ``rank`` reads."""
+        return self.coordinates(rank)["dp"]
+
+    # -- the mesh --------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str | None = None):
+        """Build (once) and return the named ``DeviceMesh``; needs an initialised process group.
+
+        Axis names: ``pp, dp_replicate, dp_shard, tp`` plus the flattened ``dp`` (replicate x shard),
+        which is the axis FSDP2/HSDP and the data sampler use.
+        """
+        if self._mesh is not None:
+            return self._mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(
+            device_type,
+            tuple(getattr(self, name) for name in _FACTORS),
+            mesh_dim_names=_FACTORS,
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        self._mesh = mesh
+        return mesh
+
+    def get_mesh(self, name: str):
+        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` or ``dp``)."""
+        if self._mesh is None:
+            raise RuntimeError("call build_mesh() before get_mesh()")
+        if name not in (*_FACTORS, "dp"):
+            raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, 'dp'))}")
+        return self._mesh[name]
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            raise RuntimeError("call build_mesh() before using the mesh")
+        return self._mesh
+
+    @classmethod
+    def from_sizes(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
+        """The common case: TP and PP fixed, every rank left over shards data."""
+        return cls(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=-1)
