@@ -1,0 +1,90 @@
+"""Spawn real gloo process groups on CPU for multi-rank tests.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises a gloo process group
+in each, calls ``fn(rank, world_size, *args)`` and returns the list of per-rank return values (picklable).
+A failure on any rank raises in the test with that rank's traceback. ``fn`` must be importable at module
+level (spawn pickles it by name).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report any failure to the parent, with the traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+        elif any(p.exitcode not in (None, 0) for p in procs):
+            # a rank died without reporting (segfault, kill)
+            if queue.empty():
+                errors.append("a rank exited without a result: exit codes " + str([p.exitcode for p in procs]))
+                break
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=5 if errors else 30)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    if len(results) < world_size:
+        raise TimeoutError(f"only ranks {sorted(results)} of {world_size} finished within {timeout_s}s")
+    return [results[r] for r in range(world_size)]
