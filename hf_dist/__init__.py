@@ -2,6 +2,7 @@
 
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
 ``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes).
+The Trainer classes are imported on first use, so the CLI and the pure planners start without transformers.
 """
 
 from hf_dist.batch import BatchContract, scale_learning_rate
@@ -9,4 +10,19 @@ from hf_dist.parallel_dims import ParallelDims
 
 __version__ = "0.1.0"
 
-__all__ = ["BatchContract", "ParallelDims", "scale_learning_rate", "__version__"]
+__all__ = [
+    "BatchContract",
+    "DistTrainer",
+    "DistTrainingArguments",
+    "ParallelDims",
+    "scale_learning_rate",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    if name in ("DistTrainer", "DistTrainingArguments"):
+        from hf_dist import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

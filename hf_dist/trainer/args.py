@@ -1,0 +1,95 @@
+"""``DistTrainingArguments``: ``transformers.TrainingArguments`` plus the global-batch contract and layout sizes.
+
+Everything here is parseable by ``HfArgumentParser``. The contract is resolved in ``__post_init__``, before the
+process group exists, from the launcher's ``WORLD_SIZE``: ``gradient_accumulation_steps`` and ``learning_rate``
+are derived, so the rest of the Trainer sees ordinary arguments.
+
+Not here: applying the layout to a model (``hf_dist.trainer.layout``) or deciding which backend runs it
+(``hf_dist.trainer.launch_env``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from hf_dist.batch import LR_SCALINGS, BatchContract
+from hf_dist.trainer import launch_env
+
+
+@dataclass
+class DistTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with hf_dist's batch contract, LR scaling and parallel layout."""
+
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences per optimizer step across all data-parallel ranks. When set, gradient accumulation "
+            "is derived as global / (per_device_train_batch_size x data-parallel size)."
+        },
+    )
+    base_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Reference learning rate tuned at base_batch_size; learning_rate is derived from it."},
+    )
+    base_batch_size: int | None = field(
+        default=None, metadata={"help": "Global batch at which base_learning_rate was tuned."}
+    )
+    lr_scaling: str = field(
+        default="linear",
+        metadata={"help": "How the LR follows the global batch when base_learning_rate is set.", "choices": LR_SCALINGS},
+    )
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel degree (ranks that share a batch)."})
+    pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel degree (number of stages)."})
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peak dense FLOP/s of one device in TFLOP/s, for the MFU estimate. Default: looked up for known "
+            "GPUs; none on CPU (MFU is then not logged)."
+        },
+    )
+
+    def __post_init__(self):
+        launch_env.prepare_environment(self)
+        super().__post_init__()
+        self.batch_contract = self._resolve_contract()
+        self.gradient_accumulation_steps = self.batch_contract.gradient_accumulation_steps
+        if self.batch_contract.learning_rate is not None:
+            self.learning_rate = self.batch_contract.learning_rate
+
+    def _resolve_contract(self) -> BatchContract:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        for name in ("tp_size", "pp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer (1 disables it)")
+        model_parallel = self.tp_size * self.pp_size
+        if world_size % model_parallel != 0:
+            raise ValueError(
+                f"tp_size={self.tp_size} x pp_size={self.pp_size} = {model_parallel} does not divide the "
+                f"world size {world_size}; launch a multiple of {model_parallel} processes or lower tp_size/pp_size"
+            )
+        micro = self.per_device_train_batch_size
+        dp = world_size // model_parallel
+        if self.global_batch_size is None:
+            global_batch = micro * dp * self.gradient_accumulation_steps
+        else:
+            global_batch = self.global_batch_size
+            derived, remainder = divmod(global_batch, micro * dp)
+            if remainder == 0 and self.gradient_accumulation_steps not in (1, derived):
+                raise ValueError(
+                    f"gradient_accumulation_steps={self.gradient_accumulation_steps} contradicts global_batch_size="
+                    f"{global_batch} = per_device_train_batch_size={micro} x data-parallel size={dp} x accumulation "
+                    f"{derived}; drop gradient_accumulation_steps (it is derived) or change global_batch_size"
+                )
+        return BatchContract(
+            world_size=world_size,
+            global_batch_size=global_batch,
+            micro_batch_size=micro,
+            tp=self.tp_size,
+            pp=self.pp_size,
+            base_learning_rate=self.base_learning_rate,
+            base_batch_size=self.base_batch_size,
+            lr_scaling=self.lr_scaling if self.base_learning_rate is not None else "none",
+        )

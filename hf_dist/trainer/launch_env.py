@@ -1,0 +1,143 @@
+"""Decide, before any process group exists, which backend really runs the requested layout.
+
+The traps this module closes (each measured on a machine without GPUs, see ENVIRONMENT.md):
+
+- the plain Trainer under ``torchrun``/``accelerate launch`` without ``use_cpu=True`` runs N independent
+  trainings (no gradient sync): we set ``use_cpu`` when there is no GPU and more than one process;
+- ``use_cpu=True`` silently disables DeepSpeed in accelerate: we never set it for a DeepSpeed launch;
+- an accelerate FSDP config on such a machine silently trains as DDP: hf_dist takes an FSDP **v2** request
+  over and applies ``fully_shard`` itself (``hf_dist.trainer.layout``) on CPU and GPU alike; an FSDP **v1**
+  request without GPUs is refused with the fix.
+
+One writer (accelerate's launcher, or the user's ``TrainingArguments.fsdp``), one reader (``read_fsdp_request``).
+After the Trainer is built, ``verify_backend`` checks that the accelerator really is what was asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_TRUE = ("1", "true", "yes")
+
+
+@dataclass(kw_only=True, frozen=True)
+class FsdpRequest:
+    """FSDP settings hf_dist applies itself with ``fully_shard``."""
+
+    reshard_after_forward: bool = True
+    """True: FULL_SHARD (ZeRO-3). False: SHARD_GRAD_OP (ZeRO-2-like: parameters stay gathered after forward)."""
+    activation_checkpointing: bool = False
+    """Checkpoint each wrapped block (recompute in backward)."""
+    wrap_classes: tuple[str, ...] | None = None
+    """Module class names sharded as units; None: the model's ``_no_split_modules``."""
+    cpu_offload: bool = False
+    """Keep sharded parameters on CPU (``CPUOffloadPolicy``)."""
+    source: str = "TrainingArguments.fsdp"
+    """Where the request came from, for messages."""
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def deepspeed_requested(args) -> bool:
+    return bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in _TRUE
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.lower() in _TRUE
+
+
+def _reshard_from_env() -> bool:
+    value = os.environ.get("FSDP_RESHARD_AFTER_FORWARD")
+    if value is None:  # v1-style configs give a sharding strategy instead
+        strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+        return strategy not in ("SHARD_GRAD_OP", "2")
+    return value.lower() in (*_TRUE, "full_shard")
+
+
+def read_fsdp_request(args) -> tuple[int, FsdpRequest] | None:
+    """The FSDP version and settings asked for by the accelerate launcher's env or ``args.fsdp``; None if none."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE:
+        classes = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
+        return int(os.environ.get("FSDP_VERSION", "1")), FsdpRequest(
+            reshard_after_forward=_reshard_from_env(),
+            activation_checkpointing=_env_flag("FSDP_ACTIVATION_CHECKPOINTING", False),
+            wrap_classes=tuple(c.strip() for c in classes.split(",") if c.strip()) if classes else None,
+            cpu_offload=_env_flag("FSDP_OFFLOAD_PARAMS", False),
+            source="the accelerate config (ACCELERATE_USE_FSDP)",
+        )
+    if not getattr(args, "fsdp", None):
+        return None
+    config = dict(args.fsdp_config or {}) if not isinstance(args.fsdp_config, str) else {}
+    config = {k.removeprefix("fsdp_"): v for k, v in config.items()}
+    options = args.fsdp.split() if isinstance(args.fsdp, str) else list(args.fsdp) if args.fsdp is not True else []
+    classes = config.get("transformer_layer_cls_to_wrap")
+    if isinstance(classes, str):
+        classes = [classes]
+    return int(config.get("version", 2)), FsdpRequest(
+        reshard_after_forward=str(config.get("reshard_after_forward", "shard_grad_op" not in options)).lower()
+        in (*_TRUE, "full_shard"),
+        activation_checkpointing=str(config.get("activation_checkpointing", False)).lower() in _TRUE,
+        wrap_classes=tuple(classes) if classes else None,
+        cpu_offload="offload" in options or str(config.get("cpu_offload", False)).lower() in _TRUE,
+        source="TrainingArguments.fsdp",
+    )
+
+
+def _clear_accelerate_fsdp_env() -> None:
+    for key in list(os.environ):
+        if key == "ACCELERATE_USE_FSDP" or key.startswith("FSDP_"):
+            del os.environ[key]
+
+
+def prepare_environment(args) -> None:
+    """Called first in ``DistTrainingArguments.__post_init__``: take FSDP v2 over, fix the CPU traps."""
+    args.hf_dist_fsdp = None
+    request = read_fsdp_request(args)
+    if request is not None:
+        version, settings = request
+        if version == 2:
+            args.hf_dist_fsdp = settings
+            args.fsdp = None  # the Trainer/accelerate must not shard a second time
+            args.fsdp_config = None
+            _clear_accelerate_fsdp_env()
+        elif not has_gpu():
+            raise ValueError(
+                f"FSDP version {version} was requested by {settings.source}, but this machine has no GPU: accelerate "
+                f"would silently train it as DDP, and FSDP1 on CPU fails to save and resume. Use FSDP version 2 "
+                f"(`fsdp_version: 2` in the accelerate YAML, or fsdp_config={{'version': 2}}); hf_dist applies it with "
+                f"fully_shard on CPU and GPU alike"
+            )
+    if deepspeed_requested(args):
+        if args.hf_dist_fsdp is not None:
+            raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
+        return  # accelerate runs DeepSpeed; use_cpu would silently turn it off
+    if not has_gpu() and world_size_from_env() > 1:
+        args.use_cpu = True  # without it every rank trains alone on the same data
+
+
+def verify_backend(trainer) -> None:
+    """Stop if the accelerator is not running what the launch asked for (never train as something else)."""
+    from accelerate.utils import DistributedType
+
+    accelerator = trainer.accelerator
+    world = world_size_from_env()
+    if world > 1 and accelerator.num_processes != world:
+        raise RuntimeError(
+            f"the launcher started {world} processes but the accelerator sees {accelerator.num_processes}: each rank "
+            f"would train alone; check the launch command and that use_cpu matches the machine"
+        )
+    if deepspeed_requested(trainer.args) and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(
+            f"DeepSpeed was requested but accelerate chose {accelerator.distributed_type}; remove use_cpu/--cpu from "
+            f"the launch (DeepSpeed picks its CPU accelerator by itself)"
+        )

@@ -1,0 +1,137 @@
+"""``DistTrainer``: a drop-in ``transformers.Trainer`` that applies hf_dist's layouts and batch contract.
+
+A script using ``Trainer``/``TrainingArguments`` works unchanged with ``DistTrainer``/``DistTrainingArguments``.
+What changes:
+
+- the global-batch contract decides accumulation and the learning rate (``DistTrainingArguments``), and its
+  table is printed once at start by the main process;
+- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, in ``apply_layout``'s order, and the
+  Trainer is told not to wrap the model again; DDP and DeepSpeed stay with accelerate;
+- a launch that would silently run as something else stops with an error (``launch_env``);
+- each training log carries tokens/s, MFU (when the device peak is known) and per-rank peak memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_dist.trainer import launch_env
+from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
+
+logger = logging.getLogger(__name__)
+
+
+def as_dist_args(args: TrainingArguments | None) -> DistTrainingArguments:
+    """``args`` as ``DistTrainingArguments`` (a plain ``TrainingArguments`` is converted field by field)."""
+    if args is None:
+        return DistTrainingArguments(output_dir="trainer_output")
+    if isinstance(args, DistTrainingArguments):
+        return args
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return DistTrainingArguments(**values)
+
+
+class DistTrainer(Trainer):
+    """``transformers.Trainer`` with hf_dist's parallel layouts, batch contract and throughput logging."""
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kwargs):
+        args = as_dist_args(args)
+        if model is None:
+            raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
+        args.device  # initialises the process group with the backend launch_env chose
+        contract = args.batch_contract
+        num_parameters = sum(p.numel() for p in model.parameters())
+        self.dims = layout_dims(
+            world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=args.hf_dist_fsdp is not None
+        )
+        self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
+        if self.owns_layout:
+            model = self._apply_owned_layout(model, args)
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        self.throughput = ThroughputMeter(
+            num_parameters=num_parameters, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak
+        )
+        super().__init__(model, args, *positional, **kwargs)
+        launch_env.verify_backend(self)
+        if self.args.should_log:
+            print(self.describe(), flush=True)
+
+    def _apply_owned_layout(self, model, args: DistTrainingArguments):
+        if args.save_strategy != "no" and not args.save_only_model:
+            raise ValueError(
+                f"save_strategy={args.save_strategy!r} with a layout hf_dist applies itself (FSDP2/TP/PP) needs "
+                f"sharded checkpoints, which this version does not write through the Trainer yet; pass "
+                f"save_only_model=True (weights only, gathered) or save_strategy='no'"
+            )
+        device = args.device
+        self.dims.build_mesh(device.type)
+        model = model.to(device)
+        param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        model = apply_layout(
+            model,
+            self.dims,
+            fsdp=args.hf_dist_fsdp,
+            activation_checkpointing=args.gradient_checkpointing,
+            param_dtype=param_dtype,
+        )
+        mark_distribution_owned(model)
+        return model
+
+    def describe(self) -> str:
+        """The resolved table: layout, batch contract and LR."""
+        contract = dataclasses.replace(self.args.batch_contract)
+        if self.args.hf_dist_fsdp is not None:
+            kind = "FSDP2 FULL_SHARD" if self.args.hf_dist_fsdp.reshard_after_forward else "FSDP2 SHARD_GRAD_OP"
+            kind += " (hf_dist fully_shard)"
+        elif self.is_deepspeed_enabled:
+            stage = self.accelerator.state.deepspeed_plugin.zero_stage
+            kind = f"DeepSpeed ZeRO-{stage}"
+        elif contract.world_size > 1:
+            kind = f"DDP ({self.accelerator.distributed_type.value})"
+        else:
+            kind = "single process"
+        if self.dims.tp_enabled:
+            kind += f" x TP{self.dims.tp}"
+        if self.dims.pp_enabled:
+            kind += f" x PP{self.dims.pp}"
+        return f"{contract.table()}\n{'layout':<22}  {kind}\n"
+
+    # -- training -------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.throughput.count(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """Accumulate gradients locally until the last micro step (the model is ours, not transformers')."""
+        if self.dims.dp_replicate > 1:
+            self.model.set_requires_all_reduce(False)
+        else:
+            self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: every rank is here (the Trainer just gathered the loss)
+            logs.update(self.throughput.report())
+        super().log(logs, start_time)
+
+    # -- saving ---------------------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
+        if self.owns_layout and state_dict is None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(self.model, options=options)
+            state_dict = {k: v.clone() for k, v in state_dict.items()}  # cpu_offload may alias live tensors
+        super()._save(output_dir, state_dict=state_dict)
