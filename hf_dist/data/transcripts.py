@@ -1,0 +1,239 @@
+"""Support transcripts in JSONL -> tokenized ``datasets.Dataset`` for causal-LM fine-tuning with the HF Trainer.
+
+What it is for: one conversation per line, ``{"messages": [{"role": "system"|"user"|"assistant",
+"content": "..."}, ...]}``, rendered with the tokenizer's chat template, tokenized, truncated to
+``max_seq_len`` and labelled for the loss on every token (``loss_on="all"``) or on the assistant turns only
+(``loss_on="assistant"``: every other token is -100). Bad input stops with a ``ValueError`` naming the file,
+the line and the fix; nothing is skipped silently.
+
+Assistant spans come from the template itself: with ``{% generation %}`` blocks (the tokenizer trained by
+``hf_dist.data.tokenizer`` has them) through ``apply_chat_template(return_assistant_tokens_mask=True)``;
+otherwise by rendering each conversation prefix and checking that every render extends the previous one
+(a template that is not prefix-stable is refused, with the fix).
+
+What it is not: a streaming loader for the 2.4M-transcript corpus; it reads the file into memory. Packing
+several conversations per sequence lives in ``hf_dist.data.packing``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Literal
+
+IGNORE_INDEX = -100
+ROLES: tuple[str, ...] = ("system", "user", "assistant")
+LossOn = Literal["all", "assistant"]
+LOSS_ON: tuple[str, ...] = ("all", "assistant")
+EXAMPLE_LINE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
+
+logger = logging.getLogger(__name__)
+
+
+def _line_error(path: Path, lineno: int, problem: str) -> ValueError:
+    return ValueError(f"{path}:{lineno}: {problem}; each line must be one JSON object like {EXAMPLE_LINE}")
+
+
+def _check_record(path: Path, lineno: int, record: object) -> dict:
+    if not isinstance(record, dict) or "messages" not in record:
+        raise _line_error(path, lineno, "the object has no 'messages' key")
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise _line_error(path, lineno, "'messages' must be a non-empty list of {'role', 'content'} objects")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise _line_error(path, lineno, f"messages[{index}] needs both 'role' and 'content'")
+        if message["role"] not in ROLES:
+            raise _line_error(
+                path, lineno, f"messages[{index}] has unknown role {message['role']!r}; use one of {', '.join(ROLES)}"
+            )
+        if not isinstance(message["content"], str):
+            raise _line_error(path, lineno, f"messages[{index}].content must be a string")
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+
+
+def read_transcripts(path: str | Path) -> list[dict]:
+    """Read and validate a transcripts JSONL: a list of ``{"messages": [...]}`` (blank lines are skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"transcripts file {path} does not exist; pass the path of a JSONL file, or write a synthetic one "
+            f"with hf_dist.data.write_jsonl({str(path)!r}, n=500, seed=0)"
+        )
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise _line_error(path, lineno, f"not valid JSON ({err.msg} at column {err.colno})") from None
+            records.append(_check_record(path, lineno, record))
+    if not records:
+        raise ValueError(f"transcripts file {path} has no conversations; it needs one per line like {EXAMPLE_LINE}")
+    return records
+
+
+def load_transcripts(path: str | Path):
+    """A ``datasets.Dataset`` with one column ``messages`` from a validated transcripts JSONL."""
+    from datasets import Dataset
+
+    return Dataset.from_list(read_transcripts(path))
+
+
+def _has_generation_block(template: str | None) -> bool:
+    return bool(template) and re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def _prefix_assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Assistant tokens found by rendering prefixes: the span of turn i is render(<=i) minus render(<i)+prompt."""
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ValueError(
+                "the tokenizer's chat template is not prefix-stable (rendering the first messages of a "
+                "conversation is not a prefix of rendering all of them), so assistant tokens cannot be located; "
+                "wrap the assistant content in {% generation %}...{% endgeneration %} in the template, "
+                "or use loss_on='all'"
+            )
+        spans.append((len(before), len(upto)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(start < end_s and end > start_s for start_s, end_s in spans)) for start, end in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+def assistant_token_mask(tokenizer, messages: list[dict], *, method: str = "auto") -> tuple[list[int], list[int]]:
+    """``(input_ids, mask)`` of the rendered conversation; ``mask[t] == 1`` on assistant-turn tokens.
+
+    ``method``: ``"generation"`` ({% generation %} blocks), ``"prefix"`` (prefix renders) or ``"auto"``
+    (generation blocks when the template has them).
+    """
+    if method not in ("auto", "generation", "prefix"):
+        raise ValueError(f"method={method!r} is not known; use 'auto', 'generation' or 'prefix'")
+    if method == "prefix" or (method == "auto" and not _has_generation_block(tokenizer.chat_template)):
+        return _prefix_assistant_mask(tokenizer, messages)
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], *, max_seq_len: int, loss_on: LossOn = "assistant") -> dict:
+    """Render, tokenize, label and truncate one conversation: ``{"input_ids", "attention_mask", "labels"}``."""
+    if loss_on == "assistant":
+        input_ids, mask = assistant_token_mask(tokenizer, messages)
+        labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(input_ids, mask)]
+    else:
+        input_ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+        labels = list(input_ids)
+    input_ids, labels = input_ids[:max_seq_len], labels[:max_seq_len]
+    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
+
+
+def _check_args(max_seq_len: int, loss_on: str, eval_fraction: float) -> None:
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len!r} must be an integer >= 2 (tokens per sequence)")
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on={loss_on!r} is not known; use 'all' (every token) or 'assistant' (assistant turns)")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1): the share of conversations held out")
+
+
+def tokenize_transcripts(dataset, tokenizer, *, max_seq_len: int, loss_on: LossOn = "assistant"):
+    """Tokenize a ``messages`` dataset; conversations left with no trainable token are dropped (and counted).
+
+    A conversation has no trainable token when, e.g., ``loss_on="assistant"`` and truncation cut every
+    assistant turn. Such rows would give a 0/0 loss, so they are removed and a warning says how many.
+    """
+    from datasets import Dataset
+
+    _check_args(max_seq_len, loss_on, 0.0)
+    rows = [tokenize_conversation(tokenizer, r["messages"], max_seq_len=max_seq_len, loss_on=loss_on) for r in dataset]
+    kept = [row for row in rows if any(label != IGNORE_INDEX for label in row["labels"][1:])]
+    if not kept:
+        raise ValueError(
+            f"no conversation has a trainable token with max_seq_len={max_seq_len} and loss_on={loss_on!r}; "
+            "raise max_seq_len or use loss_on='all'"
+        )
+    if len(kept) < len(rows):
+        logger.warning(
+            "dropped %d of %d conversations with no trainable token (max_seq_len=%d, loss_on=%r)",
+            len(rows) - len(kept), len(rows), max_seq_len, loss_on,
+        )
+    return Dataset.from_list(kept)
+
+
+def build_datasets(
+    jsonl_path: str | Path,
+    tokenizer,
+    *,
+    max_seq_len: int,
+    loss_on: LossOn = "assistant",
+    eval_fraction: float = 0.1,
+    seed: int = 0,
+    packed: bool = False,
+):
+    """``(train, eval)`` tokenized datasets from a transcripts JSONL, split by conversation with ``seed``.
+
+    Args:
+        jsonl_path: one ``{"messages": [...]}`` per line (see ``read_transcripts``).
+        tokenizer: any tokenizer with a chat template (e.g. from ``hf_dist.data.train_tokenizer``).
+        max_seq_len: tokens per sequence; longer conversations are truncated.
+        loss_on: ``"all"`` or ``"assistant"`` (non-assistant tokens get label -100).
+        eval_fraction: share of conversations held out for evaluation; 0 gives ``eval = None``.
+        seed: the split's seed.
+        packed: pack several conversations per sequence of ``max_seq_len`` (``hf_dist.data.pack_dataset``);
+            feed the result to ``data_collator(tokenizer, packed=True)``.
+
+    Rows have ``input_ids``, ``attention_mask``, ``labels`` (or, packed, ``input_ids``, ``labels``,
+    ``position_ids``).
+    """
+    _check_args(max_seq_len, loss_on, eval_fraction)
+    raw = load_transcripts(jsonl_path)
+    if eval_fraction > 0:
+        split = raw.train_test_split(test_size=eval_fraction, seed=seed)
+        parts = [split["train"], split["test"]]
+    else:
+        parts = [raw.shuffle(seed=seed), None]
+    out = [
+        None if part is None else tokenize_transcripts(part, tokenizer, max_seq_len=max_seq_len, loss_on=loss_on)
+        for part in parts
+    ]
+    if packed:
+        from hf_dist.data.packing import pack_dataset
+
+        out = [None if part is None else pack_dataset(part, max_seq_len=max_seq_len) for part in out]
+    return out[0], out[1]
+
+
+def data_collator(tokenizer, *, packed: bool = False, pad_to: int | None = None, pad_to_multiple_of: int | None = None):
+    """The collator for ``build_datasets`` output.
+
+    Unpacked: transformers' ``DataCollatorForSeq2Seq`` (pads ``input_ids`` with the pad token,
+    ``attention_mask`` with 0 and ``labels`` with -100), to the longest row or to ``pad_to`` tokens.
+    Packed: ``hf_dist.data.PackedCollator``.
+    """
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token) first")
+    if packed:
+        from hf_dist.data.packing import PackedCollator
+
+        return PackedCollator(pad_token_id=tokenizer.pad_token_id, pad_to=pad_to, pad_to_multiple_of=pad_to_multiple_of)
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(
+        tokenizer,
+        padding="max_length" if pad_to else "longest",
+        max_length=pad_to,
+        pad_to_multiple_of=pad_to_multiple_of,
+        label_pad_token_id=IGNORE_INDEX,
+        return_tensors="pt",
+    )
