@@ -9,6 +9,7 @@ level (spawn pickles it by name).
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -38,7 +39,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle: tensors travel as bytes, not as shared-memory handles that die with the child
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report any failure to the parent, with the traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -68,7 +70,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEO
         if not queue.empty():
             rank, status, payload = queue.get()
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
