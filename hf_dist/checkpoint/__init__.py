@@ -1,0 +1,31 @@
+"""Sharded, atomic, reshardable training checkpoints (DCP underneath) and their export to the Hub format.
+
+Public API: ``save_checkpoint`` / ``load_checkpoint`` (collective), ``ResumeState``, ``resume_batch_contract``,
+``RetentionPolicy`` / ``apply_retention``, ``ResumableSampler``, ``CheckpointError``.
+"""
+
+from hf_dist.checkpoint.api import (
+    ResumeState,
+    SaveHandle,
+    load_checkpoint,
+    resume_batch_contract,
+    save_checkpoint,
+)
+from hf_dist.checkpoint.manifest import CheckpointError, Manifest, read_manifest, resolve_checkpoint
+from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
+from hf_dist.checkpoint.sampler import ResumableSampler
+
+__all__ = [
+    "CheckpointError",
+    "Manifest",
+    "ResumableSampler",
+    "ResumeState",
+    "RetentionPolicy",
+    "SaveHandle",
+    "apply_retention",
+    "load_checkpoint",
+    "read_manifest",
+    "resolve_checkpoint",
+    "resume_batch_contract",
+    "save_checkpoint",
+]

@@ -1,0 +1,372 @@
+"""Save and load a training checkpoint for DDP, FSDP2, TP and FSDPxTP models, atomically.
+
+``save_checkpoint`` is collective (every rank calls it). Model and optimizer go through
+``torch.distributed.checkpoint`` (each rank writes its shards; DTensor/FSDP2/TP resharding on load is DCP's);
+the LR scheduler and grad scaler go to ``train_state.pt`` (read back with ``weights_only=True``); each rank's
+RNG to ``rng/rank_XXXXX.safetensors``; the HF config / tokenizer / adapter config to ``hf/``. Everything is
+written into ``.<name>.partial`` next to the target, fsynced, committed by rename, then marked complete, and
+only then does ``latest`` move. ``load_checkpoint`` verifies the manifest before reading a tensor.
+
+Not here: retention (``retention``), the data order (``sampler``), Hub export (``export``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hf_dist.batch import BatchContract
+from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, restore_rng, save_rng
+from hf_dist.parallel_dims import ParallelDims
+
+DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE = "dcp", "rng", "hf", "train_state.pt"
+_LAYOUT_FIELDS = ("world_size", "pp", "dp_replicate", "dp_shard", "tp")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _rank_world()[1] > 1:
+        dist.barrier()
+
+
+def _all_gather(obj) -> list:
+    if _rank_world()[1] == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def layout_dict(layout: ParallelDims) -> dict:
+    return {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model under a DDP wrapper (FSDP2 and TP modify modules in place, so nothing to unwrap)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(unwrap_model(model), "peft_config")
+
+
+@dataclass(kw_only=True)
+class ResumeState:
+    """What ``load_checkpoint`` restored, and where training continues."""
+
+    path: Path
+    """The checkpoint directory that was loaded."""
+    step: int
+    """Optimizer steps already taken."""
+    samples_consumed: int
+    """Global samples already consumed: the data position to continue from."""
+    saved_layout: dict
+    """The ``ParallelDims`` factors of the run that wrote the checkpoint."""
+    saved_batch_contract: BatchContract | None
+    """The batch contract of that run (None if it had none)."""
+    rng_restored: bool
+    """False when the world size changed (per-rank RNG cannot be mapped) or ``restore_rng=False``."""
+    metrics: dict = field(default_factory=dict)
+    """Metrics recorded with the checkpoint."""
+    extra: dict = field(default_factory=dict)
+    """User data recorded with the checkpoint."""
+
+
+class SaveHandle:
+    """A checkpoint being written. ``result()`` (collective) waits for the shards, then commits atomically."""
+
+    def __init__(self, *, target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool, future=None):
+        self.target, self._partial, self._manifest = target, partial, manifest
+        self._hash_files, self._future = hash_files, future
+        self._committed: mf.Manifest | None = None
+
+    def done(self) -> bool:
+        """True once the background write finished (``result()`` must still be called to commit)."""
+        return self._future is None or self._future.done()
+
+    def result(self) -> mf.Manifest:
+        """Block until the shards are written, then commit (every rank must call this)."""
+        if self._committed is None:
+            if self._future is not None:
+                self._future.result()
+            self._committed = _commit(self.target, self._partial, self._manifest, self._hash_files)
+        return self._committed
+
+
+def _model_and_optim_state(model, optimizer) -> dict:
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _write_rank0_files(partial: Path, *, model, lr_scheduler, scaler, tokenizer) -> list[str]:
+    contents = []
+    train_state = {}
+    if lr_scheduler is not None:
+        train_state["lr_scheduler"] = lr_scheduler.state_dict()
+        contents.append("lr_scheduler")
+    if scaler is not None:
+        train_state["scaler"] = scaler.state_dict()
+        contents.append("scaler")
+    torch.save(train_state, partial / TRAIN_STATE)
+    inner = unwrap_model(model)
+    hf_dir = partial / HF_DIR
+    hf_dir.mkdir(exist_ok=True)
+    if _is_peft(inner):
+        for adapter_name, config in inner.peft_config.items():
+            config.save_pretrained(str(hf_dir / "adapter" / adapter_name))
+        contents.append("adapter_config")
+        inner = inner.get_base_model()
+    config = getattr(inner, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(str(hf_dir / "config.json"))
+        contents.append("hf_config")
+        generation = getattr(inner, "generation_config", None)
+        if generation is not None:
+            generation.to_json_file(str(hf_dir / "generation_config.json"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(hf_dir / "tokenizer"))
+        contents.append("tokenizer")
+    return contents
+
+
+def _prepare_partial(target: Path) -> Path:
+    partial = target.with_name(f".{target.name}.partial")
+    rank, _ = _rank_world()
+    if rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)  # a save that died before its commit
+        (partial / DCP_DIR).mkdir(parents=True)
+        (partial / RNG_DIR).mkdir()
+    _barrier()
+    return partial
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler=None,
+    scaler=None,
+    step: int,
+    samples_consumed: int,
+    layout: ParallelDims,
+    batch_contract: BatchContract | None,
+    extra: dict | None = None,
+    metrics: dict[str, float] | None = None,
+    tokenizer=None,
+    hash_files: bool = True,
+    async_save: bool = False,
+    async_group=None,
+) -> SaveHandle:
+    """Write a checkpoint of the run into ``directory`` (collective: call it on every rank).
+
+    ``directory``'s parent gets a ``latest`` file naming it once it is complete. With ``async_save=True`` the
+    call returns after the state is staged in CPU memory; call ``result()`` on the returned handle (on every
+    rank, before the next save) to wait and commit. ``async_group``: a gloo group for the background write, so
+    it does not share a group with training collectives (None: one is created).
+    """
+    rank, world = _rank_world()
+    if layout.world_size != world:
+        raise ValueError(
+            f"layout.world_size={layout.world_size} but the process group has {world} ranks; pass the ParallelDims "
+            f"this run was built with"
+        )
+    if batch_contract is not None and batch_contract.world_size != world:
+        raise ValueError(f"batch_contract.world_size={batch_contract.world_size} but the process group has {world}")
+    if step < 0 or samples_consumed < 0:
+        raise ValueError(f"step={step} and samples_consumed={samples_consumed} must be non-negative")
+    target = Path(directory)
+    partial = _prepare_partial(target)
+    state = _model_and_optim_state(model, optimizer)
+    writer = dcp.FileSystemWriter(str(partial / DCP_DIR), sync_files=True)
+    future = None
+    if async_save:
+        if async_group is None and world > 1:
+            async_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(state, storage_writer=writer, process_group=async_group, no_dist=world == 1)
+        if not isinstance(future, Future):  # AsyncSaveResponse (zero-overhead stagers)
+            future = future.upload_completion
+    else:
+        dcp.save(state, storage_writer=writer, no_dist=world == 1)
+    save_rng(partial / RNG_DIR / f"rank_{rank:05d}.safetensors")
+    contents = ["model"] + (["optimizer"] if optimizer is not None else []) + ["rng"]
+    if rank == 0:
+        contents += _write_rank0_files(partial, model=model, lr_scheduler=lr_scheduler, scaler=scaler, tokenizer=tokenizer)
+    manifest = mf.Manifest(
+        step=step,
+        samples_consumed=samples_consumed,
+        world_size=world,
+        layout=layout_dict(layout),
+        batch_contract=None if batch_contract is None else batch_contract.as_dict(),
+        contents=contents,
+        metrics=dict(metrics or {}),
+        extra=dict(extra or {}),
+        model_kind="peft" if _is_peft(model) else "causal_lm",
+    )
+    handle = SaveHandle(target=target, partial=partial, manifest=manifest, hash_files=hash_files, future=future)
+    if not async_save:
+        handle.result()
+    return handle
+
+
+def _files_of_rank(partial: Path, rank: int) -> list[str]:
+    rel = [f"{RNG_DIR}/rank_{rank:05d}.safetensors"]
+    rel += [f"{DCP_DIR}/{p.name}" for p in (partial / DCP_DIR).glob(f"__{rank}_*")]
+    if rank == 0:
+        rel += [f"{DCP_DIR}/.metadata", TRAIN_STATE]
+        rel += [p.relative_to(partial).as_posix() for p in (partial / HF_DIR).rglob("*") if p.is_file()]
+    return rel
+
+
+def _commit(target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool) -> mf.Manifest:
+    rank, _ = _rank_world()
+    files = _files_of_rank(partial, rank)
+    for rel in files:
+        mf.fsync_path(partial / rel)
+    entries = _all_gather(mf.describe_files(partial, files, rank=rank, hash_files=hash_files))
+    manifest.files = [entry for rank_entries in entries for entry in rank_entries]
+    if rank == 0:
+        mf.write_text_durably(partial / mf.MANIFEST_NAME, manifest.to_json())
+        for sub in {partial / rel for rel in files} | {partial / DCP_DIR, partial / RNG_DIR}:
+            if sub.is_dir():
+                mf.fsync_path(sub)
+        _replace_dir(partial, target)
+        mf.commit_marker(target)
+        mf.point_latest(target.parent, target.name)
+    _barrier()
+    return manifest
+
+
+def _replace_dir(partial: Path, target: Path) -> None:
+    aside = target.with_name(f".{target.name}.old")
+    if aside.exists():
+        shutil.rmtree(aside)
+    if target.exists():
+        target.rename(aside)  # `latest` may name it: the new one takes its name right below
+    partial.rename(target)
+    mf.fsync_path(target.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def _agree(error: str | None) -> None:
+    """Raise the same ``CheckpointError`` on every rank if any rank found a problem (no rank hangs)."""
+    errors = [e for e in _all_gather(error) if e]
+    if errors:
+        raise mf.CheckpointError(errors[0])
+
+
+def _verify(ckpt: Path, verify: mf.VerifyMode) -> mf.Manifest:
+    error, manifest = None, None
+    try:
+        manifest = mf.read_manifest(ckpt)
+        mf.verify_files(ckpt, manifest, verify)
+    except mf.CheckpointError as err:
+        error = str(err)
+    _agree(error)
+    return manifest
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler=None,
+    scaler=None,
+    restore_rng: bool = True,
+    verify: mf.VerifyMode = "size",
+    strict: bool = True,
+) -> ResumeState:
+    """Load a checkpoint (or the one ``path/latest`` names) into the current layout (collective).
+
+    The model and optimizer may be laid out differently from the saving run (other world size, DDP/FSDP2/TP):
+    DCP reads each rank's slice of every tensor. Per-rank RNG is restored only on the same world size.
+    """
+    ckpt = mf.resolve_checkpoint(path)
+    manifest = _verify(ckpt, verify)
+    if optimizer is not None and "optimizer" not in manifest.contents:
+        raise ValueError(
+            f"{ckpt} holds no optimizer state (contents: {', '.join(manifest.contents)}); pass optimizer=None to "
+            f"load the model only and start the optimizer fresh"
+        )
+    state = _model_and_optim_state(model, optimizer)
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(str(ckpt / DCP_DIR)),
+        planner=SafeLoadPlanner(allow_partial_load=not strict),
+        no_dist=_rank_world()[1] == 1,
+    )
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _load_train_state(ckpt, manifest, lr_scheduler=lr_scheduler, scaler=scaler)
+    rng_restored = _maybe_restore_rng(ckpt, manifest, restore_rng)
+    contract = manifest.batch_contract
+    return ResumeState(
+        path=ckpt,
+        step=manifest.step,
+        samples_consumed=manifest.samples_consumed,
+        saved_layout=manifest.layout,
+        saved_batch_contract=None if contract is None else BatchContract(**contract),
+        rng_restored=rng_restored,
+        metrics=manifest.metrics,
+        extra=manifest.extra,
+    )
+
+
+def _load_train_state(ckpt: Path, manifest: mf.Manifest, *, lr_scheduler, scaler) -> None:
+    train_state = torch.load(ckpt / TRAIN_STATE, weights_only=True)
+    for name, obj in (("lr_scheduler", lr_scheduler), ("scaler", scaler)):
+        if obj is None:
+            continue
+        if name not in train_state:
+            raise ValueError(f"{ckpt} holds no {name} state; pass {name}=None to start it fresh")
+        obj.load_state_dict(train_state[name])
+
+
+def _maybe_restore_rng(ckpt: Path, manifest: mf.Manifest, restore: bool) -> bool:
+    rank, world = _rank_world()
+    if not restore:
+        return False
+    if manifest.world_size != world:
+        if rank == 0:
+            warnings.warn(
+                f"{ckpt} was saved by {manifest.world_size} ranks and is loaded by {world}: per-rank RNG states are "
+                f"not restored (random streams such as dropout continue from the current seeds)",
+                stacklevel=3,
+            )
+        return False
+    restore_rng(ckpt / RNG_DIR / f"rank_{rank:05d}.safetensors")
+    return True
+
+
+def resume_batch_contract(saved: BatchContract, layout: ParallelDims) -> BatchContract:
+    """The saved global batch on a new layout: accumulation re-derived for the new dp degree.
+
+    ``ValueError`` (from ``BatchContract``) when the global batch does not divide over the new layout.
+    """
+    return BatchContract(**{**saved.as_dict(), "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp})

@@ -1,0 +1,133 @@
+"""A manual training loop on a tiny Llama for the checkpoint tests: DDP, FSDP2 or one process, save/resume.
+
+Imported by the other ``test_checkpoint_*`` modules (and by spawned ranks, by module name). The loop draws one
+random number per step after the optimizer step, so a resumed run matches the uninterrupted one only if the
+per-rank RNG was restored too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from hf_dist import BatchContract, ParallelDims
+from hf_dist.checkpoint import ResumableSampler, load_checkpoint, resume_batch_contract, save_checkpoint
+from hf_dist.checkpoint.sampler import global_slice
+from hf_dist.models import build_tiny_model
+
+MODEL_KWARGS = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64)
+NUM_SAMPLES, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, DATA_SEED = 40, 8, 4, 1, 7
+
+
+def dataset() -> torch.Tensor:
+    return torch.randint(0, MODEL_KWARGS["vocab_size"], (NUM_SAMPLES, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+
+
+def layout_for(kind: str, world: int) -> ParallelDims:
+    if kind == "fsdp":
+        return ParallelDims(world_size=world, dp_shard=world)
+    return ParallelDims(world_size=world, dp_replicate=world, dp_shard=1)
+
+
+def build(kind: str, world: int):
+    """Model (wrapped for ``kind``), optimizer, scheduler, layout and batch contract."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_tiny_model(seed=0, **MODEL_KWARGS)
+    layout = layout_for(kind, world)
+    if kind == "fsdp":
+        mesh = layout.build_mesh("cpu")["dp_shard"]
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "ddp" and world > 1:
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    contract = BatchContract(world_size=world, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH)
+    return model, optimizer, scheduler, layout, contract
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume: str | None = None,
+          on_step=None, async_save: bool = False) -> dict:
+    """Train ``steps`` optimizer steps (from the checkpoint ``resume`` when given); return what was seen."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    torch.manual_seed(100 + rank)
+    model, optimizer, scheduler, layout, contract = build(kind, world)
+    start, consumed = 0, 0
+    if resume is not None:
+        info = load_checkpoint(resume, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+        start, consumed = info.step, info.samples_consumed
+        contract = resume_batch_contract(info.saved_batch_contract, layout)
+    sampler = ResumableSampler(NUM_SAMPLES, seed=DATA_SEED, dp_rank=layout.dp_rank(rank), dp_size=layout.dp,
+                               micro_batch_size=contract.micro_batch_size, samples_consumed=consumed)
+    data, accum = dataset(), contract.gradient_accumulation_steps
+    losses, ids_seen, draws, pending = [], [], [], None
+    for step in range(start, steps):
+        total = torch.zeros(())
+        for _ in range(accum):
+            ids = sampler.next_micro_batch()
+            ids_seen.append((step, ids))
+            loss = model(input_ids=data[ids], labels=data[ids]).loss / accum
+            loss.backward()
+            total += loss.detach()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= layout.dp
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        draws.append(torch.rand(1).item())
+        losses.append(total.item())
+        if on_step is not None:
+            on_step(step + 1)
+        if pending is not None:
+            pending.result()
+            pending = None
+        if step + 1 in save_at:
+            pending = save_checkpoint(
+                Path(root) / f"step_{step + 1}", model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                step=step + 1, samples_consumed=(step + 1) * contract.global_batch_size, layout=layout,
+                batch_contract=contract, async_save=async_save,
+            )
+            if not async_save:
+                pending = None
+    if pending is not None:
+        pending.result()
+    return {"losses": losses, "ids": ids_seen, "draws": draws, "params": full_params(model), "rank": rank}
+
+
+def picklable(result: dict) -> dict:
+    """``result`` with tensors as numpy arrays: tensors sent back from a spawned rank share memory that dies with it."""
+    return {**result, "params": {k: v.numpy() for k, v in result["params"].items()}}
+
+
+def as_tensors(params: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v) for k, v in params.items()}
+
+
+def merged_ids(per_rank: list[dict]) -> dict[int, list[int]]:
+    """Sample ids each optimizer step consumed, over all ranks."""
+    out: dict[int, list[int]] = {}
+    for result in per_rank:
+        for step, ids in result["ids"]:
+            out.setdefault(step, []).extend(ids)
+    return out
+
+
+def test_global_slice_wraps_epochs_without_gaps():
+    ids = global_slice(NUM_SAMPLES, DATA_SEED, 0, 2 * NUM_SAMPLES)
+    assert sorted(ids[:NUM_SAMPLES]) == list(range(NUM_SAMPLES))
+    assert sorted(ids[NUM_SAMPLES:]) == list(range(NUM_SAMPLES))
+    assert ids[:NUM_SAMPLES] != ids[NUM_SAMPLES:]
+    assert global_slice(NUM_SAMPLES, DATA_SEED, 37, 6) == ids[37:43]

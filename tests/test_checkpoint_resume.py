@@ -1,0 +1,67 @@
+"""Exact resume and resharding on 2 gloo ranks against one process: DDP, FSDP2, 2->1, 1->2, DDP<->FSDP2.
+
+One spawn runs every 2-rank case (start-up dominates the cost); the 1-rank cases run in the test process.
+Same layout, same world: losses, final parameters and the RNG stream equal the uninterrupted run (1e-6).
+Across layouts the reduction order changes, so the comparison is against the one-process reference at 1e-5.
+"""
+
+from __future__ import annotations
+
+import torch
+from dist_utils import run_distributed
+from test_checkpoint_loop import DATA_SEED, GLOBAL_BATCH, NUM_SAMPLES, as_tensors, merged_ids, picklable, train
+
+from hf_dist.checkpoint.sampler import global_slice
+
+STEPS, SAVE_AT = 6, 3
+SAME = dict(atol=1e-6, rtol=0)
+CROSS = dict(atol=1e-5, rtol=0)
+
+
+def _two_rank_matrix(rank, world, root):
+    out = {}
+    for kind in ("ddp", "fsdp"):
+        out[kind] = picklable(train(kind, steps=STEPS, save_at=(SAVE_AT,), root=f"{root}/{kind}"))
+    for kind, source in (("ddp", "ddp"), ("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "single")):
+        out[f"{kind}<-{source}"] = picklable(train(kind, steps=STEPS, resume=f"{root}/{source}"))
+    return out
+
+
+def _assert_ids_continue(before: list[dict], after: list[dict]):
+    """Steps < SAVE_AT from the saving run plus steps >= SAVE_AT from the resumed run = the global stream."""
+    ids = {s: v for s, v in merged_ids(before).items() if s < SAVE_AT}
+    ids.update(merged_ids(after))
+    expected = global_slice(NUM_SAMPLES, DATA_SEED, 0, STEPS * GLOBAL_BATCH)
+    for step in range(STEPS):
+        assert sorted(ids[step]) == sorted(expected[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]), step
+
+
+def test_exact_resume_and_reshard(tmp_path):
+    reference = train("single", steps=STEPS, save_at=(SAVE_AT,), root=str(tmp_path / "single"))
+    ranks = run_distributed(_two_rank_matrix, 2, str(tmp_path))
+    for kind in ("ddp", "fsdp"):
+        full = ranks[0][kind]
+        torch.testing.assert_close(full["losses"], reference["losses"], **CROSS)
+        resumed = [r[f"{kind}<-{kind}"] for r in ranks]
+        torch.testing.assert_close(resumed[0]["losses"], full["losses"][SAVE_AT:], **SAME)
+        torch.testing.assert_close(as_tensors(resumed[0]["params"]), as_tensors(full["params"]), **SAME)
+        for r in (0, 1):  # per-rank RNG restored: each rank's random stream continues
+            assert resumed[r]["draws"] == ranks[r][kind]["draws"][SAVE_AT:]
+        _assert_ids_continue([r[kind] for r in ranks], resumed)
+    for case, source in (("fsdp<-ddp", "ddp"), ("ddp<-fsdp", "fsdp"), ("fsdp<-single", None)):
+        resumed = [r[case] for r in ranks]
+        torch.testing.assert_close(resumed[0]["losses"], reference["losses"][SAVE_AT:], **CROSS)
+        torch.testing.assert_close(as_tensors(resumed[0]["params"]), reference["params"], **CROSS)
+        before = [reference] if source is None else [r[source] for r in ranks]
+        _assert_ids_continue(before, resumed)
+    # 2 -> 1: both 2-rank checkpoints resume in one process with accumulation 4 instead of 2
+    for source in ("ddp", "fsdp"):
+        resumed = train("single", steps=STEPS, resume=str(tmp_path / source))
+        torch.testing.assert_close(resumed["losses"], reference["losses"][SAVE_AT:], **CROSS)
+        torch.testing.assert_close(resumed["params"], reference["params"], **CROSS)
+        _assert_ids_continue([r[source] for r in ranks], [resumed])
+    # one process, same layout: exact
+    resumed = train("single", steps=STEPS, resume=str(tmp_path / "single"))
+    torch.testing.assert_close(resumed["losses"], reference["losses"][SAVE_AT:], **SAME)
+    torch.testing.assert_close(resumed["params"], reference["params"], **SAME)
+    assert resumed["draws"] == reference["draws"][SAVE_AT:]
