@@ -13,6 +13,7 @@ Not here: retention (``retention``), the data order (``sampler``), Hub export (`
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import warnings
 from concurrent.futures import Future
@@ -281,8 +282,11 @@ def _verify(ckpt: Path, verify: mf.VerifyMode) -> mf.Manifest:
     try:
         manifest = mf.read_manifest(ckpt)
         mf.verify_files(ckpt, manifest, verify)
+        SafeFileSystemReader(str(ckpt / DCP_DIR)).read_metadata()  # refuse foreign pickles before DCP does
     except mf.CheckpointError as err:
         error = str(err)
+    except (pickle.UnpicklingError, FileNotFoundError) as err:
+        error = f"{ckpt / DCP_DIR / '.metadata'} cannot be read safely: {err}"
     _agree(error)
     return manifest
 
