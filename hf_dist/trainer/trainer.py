@@ -104,6 +104,10 @@ class DistTrainer(Trainer):
         return f"{contract.table()}\n{'layout':<22}  {kind}\n"
 
     # -- training -------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        self.throughput.reset()  # time set-up (data loader, optimizer) is not throughput
+        return super().train(*args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.throughput.count(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
