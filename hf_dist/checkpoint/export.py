@@ -1,0 +1,236 @@
+"""Export a DCP training checkpoint (any layout) to a Hub-ready folder, one output shard at a time.
+
+The output is what ``save_pretrained`` writes: ``model-0000k-of-0000n.safetensors`` + index, ``config.json``,
+``generation_config.json`` and the tokenizer. The shard plan comes from the DCP metadata alone (global shapes
+and dtypes, as meta tensors, through ``huggingface_hub.split_torch_state_dict_into_shards``); each shard's
+tensors are then read from the DCP files by key, written, and dropped, so the export itself holds about one
+shard in memory. Verification (on by default) loads the result with ``AutoModelForCausalLM.from_pretrained``
+and compares logits on a probe batch with the checkpoint loaded directly: that step holds two models.
+
+Not here: LoRA adapters (``lora_export``), ZeRO checkpoints (``zero``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.api import DCP_DIR, HF_DIR
+from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+
+MODEL_PREFIX = "model."
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(kw_only=True)
+class ExportReport:
+    """What an export wrote and how it checked."""
+
+    out_dir: Path
+    """The folder written."""
+    files: list[str] = field(default_factory=list)
+    """Files written (relative to ``out_dir``)."""
+    total_bytes: int = 0
+    """Bytes of tensor data written."""
+    largest_shard_bytes: int = 0
+    """Tensor bytes of the largest output shard: about the peak memory of the export."""
+    max_logit_diff: float | None = None
+    """Largest |logit difference| between the export and the checkpoint on the probe batch (None: not verified)."""
+
+
+def tensor_metadata(ckpt: Path) -> dict[str, TensorStorageMetadata]:
+    """Global tensor metadata of the model entries, by their name in the model (DCP ``model.`` prefix removed)."""
+    metadata = SafeFileSystemReader(str(ckpt / DCP_DIR)).read_metadata()
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata):
+            out[key[len(MODEL_PREFIX) :]] = meta
+    return out
+
+
+def check_complete_tensor(name: str, meta: TensorStorageMetadata) -> None:
+    """Refuse a tensor that is empty or whose saved chunks do not cover its global shape (one rank's shard)."""
+    numel = meta.size.numel()
+    if numel == 0:
+        raise mf.CheckpointError(f"tensor {name} has shape {tuple(meta.size)}: it is empty (a ZeRO-3/FSDP placeholder)")
+    covered = sum(torch.Size(chunk.sizes).numel() for chunk in meta.chunks)
+    if covered != numel:
+        raise mf.CheckpointError(
+            f"tensor {name} of shape {tuple(meta.size)} has saved chunks covering {covered} of {numel} elements: it "
+            f"holds one rank's shard only"
+        )
+
+
+def read_tensors(ckpt: Path, names: list[str], metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
+    """Read just ``names`` (full, unsharded) from the DCP files into CPU tensors."""
+    state = {name: torch.empty(tuple(metas[name].size), dtype=metas[name].properties.dtype) for name in names}
+    dcp.load(
+        {"model": state},
+        storage_reader=SafeFileSystemReader(str(ckpt / DCP_DIR)),
+        planner=SafeLoadPlanner(allow_partial_load=False),
+        no_dist=True,
+    )
+    return state
+
+
+def plan_shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size: int | str):
+    """The Hub shard plan for tensors known only by shape and dtype (meta tensors: nothing is allocated)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
+    return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+
+
+def write_shards(
+    out: Path,
+    plan,
+    produce: Callable[[list[str]], dict[str, torch.Tensor]],
+    report: ExportReport,
+) -> None:
+    """Write every planned shard from ``produce(names) -> tensors``, one shard in memory at a time, and the index."""
+    from safetensors.torch import save_file
+
+    for filename, names in plan.filename_to_tensors.items():
+        tensors = {name: t.contiguous() for name, t in produce(list(names)).items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(out / filename), metadata={"format": "pt"})
+        report.files.append(filename)
+        report.total_bytes += nbytes
+        report.largest_shard_bytes = max(report.largest_shard_bytes, nbytes)
+        del tensors
+    if plan.is_sharded:
+        index = {"metadata": {**plan.metadata, "total_size": report.total_bytes}, "weight_map": plan.tensor_to_filename}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        report.files.append(INDEX_NAME)
+
+
+def copy_hf_files(ckpt: Path, out: Path, report: ExportReport, tokenizer_dir: str | Path | None) -> None:
+    """config.json, generation_config.json and the tokenizer, from the checkpoint (or ``tokenizer_dir``)."""
+    hf = ckpt / HF_DIR
+    if not (hf / "config.json").is_file():
+        raise mf.CheckpointError(f"{hf / 'config.json'} is missing: the checkpoint was saved from a model without an HF config")
+    for name in ("config.json", "generation_config.json"):
+        if (hf / name).is_file():
+            shutil.copy2(hf / name, out / name)
+            report.files.append(name)
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else hf / "tokenizer"
+    if source.is_dir():
+        for item in sorted(source.iterdir()):
+            if item.is_file():
+                shutil.copy2(item, out / item.name)
+                report.files.append(item.name)
+
+
+def drop_tied(names: dict, config: dict) -> dict:
+    if config.get("tie_word_embeddings") and "lm_head.weight" in names and "model.embed_tokens.weight" in names:
+        return {k: v for k, v in names.items() if k != "lm_head.weight"}
+    return names
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"output folder {out} is not empty; choose a new folder or pass overwrite=True (--overwrite)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_causal_lm(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    max_shard_size: int | str = "2GB",
+    tokenizer_dir: str | Path | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> ExportReport:
+    """Write a ``from_pretrained``-ready folder for the model in checkpoint ``ckpt``."""
+    ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
+    manifest = mf.read_manifest(ckpt)
+    mf.verify_files(ckpt, manifest, "size")
+    if manifest.model_kind == "peft":
+        raise ValueError(f"{ckpt} holds a PEFT model; export it with adapter='adapter' or adapter='merged'")
+    prepare_out(out, overwrite)
+    report = ExportReport(out_dir=out)
+    copy_hf_files(ckpt, out, report, tokenizer_dir)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    metas = drop_tied(tensor_metadata(ckpt), config)
+    for name, meta in metas.items():
+        check_complete_tensor(name, meta)
+    plan = plan_shards({n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}, max_shard_size)
+    write_shards(out, plan, lambda names: read_tensors(ckpt, names, metas), report)
+    if verify:
+        report.max_logit_diff = verify_export(ckpt, out, metas)
+    return report
+
+
+def probe_batch(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def reference_model(ckpt: Path, metas: dict[str, TensorStorageMetadata]):
+    """The checkpoint's model built from its config, with every tensor read directly from the DCP files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(ckpt / HF_DIR))
+    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(metas.values())).properties.dtype)
+    state = read_tensors(ckpt, list(metas), metas)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    real_missing = [k for k in missing if k not in allowed]
+    if unexpected or real_missing:
+        raise mf.CheckpointError(f"checkpoint does not match its config: missing {real_missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def compare_logits(reference, exported, vocab_size: int, atol: float, what: str) -> float:
+    probe = probe_batch(vocab_size)
+    with torch.no_grad():
+        expected = reference(input_ids=probe).logits.float()
+        got = exported(input_ids=probe).logits.float()
+    diff = (expected - got).abs().max().item()
+    if diff > atol:
+        raise mf.CheckpointError(f"{what}: logits differ from the checkpoint by {diff:.3g} (> {atol:g}); not exported correctly")
+    return diff
+
+
+def verify_export(ckpt: Path, out: Path, metas: dict[str, TensorStorageMetadata]) -> float:
+    from transformers import AutoModelForCausalLM
+
+    reference = reference_model(ckpt, metas)
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=reference.dtype).eval()
+    return compare_logits(reference, exported, reference.config.vocab_size, 0.0, f"export {out}")
+
+
+def export_checkpoint(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    max_shard_size: int | str = "2GB",
+    tokenizer_dir: str | Path | None = None,
+    adapter: str | None = None,
+    config_dir: str | Path | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> ExportReport:
+    """Export an hf_dist checkpoint, a LoRA one (``adapter='adapter'|'merged'``) or a DeepSpeed ZeRO folder."""
+    from hf_dist.checkpoint import zero
+
+    common = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, verify=verify, overwrite=overwrite)
+    if zero.is_zero_checkpoint(Path(ckpt)):
+        return zero.export_zero(ckpt, out, config_dir=config_dir, **common)
+    if adapter is not None:
+        from hf_dist.checkpoint.lora_export import export_peft
+
+        return export_peft(ckpt, out, mode=adapter, **common)
+    return export_causal_lm(ckpt, out, **common)
