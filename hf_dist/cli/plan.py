@@ -1,0 +1,94 @@
+"""``hf-dist plan``: rank the layouts for a model on some GPUs, say what fits and why, write the chosen configs.
+
+Exit code 0 when a layout fits, 1 when none does, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hf_dist.planner.layout import ATTENTIONS, PRECISIONS
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="estimate per-GPU memory of every layout, choose the one that communicates least and fits",
+        description="Estimate the per-GPU peak memory (every term named) and the step time of DDP, ZeRO-1/2/3, "
+        "FSDP, TP, PP and offload layouts for a model, and choose the first that fits in the order of least "
+        "communication. --out writes the chosen layout's configs (hf_dist.configs).",
+    )
+    parser.add_argument("--model", required=True, help="catalogue name (e.g. llama-2-13b) or a local HF config dir")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    parser.add_argument("--gpu", required=True, help="GPU kind, e.g. a100-80gb, h100, l4")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per dp rank (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--lora", action="store_true", help="also consider LoRA on a frozen base, and prefer it")
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16_autocast",
+                        help="bf16_autocast (fp32 params, bf16 autocast; default), bf16_mixed or fp32")
+    parser.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
+    parser.add_argument("--no-activation-checkpointing", action="store_true", help="keep every layer's activations")
+    parser.add_argument("--safety-margin", type=float, default=0.10, help="fraction of GPU memory kept free")
+    parser.add_argument("--train-tokens", type=float, default=None, help="tokens to train on, for wall-clock time")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write a stacked bar chart of the breakdowns")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write the chosen layout's configs to DIR")
+    parser.set_defaults(func=run)
+
+
+def _request(args: argparse.Namespace):
+    from hf_dist.planner import PlanRequest, gpu_spec, model_spec
+
+    return PlanRequest(
+        model=model_spec(args.model), gpu=gpu_spec(args.gpu), num_gpus=args.gpus, num_nodes=args.nodes,
+        seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
+        precision=args.precision, attention=args.attention,
+        activation_checkpointing=not args.no_activation_checkpointing, lora=args.lora, lora_rank=args.lora_rank,
+        safety_margin=args.safety_margin, train_tokens=args.train_tokens,
+    )
+
+
+def write_chosen_configs(plan, out_dir: str) -> list:
+    """Write the chosen layout's DeepSpeed/accelerate/hf_dist files through ``hf_dist.configs``."""
+    from hf_dist.configs import write_layout_configs  # owned by the configs generators
+
+    chosen, req = plan.chosen, plan.request
+    return write_layout_configs(
+        out_dir, strategy=chosen.layout.strategy, num_gpus=req.num_gpus, num_nodes=req.num_nodes,
+        micro_batch_size=chosen.batch.micro_batch_size,
+        gradient_accumulation_steps=chosen.batch.gradient_accumulation_steps,
+        mixed_precision="no" if req.precision == "fp32" else "bf16",
+        offload=None if chosen.layout.offload == "none" else chosen.layout.offload,
+        tp=chosen.layout.dims.tp, pp=chosen.layout.dims.pp, no_split_modules=[req.model.decoder_layer_class],
+        gradient_checkpointing=req.activation_checkpointing,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_dist.planner import choose_layout
+    from hf_dist.planner.report import plan_json, plan_table, plot_plan
+
+    try:
+        plan = choose_layout(_request(args))
+    except ValueError as err:
+        print(f"hf-dist plan: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=2))
+    else:
+        print(plan_table(plan))
+    if args.plot:
+        plot_plan(plan, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.out and plan.chosen is not None:
+        for path in write_chosen_configs(plan, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+        if plan.chosen.layout.lora_rank:
+            print(f"note: LoRA rank {plan.chosen.layout.lora_rank} is not part of the launch configs; "
+                  f"pass it to your PEFT setup", file=sys.stderr)
+    return 0 if plan.chosen is not None else 1

@@ -1,0 +1,157 @@
+"""Activation memory of a gated-MLP decoder (HF Llama/Mistral/Qwen2 modelling code), per rank, in bytes.
+
+Each term is a tensor autograd saves for backward in the HF forward, counted once per storage. With
+``N = micro_batch x seq_len`` tokens, ``r`` the residual-stream bytes, ``c`` the matmul I/O bytes, ``t`` the TP
+degree, one layer saves:
+
+  * each of its two RMSNorms: the fp32 input (``pow``), the fp32 normalised value (``weight * x``; with a bf16
+    residual the norm saves an fp32 copy and a bf16 output instead) and a per-token ``rsqrt``:
+    ``(4 + r)·N·h + 4·N``; a frozen norm weight (LoRA) saves only ``4·N·h + 4·N``;
+  * the input of the column-parallel linears: once (``c·N·h``) when the module computes in its own dtype, but
+    once per linear under autocast, which casts the fp32 input separately for q, k, v (3x) and gate, up (2x);
+  * attention: SDPA/flash keeps q, k, v, the output (``c·N·(2·q_dim + 2·kv_dim)/t``; the output is also the
+    o_proj input) and an fp32 logsumexp ``4·b·heads·s/t``; eager keeps q and k, v repeated to all heads, the
+    fp32 softmax probabilities (``4·b·heads·s²/t``, plus their ``c``-byte copy when c = 2) and the o_proj input;
+  * the MLP: gate output, SiLU output, up output and their product, ``4·c·N·I/t``;
+  * under autocast, the bf16 copy of every linear weight (``c·weights/t``): autograd saves the cast, not the
+    fp32 parameter;
+  * with LoRA (dropout 0), each adapter's A output (``c·N·rank`` per linear).
+With activation checkpointing a layer keeps only its input, ``r·N·h`` (divided by t with sequence parallel),
+and during backward one layer is recomputed and holds the full set above.
+
+The head keeps the final norm, the lm_head input (``c·N·h``; not kept when lm_head is frozen), under autocast
+the lm_head weight cast, the fp32 log-softmax output ``4·N·V`` and the labels. Backward of the loss holds two
+more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax input gradient): ``8·N·V``.
+With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split.
+
+The gradient working set while a layer runs backward is counted as two residual-stream gradients
+(``2·r·N·h``) and two MLP-intermediate gradients (``2·c·N·I/t``): the largest live at once in the MLP
+backward. Sequence parallel splits norm and residual terms by t; linear inputs stay full (torch's DTensor
+sequence parallel all-gathers before the column-parallel linears, and they save the gathered input).
+
+Not here: parameters, gradients, optimizer states or buffers (``memory.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from hf_dist.planner.catalogue import ModelSpec
+from hf_dist.planner.layout import Layout, Workload
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerActivations:
+    """Bytes one decoder layer saves for backward (one micro batch, one rank), by term."""
+
+    norms: int
+    """The two RMSNorms' saved inputs, normalised values and rsqrt."""
+    linear_inputs: int
+    """Inputs of q/k/v and gate/up (autocast casts them once per linear)."""
+    attention: int
+    """q, k, v, output and logsumexp (SDPA) or probabilities (eager)."""
+    mlp: int
+    """Gate, SiLU, up and product tensors."""
+    weight_casts: int
+    """bf16 copies of the linear weights saved under autocast."""
+    lora: int
+    """LoRA A outputs."""
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(kw_only=True, frozen=True)
+class ActivationModel:
+    """The activation terms of one rank for one micro batch."""
+
+    layer: LayerActivations
+    """One decoder layer without checkpointing."""
+    checkpoint_input: int
+    """What a checkpointed layer keeps: its input."""
+    rope_tables: int
+    """cos/sin tables, saved once (shared by all layers) when layers are not checkpointed."""
+    embedding_ids: int
+    """Input ids kept by the embedding."""
+    head: int
+    """Final norm, lm_head input and (autocast) lm_head weight cast."""
+    loss: int
+    """fp32 log-softmax output and the labels."""
+    loss_backward: int
+    """Extra fp32 N x V gradients alive during the loss backward."""
+    logits_forward: int
+    """Logits alive while the loss is computed in forward: the c-byte logits and their fp32 upcast."""
+    grad_working_set: int
+    """Activation gradients alive while one layer runs backward."""
+    attention_mask: int
+    """The (b, 1, s, s) additive mask eager attention builds (0 for SDPA/flash with causal masking)."""
+
+    def saved_after_forward(self, *, layers: int, checkpointing: bool, first_stage: bool = True,
+                            last_stage: bool = True) -> int:
+        """Bytes saved for backward once forward ends (what ``saved_tensors_hooks`` counts)."""
+        per_layer = self.checkpoint_input if checkpointing else self.layer.total
+        total = layers * per_layer + (0 if checkpointing else self.rope_tables)
+        if first_stage:
+            total += self.embedding_ids
+        if last_stage:
+            total += self.head + self.loss
+        return total
+
+
+def dtype_bytes(workload: Workload, layout: Layout) -> tuple[int, int, bool]:
+    """``(residual bytes, matmul bytes, autocast)`` of the forward.
+
+    LoRA on a bf16 precision keeps the frozen base in bf16, so the model computes in bf16 and autocast has
+    nothing to cast (the adapters' casts are negligible).
+    """
+    if workload.precision == "fp32":
+        return 4, 4, False
+    if workload.precision == "bf16_mixed" or layout.lora_rank:
+        return 2, 2, False
+    return 4, 2, True
+
+
+def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivations:
+    r, c, autocast = dtype_bytes(workload, layout)
+    n, h, t = workload.tokens, model.hidden_size, layout.dims.tp
+    sp = t if layout.sequence_parallel else 1
+    heads_s = workload.micro_batch_size * model.num_attention_heads * workload.seq_len
+    norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
+    if workload.attention == "eager":
+        probabilities = (4 if c == 4 else 6) * heads_s * workload.seq_len
+        attention = (4 * c * n * model.q_dim + probabilities) // t
+    else:
+        attention = (c * n * (2 * model.q_dim + 2 * model.kv_dim) + 4 * heads_s) // t
+    return LayerActivations(
+        norms=2 * norm // sp,
+        linear_inputs=(5 if autocast else 2) * c * n * h,
+        attention=attention,
+        mlp=4 * c * n * model.intermediate_size // t,
+        weight_casts=c * model.layer_linear_weights // t if autocast else 0,
+        lora=7 * c * n * layout.lora_rank,
+    )
+
+
+def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> ActivationModel:
+    """All activation terms of ``model`` under ``workload`` on one rank of ``layout``."""
+    r, c, autocast = dtype_bytes(workload, layout)
+    n, h, v, t = workload.tokens, model.hidden_size, model.vocab_size, layout.dims.tp
+    sp = t if layout.sequence_parallel else 1
+    vocab_t = t if layout.tp_vocab_parallel else 1
+    final_norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
+    lm_head_input = 0 if layout.lora_rank else c * n * h
+    lm_head_cast = c * model.vocab_size * h // vocab_t if autocast else 0
+    mask = r * workload.micro_batch_size * workload.seq_len**2 if workload.attention == "eager" else 0
+    return ActivationModel(
+        layer=_layer(model, workload, layout),
+        checkpoint_input=r * n * h // sp,
+        rope_tables=2 * workload.seq_len * model.head_dim * r,
+        embedding_ids=8 * n,
+        head=final_norm // sp + lm_head_input + lm_head_cast,
+        loss=4 * n * v + 8 * n,
+        loss_backward=8 * n * v,
+        logits_forward=c * n * v + (4 * n * v if c != 4 else 0),
+        grad_working_set=2 * r * n * h // sp + 2 * c * n * model.intermediate_size // t,
+        attention_mask=mask,
+    )

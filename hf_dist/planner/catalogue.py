@@ -1,0 +1,244 @@
+"""What the planner knows about models and GPUs, without downloading anything.
+
+``ModelSpec`` holds the numbers of a decoder-only causal LM with a gated MLP (Llama, Mistral, Qwen2 families)
+that memory and FLOPs depend on, and lists every parameter tensor with its shape, so that parameter counts
+and shard sizes are exact. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
+``PretrainedConfig``; ``get_model_config(name)`` turns a catalogue entry into a ``PretrainedConfig``.
+``GpuSpec`` holds a GPU kind's memory and peak dense bf16 FLOP/s; ``gpu_spec(name)`` looks one up.
+
+Catalogue figures are the published HF ``config.json`` values and NVIDIA's datasheets (dense, no sparsity).
+Not here: memory arithmetic (``memory.py``, ``activations.py``) or choosing layouts (``chooser.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_QKV_BIAS_TYPES = ("qwen2",)
+_DECODER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    """The shape of a gated-MLP decoder-only causal LM."""
+
+    name: str
+    """Catalogue name or the source it was read from."""
+    model_type: str
+    """HF ``model_type``: llama, mistral or qwen2."""
+    hidden_size: int
+    """Width of the residual stream (h)."""
+    num_hidden_layers: int
+    """Decoder layers (L)."""
+    num_attention_heads: int
+    """Query heads (a)."""
+    num_key_value_heads: int
+    """Key/value heads (grouped-query attention when < a)."""
+    intermediate_size: int
+    """Width of the gated MLP (I)."""
+    vocab_size: int
+    """Vocabulary (V)."""
+    head_dim: int | None = None
+    """Per-head width; None: hidden_size / num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """Whether lm_head shares the embedding matrix."""
+    attention_bias: bool = False
+    """Biases on q/k/v projections (Qwen2 has them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide num_attention_heads="
+                f"{self.num_attention_heads}; grouped-query attention needs heads to be a multiple of kv heads"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                                 f"{self.num_attention_heads}; give head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def decoder_layer_class(self) -> str:
+        """The class FSDP wraps (the model's ``_no_split_modules``)."""
+        return _DECODER_CLASS[self.model_type]
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in_features, out_features)}`` of the linears of one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every parameter of one decoder layer as ``(name, shape)`` (PyTorch layout: weight is out x in)."""
+        yield "input_layernorm.weight", (self.hidden_size,)
+        for name, (fan_in, fan_out) in self.linear_shapes().items():
+            yield f"{name}.weight", (fan_out, fan_in)
+            if self.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
+                yield f"{name}.bias", (fan_out,)
+        yield "post_attention_layernorm.weight", (self.hidden_size,)
+
+    def param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every parameter of the model as ``(name, shape)``, in module order."""
+        yield "model.embed_tokens.weight", (self.vocab_size, self.hidden_size)
+        for layer in range(self.num_hidden_layers):
+            for name, shape in self.layer_param_shapes():
+                yield f"model.layers.{layer}.{name}", shape
+        yield "model.norm.weight", (self.hidden_size,)
+        if not self.tie_word_embeddings:
+            yield "lm_head.weight", (self.vocab_size, self.hidden_size)
+
+    @property
+    def layer_params(self) -> int:
+        return sum(_numel(shape) for _, shape in self.layer_param_shapes())
+
+    @property
+    def layer_linear_weights(self) -> int:
+        """Elements of the linear weights of one layer (what autocast casts and TP shards)."""
+        return sum(fan_in * fan_out for fan_in, fan_out in self.linear_shapes().values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(shape) for _, shape in self.param_shapes())
+
+    def lora_params_per_layer(self, rank: int) -> int:
+        """Adapter elements of one layer with LoRA rank ``rank`` on all seven linears (A: r x in, B: out x r)."""
+        return sum(rank * (fan_in + fan_out) for fan_in, fan_out in self.linear_shapes().values())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _llama(name, h, layers, heads, kv, inter, vocab, *, tie=False, model_type="llama", head_dim=None) -> ModelSpec:
+    return ModelSpec(name=name, model_type=model_type, hidden_size=h, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                     tie_word_embeddings=tie, attention_bias=model_type in _QKV_BIAS_TYPES, head_dim=head_dim)
+
+
+MODEL_CATALOGUE: dict[str, ModelSpec] = {spec.name: spec for spec in (
+    _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000),
+    _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000),
+    _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 32000),
+    _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256),
+    _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256),
+    _llama("llama-3.2-1b", 2048, 16, 32, 8, 8192, 128256, tie=True, head_dim=64),
+    _llama("llama-3.2-3b", 3072, 28, 24, 8, 8192, 128256, tie=True, head_dim=128),
+    _llama("mistral-7b", 4096, 32, 32, 8, 14336, 32000, model_type="mistral"),
+    _llama("qwen2.5-0.5b", 896, 24, 14, 2, 4864, 151936, tie=True, model_type="qwen2"),
+    _llama("qwen2.5-1.5b", 1536, 28, 12, 2, 8960, 151936, tie=True, model_type="qwen2"),
+    _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, model_type="qwen2"),
+    _llama("qwen2.5-14b", 5120, 48, 40, 8, 13824, 152064, model_type="qwen2"),
+    _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, model_type="qwen2"),
+    _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, model_type="qwen2"),
+)}
+
+
+def _from_config(config, name: str) -> ModelSpec:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _DECODER_CLASS:
+        raise ValueError(f"model_type={model_type!r} ({name}) is not modelled by the planner; supported: "
+                         f"{', '.join(_DECODER_CLASS)} (gated-MLP decoder-only causal LMs)")
+    heads = config.num_attention_heads
+    return ModelSpec(
+        name=name, model_type=model_type, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        head_dim=getattr(config, "head_dim", None), tie_word_embeddings=bool(config.tie_word_embeddings),
+        attention_bias=bool(getattr(config, "attention_bias", False)) or model_type in _QKV_BIAS_TYPES,
+    )
+
+
+def model_spec(model) -> ModelSpec:
+    """A ``ModelSpec`` from a catalogue name, a local directory holding ``config.json``, or a ``PretrainedConfig``."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str | os.PathLike) and os.path.isdir(model):
+        from transformers import AutoConfig
+
+        return _from_config(AutoConfig.from_pretrained(os.fspath(model), local_files_only=True), os.fspath(model))
+    if isinstance(model, str):
+        key = model.lower()
+        if key not in MODEL_CATALOGUE:
+            raise ValueError(f"model={model!r} is neither a local config directory nor a catalogue name; "
+                             f"catalogue: {', '.join(MODEL_CATALOGUE)}")
+        return MODEL_CATALOGUE[key]
+    if hasattr(model, "model_type") and hasattr(model, "hidden_size"):
+        return _from_config(model, getattr(model, "name_or_path", "") or model.model_type)
+    raise ValueError(f"model={model!r} is not a catalogue name, a config directory or a PretrainedConfig")
+
+
+def get_model_config(name: str):
+    """The catalogue entry ``name`` as a transformers ``PretrainedConfig`` (for config generators)."""
+    from transformers import AutoConfig
+
+    spec = model_spec(name)
+    return AutoConfig.for_model(
+        spec.model_type, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, head_dim=spec.head_dim,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+
+
+@dataclass(kw_only=True, frozen=True)
+class GpuSpec:
+    """A GPU kind."""
+
+    name: str
+    """Catalogue key, e.g. ``a100-80gb``."""
+    memory_bytes: int
+    """Device memory as ``nvidia-smi`` reports its total (MiB x 2**20)."""
+    peak_bf16_flops: float
+    """Peak dense bf16 tensor-core FLOP/s (datasheet, no sparsity)."""
+    gpus_per_node: int = 8
+    """GPUs that share a fast intra-node link in the usual server (NVLink / PCIe)."""
+
+
+_MIB = 2**20
+GPU_CATALOGUE: dict[str, GpuSpec] = {g.name: g for g in (
+    GpuSpec(name="a100-40gb", memory_bytes=40960 * _MIB, peak_bf16_flops=312e12),
+    GpuSpec(name="a100-80gb", memory_bytes=81920 * _MIB, peak_bf16_flops=312e12),
+    GpuSpec(name="h100", memory_bytes=81559 * _MIB, peak_bf16_flops=989e12),
+    GpuSpec(name="h100-pcie", memory_bytes=81559 * _MIB, peak_bf16_flops=756e12),
+    GpuSpec(name="h200", memory_bytes=143771 * _MIB, peak_bf16_flops=989e12),
+    GpuSpec(name="l4", memory_bytes=23034 * _MIB, peak_bf16_flops=121e12),
+    GpuSpec(name="a10g", memory_bytes=23028 * _MIB, peak_bf16_flops=70e12, gpus_per_node=4),
+    GpuSpec(name="l40s", memory_bytes=46068 * _MIB, peak_bf16_flops=362e12),
+)}
+
+
+def gpu_spec(name: str | GpuSpec) -> GpuSpec:
+    """Look up a GPU kind by name (case-insensitive)."""
+    if isinstance(name, GpuSpec):
+        return name
+    key = name.lower()
+    if key not in GPU_CATALOGUE:
+        raise ValueError(f"gpu={name!r} is not in the GPU catalogue; use one of {', '.join(GPU_CATALOGUE)}")
+    return GPU_CATALOGUE[key]

@@ -1,0 +1,199 @@
+"""Choose a layout: the one that communicates least among those that fit, with a reason for every other.
+
+The order is the case study's decision table, least communication first:
+
+  0. DDP (gradients all-reduced once per step)
+  1. ZeRO-1 (same traffic, optimizer states sharded)
+  2. FSDP SHARD_GRAD_OP, ZeRO-2 (gradients reduce-scattered, parameters gathered once per step)
+  3. FSDP HYBRID_SHARD (multi-node only: FULL_SHARD inside a node, replicas across nodes)
+  4. FSDP FULL_SHARD, ZeRO-3 (parameters gathered every forward and backward)
+  5. TP inside a node (2, 4, 8) on top of FULL_SHARD, with sequence parallel (all-reduces in every layer)
+  6. PP (across nodes first), on top of FULL_SHARD, and of TP over the whole node
+  7. Offload of optimizer states (and ZeRO-3 parameters) to CPU, then NVMe
+Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
+layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
+
+A layout fits when its total (``MemoryBreakdown.total``) is at most ``(1 - safety_margin)`` of the GPU's
+memory. Layouts the batch contract or the model's shape rule out are rejected with the rule's message.
+
+Not here: the memory or time arithmetic (``memory.py``, ``throughput.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hf_dist.batch import BatchContract
+from hf_dist.planner.catalogue import GpuSpec, ModelSpec
+from hf_dist.planner.layout import Attention, Layout, Precision, Workload, make_layout
+from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_memory, gib
+from hf_dist.planner.throughput import Throughput, estimate_throughput
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanRequest:
+    """What the user asks: a model on some GPUs, with a batch and a context length."""
+
+    model: ModelSpec
+    """The architecture."""
+    gpu: GpuSpec
+    """The GPU kind."""
+    num_gpus: int
+    """GPUs per node."""
+    num_nodes: int = 1
+    """Nodes."""
+    seq_len: int
+    """Tokens per sequence."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    micro_batch: int = 1
+    """Sequences per forward on one data-parallel rank."""
+    precision: Precision = "bf16_autocast"
+    """See ``layout.py``."""
+    attention: Attention = "sdpa"
+    """Attention kernel."""
+    activation_checkpointing: bool = True
+    """Checkpoint every decoder layer."""
+    lora: bool = False
+    """Also consider LoRA on a frozen base, and prefer it."""
+    lora_rank: int = 16
+    """LoRA rank when ``lora``."""
+    safety_margin: float = 0.10
+    """Fraction of GPU memory left free."""
+    train_tokens: float | None = None
+    """Tokens to train on, for the wall-clock estimate."""
+    assumptions: MemoryAssumptions = field(default_factory=MemoryAssumptions)
+    """Framework allowances."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpus", "num_nodes", "seq_len", "global_batch", "micro_batch", "lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not 0 <= self.safety_margin < 1:
+            raise ValueError(f"safety_margin={self.safety_margin} must be in [0, 1)")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def memory_limit(self) -> int:
+        return int(self.gpu.memory_bytes * (1 - self.safety_margin))
+
+
+@dataclass(kw_only=True, frozen=True)
+class Candidate:
+    """One layout, evaluated."""
+
+    layout: Layout
+    """The layout."""
+    tier: int
+    """Position in the decision table (lower communicates less)."""
+    batch: BatchContract | None = None
+    """Its batch contract (None when the batch rules it out)."""
+    memory: MemoryBreakdown | None = None
+    """Its peak memory (None when a rule rejected it first)."""
+    throughput: Throughput | None = None
+    """Its estimated step time and rates."""
+    fits: bool = False
+    """Whether it fits with the safety margin."""
+    chosen: bool = False
+    """Whether the chooser picked it."""
+    reason: str = ""
+    """Why it was chosen or rejected."""
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+
+@dataclass(kw_only=True, frozen=True)
+class Plan:
+    """The ranked candidates and the choice."""
+
+    request: PlanRequest
+    """What was asked."""
+    candidates: list[Candidate]
+    """Every layout considered, in decision-table order."""
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.chosen), None)
+
+
+def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
+    """``(tier, strategy, make_layout kwargs)`` in decision-table order."""
+    nodes, per_node = req.num_nodes, min(req.num_gpus, req.gpu.gpus_per_node)
+    out = [(0, "ddp", {}), (1, "zero1", {}), (2, "fsdp_shard_grad_op", {}), (2, "zero2", {})]
+    if nodes > 1:
+        out.append((3, "fsdp_hybrid_shard", {}))
+    out += [(4, "fsdp_full_shard", {}), (4, "zero3", {})]
+    out += [(5, "fsdp_full_shard", {"tp": tp, "sequence_parallel": True}) for tp in (2, 4, 8) if tp <= per_node]
+    pps = ([nodes] if nodes > 1 else []) + [p for p in (2, 4, 8) if p != nodes]
+    for pp in pps:
+        out.append((6, "fsdp_full_shard", {"pp": pp}))
+        if per_node > 1:
+            out.append((6, "fsdp_full_shard", {"pp": pp, "tp": per_node, "sequence_parallel": True}))
+    out += [(7, "zero2", {"offload": "cpu"}), (7, "fsdp_full_shard", {"offload": "cpu"}),
+            (7, "zero3", {"offload": "cpu"}), (7, "zero3", {"offload": "nvme"})]
+    return out
+
+
+def _shape_rule(model: ModelSpec, tp: int, pp: int) -> str | None:
+    if tp > 1 and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
+        return (f"rule: tp={tp} does not divide num_attention_heads={model.num_attention_heads} and "
+                f"num_key_value_heads={model.num_key_value_heads}")
+    if pp > model.num_hidden_layers:
+        return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
+    return None
+
+
+def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_rank: int) -> Candidate | None:
+    tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
+    if req.world_size % (tp * pp):
+        return None  # not a layout of this world size at all
+    layout = make_layout(strategy, req.world_size, gpus_per_node=req.gpu.gpus_per_node, lora_rank=lora_rank,
+                         **kwargs)
+    rule = _shape_rule(req.model, tp, pp)
+    if rule:
+        return Candidate(layout=layout, tier=tier, reason=rule)
+    try:
+        batch = BatchContract(world_size=req.world_size, global_batch_size=req.global_batch,
+                              micro_batch_size=req.micro_batch, tp=tp, pp=pp, seq_len=req.seq_len)
+    except ValueError as err:
+        return Candidate(layout=layout, tier=tier, reason=f"rule: {err}")
+    workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch, precision=req.precision,
+                        attention=req.attention, activation_checkpointing=req.activation_checkpointing,
+                        gradient_accumulation_steps=batch.gradient_accumulation_steps)
+    memory = estimate_memory(req.model, workload, layout, req.assumptions)
+    throughput = estimate_throughput(req.model, workload, layout, req.gpu, num_nodes=req.num_nodes)
+    fits = memory.total <= req.memory_limit
+    over = memory.total - req.memory_limit
+    reason = "" if fits else (
+        f"does not fit: needs {gib(memory.total):.1f} GiB per GPU, limit {gib(req.memory_limit):.1f} GiB "
+        f"({req.gpu.name} {gib(req.gpu.memory_bytes):.1f} GiB less {req.safety_margin:.0%} margin): "
+        f"over by {gib(over):.1f} GiB")
+    return Candidate(layout=layout, tier=tier, batch=batch, memory=memory, throughput=throughput, fits=fits,
+                     reason=reason)
+
+
+def choose_layout(req: PlanRequest) -> Plan:
+    """Evaluate every layout of the decision table and pick the first that fits."""
+    ranks = ([req.lora_rank] if req.lora else []) + [0]
+    candidates = [c for rank in ranks for tier, strategy, kwargs in _tiers(req)
+                  if (c := _evaluate(req, tier, strategy, kwargs, rank)) is not None]
+    chosen = next((c for c in candidates if c.fits), None)
+    out = []
+    for c in candidates:
+        if c is chosen:
+            c = replace(c, chosen=True, reason=f"chosen: the first layout in decision-table order that fits "
+                                               f"({gib(c.memory.total):.1f} GiB of {gib(req.memory_limit):.1f})")
+        elif c.fits:
+            why = ("--lora: a LoRA layout fits and is preferred to a full fine-tune"
+                   if chosen.layout.lora_rank and not c.layout.lora_rank
+                   else f"communicates more than {chosen.name} (decision table tier {c.tier} vs {chosen.tier})"
+                   if c.tier > chosen.tier else f"same tier as {chosen.name}, which comes first (FSDP before ZeRO)")
+            c = replace(c, reason=f"fits ({gib(c.memory.total):.1f} GiB) but rule: {why}")
+        out.append(c)
+    return Plan(request=req, candidates=out)

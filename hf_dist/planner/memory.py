@@ -1,0 +1,191 @@
+"""Peak memory of one rank for a layout: every term named, in bytes, at the phase where the sum peaks.
+
+``estimate_memory(model, workload, layout)`` returns a ``MemoryBreakdown``. Memory is added up at three
+phases of a training step and the largest wins:
+
+  * ``loss``: end of forward. Model states, the root unit gathered (FSDP), every activation saved so far
+    (checkpointed layer inputs, or all layers' saved tensors), the head's saved tensors and the loss peak:
+    the larger of the logits alive in forward and the two extra fp32 ``N x V`` gradients of the loss backward.
+  * ``backward``: the first layer to run backward. Model states, every checkpointed input, the recomputed
+    layer's full saved set, the activation-gradient working set, the gathered units in flight and the
+    unsharded gradients (see ``states.py``).
+  * ``optimizer``: model states and the optimizer step's temporaries.
+
+With pipeline parallelism the first stage holds ``min(pp, accumulation)`` micro batches in flight (1F1B) and
+the embedding; the last stage one micro batch, the head and the loss; the worse of the two is reported.
+
+On top of the allocated peak (what ``torch.cuda.max_memory_allocated`` reports) two stated allowances give
+what the device shows in use (``nvidia-smi``): the caching allocator's reserved-but-unallocated memory,
+counted as ``fragmentation`` x the allocated peak (5 %: the caching allocator rounds blocks to 2 MiB and
+cannot split blocks across streams, so FSDP's gather and reduce streams keep their own pools), and a fixed
+framework allowance: the CUDA context with cuBLAS workspace and loaded kernels (512 MiB) and NCCL
+communicator buffers (512 MiB when there is more than one rank). ``MemoryAssumptions(device="cpu")`` drops
+both for the CPU benchmark.
+
+Not here: which layout to pick (``chooser.py``), time (``throughput.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from hf_dist.planner.activations import ActivationModel, activation_model
+from hf_dist.planner.catalogue import ModelSpec
+from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.states import ModelStates, model_states
+
+_MIB = 2**20
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryAssumptions:
+    """The allowances that are not derived from the model."""
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    """``cpu`` drops the CUDA context, NCCL and fragmentation allowances (the CPU benchmark)."""
+    cuda_context_bytes: int = 512 * _MIB
+    """CUDA context, cuBLAS workspace and loaded kernels, outside the caching allocator."""
+    nccl_bytes: int = 512 * _MIB
+    """NCCL communicator buffers when the job has more than one rank."""
+    fragmentation: float = 0.05
+    """Reserved-but-unallocated memory of the caching allocator, as a fraction of the allocated peak."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the peak phase, by term; ``total`` is what the device shows in use."""
+
+    parameters: int
+    """Parameters as stored (sharded or replicated; frozen base for LoRA)."""
+    master_params: int
+    """Separate fp32 master copy (DeepSpeed)."""
+    gradients: int
+    """Gradients kept until the optimizer step."""
+    optimizer_states: int
+    """Adam moments (fp32) and step counters."""
+    comm_buffers: int
+    """DDP reducer buckets, DeepSpeed reduce buckets."""
+    gathered_params: int
+    """FSDP/ZeRO-3 gathered units in flight, the root unit."""
+    unsharded_grads: int
+    """Gradients of the unit in backward before reduce-scatter; the lm_head gradient."""
+    activations: int
+    """Saved for backward: checkpointed layer inputs, or every layer's saved tensors; head and loss."""
+    recomputed_layer: int
+    """The checkpointed layer recomputed in backward, with its full saved set."""
+    activation_grads: int
+    """Activation gradients alive while a layer runs backward."""
+    logits: int
+    """Logits and loss transients (logits, fp32 upcast, loss-backward gradients) beyond the saved log-softmax."""
+    optimizer_step_temp: int
+    """Temporaries of the optimizer step."""
+    fragmentation: int
+    """Caching-allocator reserve above the allocated peak."""
+    framework: int
+    """CUDA context and NCCL buffers."""
+    peak_phase: str = ""
+    """Which phase peaks: loss, backward or optimizer."""
+    phase_totals: dict[str, int] = field(default_factory=dict)
+    """Allocated bytes at each phase."""
+    cpu_offload: int = 0
+    """Bytes this rank keeps in CPU memory (offload)."""
+    nvme_offload: int = 0
+    """Bytes this rank keeps on NVMe (offload)."""
+    stage: str = "all"
+    """Pipeline stage reported: all (no PP), first or last."""
+
+    TERMS = ("parameters", "master_params", "gradients", "optimizer_states", "comm_buffers", "gathered_params",
+             "unsharded_grads", "activations", "recomputed_layer", "activation_grads", "logits",
+             "optimizer_step_temp", "fragmentation", "framework")
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.master_params + self.gradients + self.optimizer_states
+
+    @property
+    def allocated(self) -> int:
+        """The allocated peak (``torch.cuda.max_memory_allocated``)."""
+        return sum(getattr(self, t) for t in self.TERMS) - self.fragmentation - self.framework
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, t) for t in self.TERMS)
+
+    def terms(self) -> dict[str, int]:
+        return {t: getattr(self, t) for t in self.TERMS}
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(model_states=self.model_states, allocated=self.allocated, total=self.total)
+        return out
+
+
+def _phases(states: ModelStates, acts: ActivationModel, workload: Workload, layout: Layout, *, layers: int,
+            in_flight: int, first: bool, last: bool) -> dict[str, dict[str, int]]:
+    """Term values at each phase (allocated bytes, no allowances)."""
+    ckpt = workload.activation_checkpointing
+    common = dict(parameters=states.parameters, master_params=states.master_params, gradients=states.gradients,
+                  optimizer_states=states.optimizer_states, comm_buffers=states.comm_buffers)
+    saved = in_flight * acts.saved_after_forward(layers=layers, checkpointing=ckpt, first_stage=first,
+                                                 last_stage=False)
+    head = acts.head + acts.loss if last else 0
+    loss_peak = max(acts.logits_forward, acts.loss_backward) if last else 0
+    loss = dict(common, gathered_params=states.gathered_at_loss, activations=saved + head + acts.attention_mask,
+                logits=loss_peak)
+    backward = dict(common, gathered_params=states.gathered_in_backward, unsharded_grads=states.unsharded_grads,
+                    activations=saved + acts.attention_mask, recomputed_layer=acts.layer.total if ckpt else 0,
+                    activation_grads=acts.grad_working_set)
+    optimizer = dict(common, optimizer_step_temp=states.optimizer_step_temp)
+    return {"loss": loss, "backward": backward, "optimizer": optimizer}
+
+
+def _stage_breakdown(model: ModelSpec, workload: Workload, layout: Layout, assumptions: MemoryAssumptions, *,
+                     layers: int, in_flight: int, first: bool, last: bool, stage: str) -> MemoryBreakdown:
+    states = model_states(model, workload, layout, layers=layers, first=first, last=last)
+    acts = activation_model(model, workload, layout)
+    phases = _phases(states, acts, workload, layout, layers=layers, in_flight=in_flight, first=first, last=last)
+    totals = {name: sum(terms.values()) for name, terms in phases.items()}
+    peak = max(totals, key=totals.get)
+    terms = {t: 0 for t in MemoryBreakdown.TERMS} | phases[peak]
+    if assumptions.device == "cuda":
+        terms["fragmentation"] = int(assumptions.fragmentation * totals[peak])
+        terms["framework"] = assumptions.cuda_context_bytes + (
+            assumptions.nccl_bytes if layout.dims.world_size > 1 else 0)
+    return MemoryBreakdown(**terms, peak_phase=peak, phase_totals=totals, cpu_offload=states.cpu_bytes,
+                           nvme_offload=states.nvme_bytes, stage=stage)
+
+
+def estimate_memory(model: ModelSpec, workload: Workload, layout: Layout,
+                    assumptions: MemoryAssumptions | None = None) -> MemoryBreakdown:
+    """Peak memory of the worst rank of ``layout`` training ``model`` under ``workload``."""
+    assumptions = assumptions or MemoryAssumptions()
+    pp = layout.dims.pp
+    if pp == 1:
+        return _stage_breakdown(model, workload, layout, assumptions, layers=model.num_hidden_layers,
+                                in_flight=1, first=True, last=True, stage="all")
+    if pp > model.num_hidden_layers:
+        raise ValueError(f"pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}; use pp <= the layer count")
+    layers = math.ceil(model.num_hidden_layers / pp)
+    first = _stage_breakdown(model, workload, layout, assumptions, layers=layers,
+                             in_flight=min(pp, workload.gradient_accumulation_steps), first=True, last=False,
+                             stage="first")
+    last = _stage_breakdown(model, workload, layout, assumptions, layers=model.num_hidden_layers - layers * (pp - 1),
+                            in_flight=1, first=False, last=True, stage="last")
+    return max(first, last, key=lambda b: b.total)
+
+
+def gib(n: int | float) -> float:
+    return n / 2**30
+
+
+def format_breakdown(b: MemoryBreakdown) -> str:
+    """One line per non-zero term, in GiB, then the totals."""
+    lines = [f"  {name:<20} {gib(value):8.2f} GiB" for name, value in b.terms().items() if value]
+    lines.append(f"  {'allocated peak':<20} {gib(b.allocated):8.2f} GiB  (phase: {b.peak_phase})")
+    lines.append(f"  {'total in use':<20} {gib(b.total):8.2f} GiB  ({b.total / 1e9:.1f} GB)")
+    return "\n".join(lines)
+
+
+__all__ = ["MemoryAssumptions", "MemoryBreakdown", "estimate_memory", "format_breakdown", "gib"]

@@ -1,0 +1,127 @@
+"""Present a ``Plan``: the ranked table with breakdowns, the same as JSON, and a stacked bar chart.
+
+Not here: choosing (``chooser.py``) or writing configs (``hf_dist.configs``, called by ``hf-dist plan --out``).
+"""
+
+from __future__ import annotations
+
+from hf_dist.planner.chooser import Candidate, Plan
+from hf_dist.planner.memory import MemoryBreakdown, format_breakdown, gib
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds:.0f} s"
+
+
+def _row(c: Candidate) -> str:
+    mark = "*" if c.chosen else ("ok" if c.fits else "x")
+    mem = f"{gib(c.memory.total):7.1f}" if c.memory else "      -"
+    tps = f"{c.throughput.tokens_per_s:9,.0f}" if c.throughput else "        -"
+    step = f"{c.throughput.step_time_s:7.2f}" if c.throughput else "      -"
+    return f"{mark:>2} {c.tier:>4}  {c.name:<34} {mem}  {step}  {tps}  {c.reason}"
+
+
+def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
+    """The ranked table, the breakdown of every evaluated candidate, and the chosen layout."""
+    req = plan.request
+    lines = [
+        f"hf_dist plan: {req.model.name} ({req.model.num_params / 1e9:.2f}B params) on {req.num_nodes} x "
+        f"{req.num_gpus} {req.gpu.name} ({gib(req.gpu.memory_bytes):.1f} GiB, limit "
+        f"{gib(req.memory_limit):.1f} GiB with {req.safety_margin:.0%} margin)",
+        f"seq {req.seq_len}, global batch {req.global_batch}, micro batch {req.micro_batch}, {req.precision}, "
+        f"{req.attention}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}",
+        "",
+        f"{'':>2} {'tier':>4}  {'layout':<34} {'GiB/GPU':>7}  {'step s':>7}  {'tokens/s':>9}  reason",
+    ]
+    lines += [_row(c) for c in plan.candidates]
+    if breakdowns:
+        for c in plan.candidates:
+            if c.memory:
+                lines += ["", f"{c.name} (peak at {c.memory.peak_phase}, stage {c.memory.stage}):",
+                          format_breakdown(c.memory)]
+                if c.memory.cpu_offload or c.memory.nvme_offload:
+                    lines.append(f"  offloaded per rank: CPU {gib(c.memory.cpu_offload):.2f} GiB, "
+                                 f"NVMe {gib(c.memory.nvme_offload):.2f} GiB")
+    lines.append("")
+    chosen = plan.chosen
+    if chosen is None:
+        lines.append("chosen: none fits; use more GPUs, a shorter context, --lora, or a smaller model")
+    else:
+        t = chosen.throughput
+        lines.append(f"chosen: {chosen.name}: {gib(chosen.memory.total):.1f} GiB per GPU; "
+                     f"{chosen.batch.global_batch_size} = {chosen.batch.micro_batch_size} x {chosen.batch.dp} x "
+                     f"{chosen.batch.gradient_accumulation_steps} (micro x dp x accumulation); "
+                     f"{t.step_time_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
+                     f"(assumed efficiency {t.efficiency:.0%})")
+        if req.train_tokens:
+            lines.append(f"wall clock for {req.train_tokens:,.0f} tokens: {_duration(t.wall_clock_s(req.train_tokens))}")
+    return "\n".join(lines)
+
+
+def _candidate_dict(c: Candidate, train_tokens: float | None) -> dict:
+    d = c.layout.dims
+    out = {
+        "name": c.name, "tier": c.tier, "strategy": c.layout.strategy, "tp": d.tp, "pp": d.pp,
+        "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "offload": c.layout.offload,
+        "lora_rank": c.layout.lora_rank, "sequence_parallel": c.layout.sequence_parallel,
+        "fits": c.fits, "chosen": c.chosen, "reason": c.reason,
+        "memory": c.memory.as_dict() if c.memory else None,
+        "batch": c.batch.as_dict() | {"gradient_accumulation_steps": c.batch.gradient_accumulation_steps}
+        if c.batch else None,
+    }
+    if c.throughput:
+        t = c.throughput
+        out["throughput"] = {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+                             "efficiency": t.efficiency, "model_flops_per_token": t.model_flops_per_token,
+                             "executed_flops_per_token": t.executed_flops_per_token}
+        if train_tokens:
+            out["throughput"]["wall_clock_s"] = t.wall_clock_s(train_tokens)
+    return out
+
+
+def plan_json(plan: Plan) -> dict:
+    """The plan as JSON-ready data."""
+    req = plan.request
+    return {
+        "model": {"name": req.model.name, "num_params": req.model.num_params},
+        "gpu": {"name": req.gpu.name, "memory_bytes": req.gpu.memory_bytes,
+                "peak_bf16_flops": req.gpu.peak_bf16_flops},
+        "num_gpus": req.num_gpus, "num_nodes": req.num_nodes, "seq_len": req.seq_len,
+        "global_batch": req.global_batch, "micro_batch": req.micro_batch, "precision": req.precision,
+        "attention": req.attention, "activation_checkpointing": req.activation_checkpointing,
+        "safety_margin": req.safety_margin, "memory_limit": req.memory_limit,
+        "candidates": [_candidate_dict(c, req.train_tokens) for c in plan.candidates],
+        "chosen": plan.chosen.name if plan.chosen else None,
+    }
+
+
+def plot_plan(plan: Plan, path: str) -> None:
+    """A stacked bar per evaluated candidate (GiB per GPU, by term), with the memory limit as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluated = [c for c in plan.candidates if c.memory]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(evaluated) + 3), 6))
+    bottoms = [0.0] * len(evaluated)
+    colours = plt.get_cmap("tab20").colors
+    for i, term in enumerate(MemoryBreakdown.TERMS):
+        values = [gib(getattr(c.memory, term)) for c in evaluated]
+        if any(values):
+            ax.bar(range(len(evaluated)), values, bottom=bottoms, label=term, color=colours[i % len(colours)])
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.axhline(gib(plan.request.memory_limit), color="red", linestyle="--", label="limit (with margin)")
+    ax.set_xticks(range(len(evaluated)), [("* " if c.chosen else "") + c.name for c in evaluated],
+                  rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_ylim(0, min(max(bottoms + [1.0]) * 1.05, 3 * gib(plan.request.gpu.memory_bytes)))
+    ax.set_title(f"{plan.request.model.name} on {plan.request.world_size} x {plan.request.gpu.name}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,204 @@
+"""Model states and communication buffers of one rank: parameters, master copy, gradients, Adam, buckets.
+
+Counts are exact per tensor: every parameter this rank holds (after TP/PP splitting) is listed with its
+shape and sharded the way each framework shards it:
+  * FSDP2 (``fully_shard``): each tensor split on dim 0 into ``ceil(d0 / S)`` rows; rank 0 holds the most.
+  * DeepSpeed ZeRO-1/2: one flat group per optimizer param group, each parameter padded to 16 bytes and the
+    group to a multiple of ``2 x S`` elements (its NCCL alignment), split evenly.
+  * DeepSpeed ZeRO-3: each parameter partitioned on its own, ``ceil(numel / S)`` elements.
+Adam keeps two fp32 moments per trainable element and one fp32 ``step`` scalar per tensor it owns (torch) or
+per flat group (DeepSpeed). DeepSpeed always keeps an fp32 master partition (a clone, even in fp32 training).
+
+Assumptions, by strategy (``p`` = module parameter bytes, ``g`` = gradient bytes):
+  * DDP: full parameters and gradients, and the reducer's bucket buffers, a second copy of the gradients
+    (``gradient_as_bucket_view=False``, the accelerate/Trainer default).
+  * FSDP: fp32 shards of parameters and gradients (the shard is the master), Adam over the shards; during
+    forward/backward one layer unit gathered plus ``prefetch`` units ahead (``limit_all_gathers`` /
+    FSDP2's default of one), the root unit (embeddings, final norm, lm_head) gathered from forward to the end
+    of backward, the unsharded gradient of the unit in backward, and the lm_head gradient, which exists from
+    the start of backward until the root's reduce-scatter at its end. SHARD_GRAD_OP keeps every unit gathered
+    between forward and backward.
+  * ZeRO: ``reduce_bucket_size = h²`` and ``stage3_prefetch_bucket_size = 0.9 h²`` (the Trainer's "auto");
+    stage 1/2 double-buffer the reduce bucket (``overlap_comm``); stage 3 holds the largest linear being
+    used, the prefetch bucket and parameters under ``10 h`` elements (persistent).
+  * LoRA: the frozen base is stored in bf16 (fp32 when precision is fp32) with no gradient or optimizer
+    state; adapters are fp32 and trained with Adam.
+  * Offload ``cpu``/``nvme``: master copy, Adam and gradients leave the GPU (ZeRO-3 and FSDP: parameter shards
+    too); ``cpu_bytes``/``nvme_bytes`` say what lands there per rank.
+
+Not here: activations (``activations.py``) or the phase-by-phase peak (``memory.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hf_dist.planner.catalogue import ModelSpec
+from hf_dist.planner.layout import FSDP_STRATEGIES, Layout, Workload
+
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelStates:
+    """Bytes of the model states one rank keeps on the GPU, and what it offloads."""
+
+    parameters: int
+    """Parameters as the module stores them (sharded for FSDP/ZeRO-3; frozen base and adapters for LoRA)."""
+    master_params: int
+    """A separate fp32 master copy (DeepSpeed); 0 where the fp32 parameters are the master."""
+    gradients: int
+    """Gradients kept between backward and the optimizer step."""
+    optimizer_states: int
+    """Adam exp_avg and exp_avg_sq in fp32, plus the step counters."""
+    comm_buffers: int
+    """DDP reducer buckets, DeepSpeed reduce buckets."""
+    gathered_at_loss: int
+    """Gathered parameters alive when forward ends: FSDP's root unit (SHARD_GRAD_OP: every unit)."""
+    gathered_in_backward: int
+    """Gathered parameters alive in backward: the unit, the one prefetched, the root (ZeRO-3: working set)."""
+    unsharded_grads: int
+    """Gradients of the unit in backward before reduce-scatter, and the root's lm_head gradient."""
+    optimizer_step_temp: int
+    """Temporaries of the optimizer step: none for torch's fused AdamW (the Trainer's default); DeepSpeed
+    builds an fp32 copy of its gradient partition for the step."""
+    cpu_bytes: int = 0
+    """Offloaded to CPU memory by this rank."""
+    nvme_bytes: int = 0
+    """Offloaded to NVMe by this rank."""
+
+    @property
+    def persistent(self) -> int:
+        return self.parameters + self.master_params + self.gradients + self.optimizer_states + self.comm_buffers
+
+
+def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: bool, last: bool):
+    """``(name, shape)`` of the base parameters one TP rank of one pipeline stage holds."""
+    t = layout.dims.tp
+    vocab_t = t if layout.tp_vocab_parallel else 1
+    if first:
+        yield "embed_tokens", (model.vocab_size // vocab_t, model.hidden_size)
+    for _ in range(layers):
+        for name, shape in model.layer_param_shapes():
+            module = name.split(".")[0]
+            if module in _COLWISE:
+                shape = (shape[0] // t, *shape[1:])
+            elif module in _ROWWISE:
+                shape = (shape[0], shape[1] // t)
+            yield name, shape
+    if last:
+        yield "norm", (model.hidden_size,)
+        if not model.tie_word_embeddings or not first:
+            yield "lm_head", (model.vocab_size // vocab_t, model.hidden_size)
+
+
+def lora_shapes(model: ModelSpec, rank: int, layers: int):
+    for _ in range(layers):
+        for name, (fan_in, fan_out) in model.linear_shapes().items():
+            yield f"{name}.lora_A", (rank, fan_in)
+            yield f"{name}.lora_B", (fan_out, rank)
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def shard_elements(shapes: list[tuple[int, ...]], shards: int, how: str) -> int:
+    """Elements rank 0 holds when ``shapes`` are sharded ``shards`` ways (``fsdp2``, ``ds_flat``, ``ds_param``)."""
+    if shards == 1:
+        return sum(_numel(s) for s in shapes)
+    if how == "fsdp2":
+        return sum(math.ceil(s[0] / shards) * _numel(s[1:]) for s in shapes)
+    if how == "ds_param":
+        return sum(math.ceil(_numel(s) / shards) for s in shapes)
+    padded = sum(_numel(s) + (-_numel(s)) % 4 for s in shapes)
+    return math.ceil(padded / (2 * shards)) * 2
+
+
+def _gather_bytes(workload: Workload, layout: Layout) -> int:
+    """Bytes per element of gathered units: FSDP gathers the stored dtype unless it casts (bf16_mixed/LoRA)."""
+    if workload.precision == "fp32":
+        return 4
+    return 2 if workload.precision == "bf16_mixed" or layout.lora_rank else 4
+
+
+def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers: int, first: bool = True,
+                 last: bool = True) -> ModelStates:
+    """The model states and buffers of one rank of ``layout`` holding ``layers`` decoder layers."""
+    base = list(local_param_shapes(model, layout, layers=layers, first=first, last=last))
+    adapters = list(lora_shapes(model, layout.lora_rank, layers)) if layout.lora_rank else []
+    trainable = [s for _, s in (adapters or base)]
+    frozen = [s for _, s in base] if adapters else []
+    unit = [s for _, s in local_param_shapes(model, layout, layers=1, first=False, last=False)]
+    root = [s for n, s in base if n in ("embed_tokens", "norm", "lm_head")]
+    lm_head = [s for n, s in base if n == "lm_head"]
+    if layout.is_deepspeed:
+        return _deepspeed(model, workload, layout, trainable, frozen, unit, root)
+    return _torch(workload, layout, trainable, frozen, unit, root, lm_head)
+
+
+def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelStates:
+    s = layout.shard_degree
+    sharded = layout.strategy in FSDP_STRATEGIES
+    how = "fsdp2"
+    train_el = shard_elements(trainable, s, how)
+    frozen_bytes = (4 if workload.precision == "fp32" else 2) * shard_elements(frozen, s, how)
+    if layout.strategy == "ddp" and workload.precision == "bf16_mixed" and not frozen:
+        params, master, grads = 2 * train_el, 4 * train_el, 2 * train_el
+    else:
+        params, master, grads = 4 * train_el + frozen_bytes, 0, 4 * train_el
+    optim = 8 * train_el + 4 * len(trainable)
+    gb = _gather_bytes(workload, layout)
+    at_loss = in_backward = unsharded = 0
+    if sharded:
+        unit_el = sum(_numel(x) for x in unit)
+        root_el = sum(_numel(x) for x in root)
+        if layout.strategy == "fsdp_shard_grad_op":
+            at_loss = in_backward = gb * sum(_numel(x) for x in (frozen or trainable))
+        else:  # the unit in backward, the next one prefetched, the root
+            at_loss, in_backward = gb * root_el, gb * (2 * unit_el + root_el)
+        trained_unit = unit_el if not frozen else 0
+        unsharded = gb * (trained_unit + (sum(_numel(x) for x in lm_head) if not frozen else 0))
+    buckets = grads if layout.strategy == "ddp" else 0
+    step_temp = 0  # fused AdamW (the Trainer's default, adamw_torch_fused) updates in place
+    cpu = 0
+    if layout.offload == "cpu":
+        cpu = params + grads + optim
+        params = grads = optim = step_temp = 0
+    return ModelStates(parameters=params, master_params=master, gradients=grads, optimizer_states=optim,
+                       comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
+                       unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu)
+
+
+def _deepspeed(model, workload, layout, trainable, frozen, unit, root) -> ModelStates:
+    s, stage, h = layout.shard_degree, int(layout.strategy[-1]), model.hidden_size
+    p = 4 if workload.precision == "fp32" else 2
+    part_el = shard_elements(trainable, s, "ds_param" if stage == 3 else "ds_flat")
+    if stage == 3:
+        params = p * (part_el + shard_elements(frozen, s, "ds_param"))
+    else:  # the whole padded flat buffer, which the module's parameters are views of
+        params = p * (s * part_el + sum(_numel(x) for x in frozen))
+    grads = p * (sum(_numel(x) for x in trainable) if stage == 1 else part_el)
+    master, optim = 4 * part_el, 8 * part_el + 4
+    buckets = p * h * h * (2 if stage < 3 else 1)
+    at_loss = in_backward = unsharded = 0
+    if stage == 3:  # the largest module in use (often lm_head), the prefetch bucket, persistent small params
+        largest = max(_numel(x) for x in unit + root)
+        persistent = sum(_numel(x) for x in unit if _numel(x) <= 10 * h) * model.num_hidden_layers
+        unsharded = p * largest
+        at_loss = in_backward = p * (largest + int(0.9 * h * h) + persistent)
+    step_temp = 4 * part_el  # the fp32 copy of the gradient partition DeepSpeed hands its optimizer
+    cpu = nvme = 0
+    if layout.offload != "none":
+        off_params = params if stage == 3 else 0
+        if layout.offload == "cpu":
+            cpu = master + optim + grads + off_params
+        else:  # ZeRO-Infinity: master, Adam and parameters on NVMe, gradients through CPU memory
+            nvme, cpu = master + optim + off_params, grads
+        grads = master = optim = step_temp = 0
+        params -= off_params
+    return ModelStates(parameters=params, master_params=master, gradients=grads, optimizer_states=optim,
+                       comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
+                       unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu, nvme_bytes=nvme)

@@ -1,0 +1,102 @@
+"""Step time, tokens/s and wall-clock time from FLOPs, the device peak and a stated efficiency per layout.
+
+FLOPs per token (forward + backward, dense, causal masking not discounted):
+  * matmuls: ``2·P`` forward and ``4·P`` backward for the ``P`` weights in linears (``6·P``, the usual
+    ``6 x params``); a frozen base (LoRA) skips the weight gradients, ``4·P``, plus ``6·P_adapter``;
+  * attention scores and values: ``4·L·s·q_dim`` forward, twice that backward (``12·L·s·q_dim``);
+  * activation checkpointing recomputes the forward: ``+(2·P + 4·L·s·q_dim)``, executed but not counted in MFU.
+
+``step_time = executed FLOPs per step per GPU / (peak x efficiency)``. The efficiency is an assumption, stated
+in ``BASE_EFFICIENCY`` and the factors below (typical of published HF/FSDP/DeepSpeed runs on NVLink nodes);
+it is not measured here. MFU reported = model FLOPs (without recompute) / (time x peak).
+
+Not here: memory (``memory.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_dist.planner.catalogue import GpuSpec, ModelSpec
+from hf_dist.planner.layout import Layout, Workload
+
+BASE_EFFICIENCY: dict[str, float] = {
+    "ddp": 0.50,
+    "zero1": 0.48,
+    "zero2": 0.45,
+    "fsdp_shard_grad_op": 0.45,
+    "fsdp_hybrid_shard": 0.42,
+    "fsdp_full_shard": 0.42,
+    "zero3": 0.40,
+}
+"""Fraction of peak the executed FLOPs run at, by data-parallel flavour (one node)."""
+TP_FACTOR = 0.90
+"""Per-layer TP all-reduces inside a node."""
+CROSS_NODE_SHARD_FACTOR = 0.85
+"""FULL_SHARD / ZeRO-3 gathering parameters across nodes every layer."""
+OFFLOAD_FACTOR = {"none": 1.0, "cpu": 0.40, "nvme": 0.25}
+"""Optimizer step on the CPU and PCIe traffic."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Throughput:
+    """Time per optimizer step and the rates that follow."""
+
+    model_flops_per_token: float
+    """Forward + backward FLOPs per token, without recompute (the MFU numerator)."""
+    executed_flops_per_token: float
+    """Including activation-checkpointing recompute."""
+    efficiency: float
+    """Assumed fraction of peak achieved on executed FLOPs."""
+    step_time_s: float
+    """Seconds per optimizer step (global batch)."""
+    tokens_per_s: float
+    """Cluster-wide training tokens per second."""
+    mfu: float
+    """Model FLOPs utilisation."""
+
+    def wall_clock_s(self, tokens: float) -> float:
+        """Seconds to train on ``tokens`` tokens."""
+        return tokens / self.tokens_per_s
+
+
+def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0) -> tuple[float, float]:
+    """``(model FLOPs, executed FLOPs)`` per token."""
+    layers = model.num_hidden_layers
+    weights = layers * model.layer_linear_weights + model.vocab_size * model.hidden_size  # lm_head matmul
+    attention_fwd = 4 * layers * workload.seq_len * model.q_dim
+    if lora_rank:
+        adapters = layers * model.lora_params_per_layer(lora_rank)
+        model_flops = 4 * weights + 6 * adapters + 3 * attention_fwd
+        recompute = 2 * (weights + adapters) + attention_fwd
+    else:
+        model_flops = 6 * weights + 3 * attention_fwd
+        recompute = 2 * weights + attention_fwd
+    executed = model_flops + (recompute if workload.activation_checkpointing else 0)
+    return float(model_flops), float(executed)
+
+
+def efficiency(layout: Layout, *, gpus_per_node: int, num_nodes: int, accumulation: int) -> float:
+    """The stated efficiency of ``layout`` (see module docstring)."""
+    eff = BASE_EFFICIENCY[layout.strategy] * OFFLOAD_FACTOR[layout.offload]
+    if layout.dims.tp > 1:
+        eff *= TP_FACTOR
+    if layout.dims.pp > 1:  # the 1F1B bubble
+        eff *= accumulation / (accumulation + layout.dims.pp - 1)
+    if num_nodes > 1 and layout.strategy in ("fsdp_full_shard", "zero3") and layout.shard_degree > gpus_per_node:
+        eff *= CROSS_NODE_SHARD_FACTOR
+    return eff
+
+
+def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gpu: GpuSpec, *,
+                        num_nodes: int = 1) -> Throughput:
+    """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation."""
+    model_flops, executed = flops_per_token(model, workload, lora_rank=layout.lora_rank)
+    accumulation = workload.gradient_accumulation_steps
+    tokens = workload.tokens * layout.dims.dp * accumulation
+    eff = efficiency(layout, gpus_per_node=gpu.gpus_per_node, num_nodes=num_nodes, accumulation=accumulation)
+    world = layout.dims.world_size
+    step = executed * tokens / (world * gpu.peak_bf16_flops * eff)
+    return Throughput(model_flops_per_token=model_flops, executed_flops_per_token=executed, efficiency=eff,
+                      step_time_s=step, tokens_per_s=tokens / step,
+                      mfu=model_flops * tokens / (step * world * gpu.peak_bf16_flops))
