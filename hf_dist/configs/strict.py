@@ -56,11 +56,22 @@ _ACCELERATE_SECTIONS: dict[str, tuple[str, str]] = {
 def unknown_key_error(key: str, valid: Iterable[str], *, where: str, path: str | Path) -> ValueError:
     """The error for an unknown ``key``: names the key, the section, the file and the nearest valid key."""
     valid = sorted(valid)
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"did you mean {near[0]!r}? " if near else ""
+    near = nearest_key(key, valid)
+    hint = f"did you mean {near!r}? " if near else ""
     return ValueError(
         f"{path}: unknown key {key!r} in {where}; {hint}valid keys: {', '.join(valid)}"
     )
+
+
+def nearest_key(key: str, valid: Iterable[str]) -> str | None:
+    """The valid key closest to ``key``: a close spelling (difflib), else one that contains or is contained in it
+    (``tp_size`` -> ``tp``)."""
+    valid = sorted(valid)
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if near:
+        return near[0]
+    related = [v for v in valid if v in key or key in v]
+    return max(related, key=len) if related else None
 
 
 def check_keys(mapping: Mapping, valid: Iterable[str], *, where: str, path: str | Path) -> None:

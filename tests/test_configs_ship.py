@@ -1,0 +1,137 @@
+"""Shipped configs: generated (no drift), accepted by DeepSpeed's and accelerate's own config classes.
+
+The CPU launch tests that train with each kind are ``tests/test_launch*.py``; nothing is launched here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from hf_dist.configs import ship
+from hf_dist.configs.strict import read_accelerate_config, read_deepspeed_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DS_FILES = sorted((ROOT / "ds_configs").glob("*.json"))
+YAML_FILES = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+CPU_TWIN = ("ddp.yaml", "fsdp.yaml", "zero2.yaml", "zero3.yaml")
+
+
+def test_shipped_files_are_generated_without_drift(tmp_path):
+    written = ship.regenerate(tmp_path)
+    assert len(written) == len(DS_FILES) + len(YAML_FILES)
+    for path in written:
+        rel = path.relative_to(tmp_path)
+        assert (ROOT / rel).read_text() == path.read_text(), f"{rel} drifted: run python -m hf_dist.configs.ship"
+    assert ship.drift(ROOT) == []
+
+
+def test_drift_is_reported(tmp_path):
+    ship.regenerate(tmp_path)
+    (tmp_path / "ds_configs" / "zero2.json").write_text("{}\n")
+    (tmp_path / "accelerate_configs" / "hand_made.yaml").write_text("distributed_type: MULTI_GPU\n")
+    (tmp_path / "accelerate_configs" / "ddp.yaml").unlink()
+    assert ship.drift(tmp_path) == [
+        "changed: ds_configs/zero2.json",
+        "missing: accelerate_configs/ddp.yaml",
+        "not generated: accelerate_configs/hand_made.yaml",
+    ]
+    assert ship.main([str(tmp_path), "--check"]) == 1
+
+
+class _Model:
+    class config:  # noqa: N801 -- mimics model.config
+        hidden_size = 64
+
+
+def _dp_world(dp: int):
+    """DeepSpeedConfig reads the data-parallel world from the process group; give it ``dp`` without one."""
+
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return dp
+
+    return Mpu()
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
+def test_deepspeed_json_passes_deepspeed_after_trainer_filling(path):
+    from deepspeed.runtime import config as ds_config_module
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    raw = read_deepspeed_config(path)
+    resolved = raw["train_batch_size"] != "auto"
+    micro, accum, world = (raw["train_micro_batch_size_per_gpu"], raw["gradient_accumulation_steps"],
+                           raw["train_batch_size"] // (raw["train_micro_batch_size_per_gpu"] *
+                                                       raw["gradient_accumulation_steps"])) if resolved else (2, 3, 1)
+    args = TrainingArguments(output_dir="/tmp/unused", per_device_train_batch_size=micro,
+                             gradient_accumulation_steps=accum, bf16=True, use_cpu=True, report_to=[])
+    hf_config = HfTrainerDeepSpeedConfig(json.loads(path.read_text()))
+    with mock.patch.object(TrainingArguments, "world_size", new_callable=mock.PropertyMock, return_value=world):
+        hf_config.trainer_config_process(args)
+        hf_config.trainer_config_finalize(args, _Model, 100)
+    assert "auto" not in json.dumps(hf_config.config)
+    with mock.patch.object(ds_config_module.dist, "get_rank", return_value=0):
+        ds = ds_config_module.DeepSpeedConfig(hf_config.config, mpu=_dp_world(world))
+    assert ds.train_batch_size == micro * accum * world
+    assert ds.zero_optimization_stage == raw["zero_optimization"]["stage"]
+    assert ds.bfloat16_config.enabled is True
+    if ds.zero_optimization_stage == 3:
+        assert ds.zero_config.gather_16bit_weights_on_model_save is True
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: p.name)
+def test_accelerate_yaml_loads_with_accelerates_loader(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    raw = read_accelerate_config(path)
+    assert config.use_cpu is False and config.distributed_type.value != "MULTI_CPU"
+    assert config.num_processes % config.num_machines == 0
+    if raw["distributed_type"] == "DEEPSPEED":
+        ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
+        assert ds_file.is_file(), f"{path.name} points at a missing {ds_file}"
+    if raw["distributed_type"] == "FSDP":
+        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+
+
+def test_cpu_twin_configs_start_two_processes_without_cpu_flags():
+    for name in CPU_TWIN:
+        raw = read_accelerate_config(ROOT / "accelerate_configs" / name)
+        assert raw["num_processes"] == 2 and raw["mixed_precision"] == "no" and "use_cpu" not in raw
+    fsdp = read_accelerate_config(ROOT / "accelerate_configs" / "fsdp.yaml")["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
+    assert fsdp["fsdp_cpu_ram_efficient_loading"] is False  # fails on a machine without GPU
+
+
+@pytest.mark.parametrize("name, reshard, checkpointing", [
+    ("fsdp.yaml", True, False),
+    ("harbor_13b_fsdp_8gpu.yaml", True, True),
+    ("harbor_13b_fsdp_grad_op_8gpu.yaml", False, True),
+])
+def test_fsdp2_yaml_reaches_hf_dists_trainer_as_written(name, reshard, checkpointing):
+    """accelerate's launcher turns the YAML into FSDP_* variables (writer); hf_dist's trainer reads them (reader)."""
+    import os
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from hf_dist.trainer.launch_env import read_fsdp_request
+
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "accelerate_configs" / name), "train.py"])
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        args, *_ = _validate_launch_command(args)
+        env = prepare_multi_gpu_env(args)
+    assert env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
+    with mock.patch.dict(os.environ, env):
+        version, request = read_fsdp_request(None)
+    assert version == 2
+    assert request.reshard_after_forward is reshard
+    assert request.activation_checkpointing is checkpointing
+    assert request.wrap_classes == ("LlamaDecoderLayer",)
+    assert request.cpu_offload is False
