@@ -59,7 +59,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume: str | None = None,
-          on_step=None, async_save: bool = False) -> dict:
+          on_step=None, async_save: bool = False, tokenizer=None) -> dict:
     """Train ``steps`` optimizer steps (from the checkpoint ``resume`` when given); return what was seen."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(100 + rank)
@@ -98,7 +98,7 @@ def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume:
             pending = save_checkpoint(
                 Path(root) / f"step_{step + 1}", model=model, optimizer=optimizer, lr_scheduler=scheduler,
                 step=step + 1, samples_consumed=(step + 1) * contract.global_batch_size, layout=layout,
-                batch_contract=contract, async_save=async_save,
+                batch_contract=contract, async_save=async_save, tokenizer=tokenizer,
             )
             if not async_save:
                 pending = None
@@ -131,3 +131,14 @@ def test_global_slice_wraps_epochs_without_gaps():
     assert sorted(ids[NUM_SAMPLES:]) == list(range(NUM_SAMPLES))
     assert ids[:NUM_SAMPLES] != ids[NUM_SAMPLES:]
     assert global_slice(NUM_SAMPLES, DATA_SEED, 37, 6) == ids[37:43]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the model's vocabulary, built locally (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, MODEL_KWARGS["vocab_size"])}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")

@@ -222,13 +222,14 @@ def export_checkpoint(
     config_dir: str | Path | None = None,
     verify: bool = True,
     overwrite: bool = False,
+    trust_pickles: bool = False,
 ) -> ExportReport:
     """Export an hf_dist checkpoint, a LoRA one (``adapter='adapter'|'merged'``) or a DeepSpeed ZeRO folder."""
     from hf_dist.checkpoint import zero
 
     common = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, verify=verify, overwrite=overwrite)
     if zero.is_zero_checkpoint(Path(ckpt)):
-        return zero.export_zero(ckpt, out, config_dir=config_dir, **common)
+        return zero.export_zero(ckpt, out, config_dir=config_dir, trust_pickles=trust_pickles, **common)
     if adapter is not None:
         from hf_dist.checkpoint.lora_export import export_peft
 

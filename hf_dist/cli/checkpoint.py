@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     export.add_argument("--adapter", choices=("adapter", "merged"), default=None,
                         help="for a LoRA checkpoint: the adapter only, or merged into the base weights")
     export.add_argument("--config", default=None, help="config.json folder, for ZeRO checkpoints without one")
+    export.add_argument("--trust-deepspeed-pickles", action="store_true",
+                        help="allow reading a DeepSpeed ZeRO folder (its files are pickles that can run code)")
     export.add_argument("--no-verify", action="store_true", help="skip the from_pretrained logits check")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     export.set_defaults(func=run_export)
@@ -83,6 +85,7 @@ def run_export(args: argparse.Namespace) -> int:
         report = export_checkpoint(
             args.ckpt, args.out, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer,
             adapter=args.adapter, config_dir=args.config, verify=not args.no_verify, overwrite=args.overwrite,
+            trust_pickles=args.trust_deepspeed_pickles,
         )
     except (mf.CheckpointError, ValueError, FileNotFoundError) as err:
         print(f"hf-dist checkpoint export: error: {err}", file=sys.stderr)
