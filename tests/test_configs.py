@@ -261,3 +261,29 @@ def test_no_split_modules_from_name_config_and_directory(tmp_path):
     assert hidden_size(str(tmp_path)) == config.hidden_size
     with pytest.raises(ValueError, match="nothing is downloaded"):
         no_split_modules("meta-llama/Llama-2-13b-hf")
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
+def test_cli_config_writes_a_named_layout(tmp_path, capsys):
+    from hf_dist.cli import main
+
+    out = tmp_path / "harbor"
+    assert main(["config", "--strategy", "fsdp_full_shard", "--gpus", "8", "--nodes", "2", "--micro-batch", "1",
+                 "--global-batch", "64", "--model", "llama-2-13b", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "micro 1 x accumulation 4 x dp 16 = global batch 64" in printed
+    layout = read_layout_dir(out)
+    assert (layout.no_split_modules, layout.gradient_accumulation_steps, layout.num_nodes) == (LLAMA, 4, 2)
+    assert main(["config", "--check", str(out), str(out / "accelerate.yaml")]) == 0
+
+
+def test_cli_config_bad_input_exits_2_with_the_rule(tmp_path, capsys):
+    from hf_dist.cli import main
+
+    assert main(["config", "--strategy", "zero3", "--gpus", "8", "--micro-batch", "1", "--global-batch", "60",
+                 "--out", str(tmp_path)]) == 2
+    assert "use global_batch_size in [56, 64]" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_batch_size": "auto", "zero_optimisation": {"stage": 2}}))
+    assert main(["config", "--check", str(bad)]) == 2
+    assert "did you mean 'zero_optimization'" in capsys.readouterr().err
