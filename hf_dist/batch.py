@@ -140,7 +140,10 @@ class BatchContract:
                 "global batch",
                 f"{self.global_batch_size} = {self.micro_batch_size} x {self.dp} x {self.gradient_accumulation_steps}",
             ),
-            ("tokens / step", "unknown" if self.tokens_per_step is None else f"{self.tokens_per_step:,}"),
+            (
+                "tokens / step",
+                "unknown" if self.tokens_per_step is None else f"{self.tokens_per_step:,} ({self.seq_len} / sequence)",
+            ),
         ]
         if self.learning_rate is not None:
             base_batch = self.base_batch_size or self.global_batch_size

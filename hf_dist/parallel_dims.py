@@ -37,6 +37,7 @@ class ParallelDims:
     pp: int = 1
     """Pipeline-parallel degree (number of physical stages)."""
     _mesh: object | None = field(default=None, init=False, repr=False, compare=False)
+    _dp_mesh: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -130,7 +131,8 @@ class ParallelDims:
             tuple(getattr(self, name) for name in _FACTORS),
             mesh_dim_names=_FACTORS,
         )
-        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        # keep the flattened axis itself: slicing a flattened dim from the root mesh is deprecated
+        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
         self._mesh = mesh
         return mesh
 
@@ -140,6 +142,8 @@ class ParallelDims:
             raise RuntimeError("call build_mesh() before get_mesh()")
         if name not in (*_FACTORS, "dp"):
             raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, 'dp'))}")
+        if name == "dp":
+            return self._dp_mesh
         return self._mesh[name]
 
     @property

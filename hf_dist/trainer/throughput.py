@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ class ThroughputMeter:
         self._since = time.perf_counter()
 
     def count(self, inputs: dict) -> None:
-        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self._tokens += ids.numel()
 

@@ -84,9 +84,18 @@ class DistTrainer(Trainer):
         mark_distribution_owned(model)
         return model
 
+    def _mean_sequence_length(self) -> int | None:
+        """Mean ``input_ids`` length over the first rows of the train set (for the tokens/step figure)."""
+        dataset = self.train_dataset
+        try:
+            rows = [dataset[i]["input_ids"] for i in range(min(256, len(dataset)))]
+        except (TypeError, KeyError, IndexError):
+            return None
+        return round(sum(len(r) for r in rows) / len(rows)) if rows else None
+
     def describe(self) -> str:
         """The resolved table: layout, batch contract and LR."""
-        contract = dataclasses.replace(self.args.batch_contract)
+        contract = dataclasses.replace(self.args.batch_contract, seq_len=self._mean_sequence_length())
         if self.args.hf_dist_fsdp is not None:
             kind = "FSDP2 FULL_SHARD" if self.args.hf_dist_fsdp.reshard_after_forward else "FSDP2 SHARD_GRAD_OP"
             kind += " (hf_dist fully_shard)"

@@ -1,0 +1,184 @@
+"""The Harbor 13B fine-tune, reproduced with hf_dist — one script, two presets, full or LoRA.
+
+Real run (8 x A100-80GB, FSDP FULL_SHARD, gradient checkpointing, bf16, global batch 64 = 1 x 8 x 8,
+LR 2e-5 x 64/32):
+
+    accelerate launch --config_file accelerate_configs/harbor_13b_fsdp_8gpu.yaml examples/harbor/train.py \
+        --preset 13b --model_name_or_path meta-llama/Llama-2-13b-hf --data_path transcripts.jsonl
+
+CPU twin (2 processes, a random-init Llama-class model built from a config, synthetic transcripts):
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml examples/harbor/train.py --preset tiny
+
+Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 32``, ``--tp_size 2``, ...).
+``--lora`` trains a LoRA adapter on a frozen base instead of the full model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+
+from hf_dist import DistTrainer, DistTrainingArguments, data
+from hf_dist.models import tiny_llama_config
+
+# Each preset is a list of command-line defaults; flags given by the user come later and win.
+PRESETS: dict[str, list[str]] = {
+    "13b": [
+        "--max_seq_len", "4096", "--per_device_train_batch_size", "1", "--global_batch_size", "64",
+        "--base_learning_rate", "2e-5", "--base_batch_size", "32", "--lr_scaling", "linear",
+        "--bf16", "true", "--gradient_checkpointing", "true", "--num_train_epochs", "1",
+        "--lr_scheduler_type", "cosine", "--warmup_ratio", "0.03", "--weight_decay", "0.0",
+        "--logging_steps", "10", "--eval_strategy", "steps", "--eval_steps", "500", "--save_strategy", "no",
+        "--per_device_eval_batch_size", "1", "--output_dir", "runs/harbor-13b", "--report_to", "tensorboard",
+    ],
+    "tiny": [
+        "--max_seq_len", "256", "--per_device_train_batch_size", "1", "--global_batch_size", "64",
+        "--base_learning_rate", "1e-3", "--base_batch_size", "32", "--lr_scaling", "linear",
+        "--max_steps", "40", "--lr_scheduler_type", "cosine", "--warmup_steps", "4", "--weight_decay", "0.0",
+        "--logging_steps", "5", "--eval_strategy", "no", "--save_strategy", "no",
+        "--per_device_eval_batch_size", "8", "--output_dir", "runs/harbor-tiny", "--report_to", "none",
+        "--num_conversations", "1600", "--seed", "0", "--dataloader_num_workers", "0",
+        "--ddp_find_unused_parameters", "false", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
+    ],
+}
+
+
+@dataclass
+class ScriptArguments:
+    preset: str = field(default="tiny", metadata={"help": "tiny (CPU twin) or 13b (the real recipe)", "choices": tuple(PRESETS)})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub id or local dir; tiny builds a random-init Llama from a config when unset"}
+    )
+    data_path: str | None = field(
+        default=None, metadata={"help": "transcripts JSONL; tiny generates synthetic transcripts when unset"}
+    )
+    num_conversations: int = field(default=1600, metadata={"help": "synthetic transcripts to generate (tiny)"})
+    max_seq_len: int = field(default=256, metadata={"help": "tokens per sequence (longer ones are truncated)"})
+    loss_on: str = field(default="assistant", metadata={"help": "all or assistant", "choices": ("all", "assistant")})
+    packed: bool = field(default=False, metadata={"help": "pack several conversations per sequence"})
+    eval_fraction: float = field(default=0.05, metadata={"help": "share of conversations held out for eval"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter on a frozen base"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
+
+
+def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
+    preset = "tiny"
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+        elif arg.startswith("--preset="):
+            preset = arg.split("=", 1)[1]
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset!r} is not a preset; use one of {', '.join(PRESETS)}")
+    parser = HfArgumentParser((ScriptArguments, DistTrainingArguments))
+    script, args = parser.parse_args_into_dataclasses(args=PRESETS[preset] + list(argv))
+    return script, args
+
+
+def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
+    """Tokenizer and datasets. The main process writes shared files first; the others then read them."""
+    out = Path(args.output_dir) / "data"
+    with args.main_process_first(desc="prepare data"):
+        if script.data_path is None:
+            jsonl, tokenizer = data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
+        else:
+            jsonl = Path(script.data_path)
+            tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+        train, eval_ = data.build_datasets(
+            jsonl, tokenizer, max_seq_len=script.max_seq_len, loss_on=script.loss_on,
+            eval_fraction=script.eval_fraction, seed=args.seed, packed=script.packed,
+        )
+    return tokenizer, train, eval_
+
+
+def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer):
+    if script.model_name_or_path is not None:
+        import torch
+
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=dtype)
+    else:
+        from hf_dist.models import build_tiny_model
+
+        config = tiny_llama_config(
+            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=max(512, script.max_seq_len),
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = build_tiny_model(config, seed=args.seed)
+    if script.lora:
+        model = add_lora(model, script, args)
+    return model
+
+
+def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
+    from peft import LoraConfig, get_peft_model
+
+    if script.model_name_or_path is None:  # the adapter needs its base on disk to be reloadable
+        base_dir = Path(args.output_dir) / "base"
+        if args.process_index == 0:
+            model.save_pretrained(base_dir)
+        model.config.name_or_path = str(base_dir.resolve())
+    config = LoraConfig(
+        r=script.lora_r, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    return get_peft_model(model, config)
+
+
+def reload_check(final_dir: Path, lora: bool) -> str:
+    """Load what was saved the way a user would, and say what came back."""
+    if lora:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(final_dir)
+        trainable = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+        return f"AutoPeftModelForCausalLM.from_pretrained: ok ({trainable:,} adapter parameters)"
+    model = AutoModelForCausalLM.from_pretrained(final_dir)
+    return f"AutoModelForCausalLM.from_pretrained: ok ({model.num_parameters():,} parameters)"
+
+
+def main(argv: list[str]) -> int:
+    script, args = parse(argv)
+    tokenizer, train, eval_ = prepare_data(script, args)
+    model = build_model(script, args, tokenizer)
+    trainer = DistTrainer(
+        model=model, args=args, train_dataset=train, eval_dataset=eval_, processing_class=tokenizer,
+        data_collator=data.data_collator(tokenizer, packed=script.packed),
+        preprocess_logits_for_metrics=data.preprocess_logits_for_metrics, compute_metrics=data.compute_metrics,
+    )
+    before = trainer.evaluate(metric_key_prefix="before") if eval_ is not None else {}
+    result = trainer.train()
+    after = trainer.evaluate(metric_key_prefix="after") if eval_ is not None else {}
+    final_dir = Path(args.output_dir) / "final"
+    trainer.save_model(str(final_dir))
+    if trainer.is_world_process_zero():
+        losses = [round(log["loss"], 4) for log in trainer.state.log_history if "loss" in log]
+        summary = {
+            "preset": script.preset, "lora": script.lora, "layout": trainer.describe().splitlines()[-1].strip(),
+            "losses": losses, "train_loss": result.training_loss,
+            "perplexity_before": before.get("before_perplexity"), "perplexity_after": after.get("after_perplexity"),
+            "final_dir": str(final_dir), "reload": reload_check(final_dir, script.lora),
+        }
+        (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        print("\n== Harbor fine-tune summary ==")
+        print(f"loss: {' -> '.join(str(l) for l in losses)}")
+        if before:
+            print(f"eval perplexity: {summary['perplexity_before']:.2f} before -> {summary['perplexity_after']:.2f} after")
+        print(f"model saved to: {final_dir}  ({summary['reload']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
