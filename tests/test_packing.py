@@ -133,3 +133,27 @@ def test_trainer_step_on_packed_rows_equals_unpacked(conversations, tmp_path):
     assert moved > 1e-4  # the step changed the weights, so equal weights mean equal gradients
     for name, tensor in params_u.items():
         torch.testing.assert_close(params_p[name], tensor, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_flash_attention_gets_varlen_boundaries_over_the_flattened_batch(conversations):
+    """transformers infers flash varlen boundaries from position_ids only for ONE row; the collator gives them."""
+    rows = [
+        {"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, 4], "position_ids": [0, 1, 2, 0]},
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2]},
+    ]
+    batch = PackedCollator(pad_token_id=0, pad_to=5, flash_attn_kwargs=True)(rows)
+    # row 0: [0,1,2] [0] [pad 0]; row 1: [0,1,2] [pad 0,1]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 4, 5, 8, 10]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["cu_seq_lens_k"] is batch["cu_seq_lens_q"]
+    assert batch["max_length_q"] == batch["max_length_k"] == 3
+    sub, tok = conversations
+    assert "cu_seq_lens_q" in data_collator(tok, packed=True, attn_implementation="flash_attention_2")(rows)
+    assert "cu_seq_lens_q" not in data_collator(tok, packed=True, attn_implementation="sdpa")(rows)
+    # sdpa ignores the extra kwargs: the loss is unchanged.
+    unpacked, packed, packed_ds = _batches(sub, tok)
+    with_kwargs = data_collator(tok, packed=True, pad_to=SEQ, attn_implementation="flash_attention_2")(
+        [packed_ds[i] for i in range(len(packed_ds))]
+    )
+    model = build_tiny_model(vocab_size=1024).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**with_kwargs, use_cache=False).loss, model(**packed, use_cache=False).loss)

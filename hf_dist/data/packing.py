@@ -6,13 +6,18 @@ order) and gives every token a ``position_ids`` value that restarts at 0 for eac
 ``PackedCollator`` stacks such rows and pads the tail of each row as one more, separate, "sequence".
 
 How the separation is exact: the collator emits ``position_ids`` and no ``attention_mask``. transformers
-(5.x) then detects the packed format from the position resets (``masking_utils.find_packed_sequence_indices``):
-with ``sdpa`` and ``eager`` it builds a block-diagonal causal mask, with ``flash_attention_2/3`` it runs the
-varlen kernels with the sequence boundaries. Rotary embeddings use the restarted positions. The first label
-of every conversation is set to -100: in the unpacked batch it is never predicted (the loss shifts labels by
-one), and in a packed row it would be predicted from the previous conversation's last token. So the loss
-over a packed batch equals the token-weighted loss of the same conversations unpacked
-(``tests/test_packing.py`` checks it on the tiny Llama).
+(5.x) then detects the packed format from the position resets (``masking_utils.find_packed_sequence_indices``)
+and, with ``sdpa``, ``eager`` or ``flex``, builds a block-diagonal causal mask per row. Rotary embeddings use
+the restarted positions. The first label of every conversation is set to -100: in the unpacked batch it is
+never predicted (the loss shifts labels by one), and in a packed row it would be predicted from the previous
+conversation's last token. So the loss over a packed batch equals the token-weighted loss of the same
+conversations unpacked (``tests/test_packing.py`` checks it on the tiny Llama).
+
+Flash attention (``flash_attention_2/3``, GPUs) does not build masks: transformers infers varlen boundaries
+from ``position_ids`` only when the batch has ONE row (``_is_packed_sequence`` requires batch size 1); with
+more rows it would silently attend across conversations. ``PackedCollator(flash_attn_kwargs=True)`` (set by
+``data_collator(..., attn_implementation="flash_attention_2")``) therefore also emits ``cu_seq_lens_q/k``
+and ``max_length_q/k`` over the flattened batch, which transformers passes to the varlen kernel.
 
 The one condition: the model must run without a KV cache (``use_cache=False``), because transformers only
 looks for packed sequences when there is none. The Trainer guarantees this (``TrainingArguments.use_cache``
@@ -101,6 +106,9 @@ class PackedCollator:
     """Pad every row to this many tokens (static shapes); None pads to the longest row of the batch."""
     pad_to_multiple_of: int | None = None
     """Round the padded length up to a multiple of this (e.g. 8 or 64 for tensor cores)."""
+    flash_attn_kwargs: bool = False
+    """Also emit ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` over the flattened batch, for flash
+    attention's varlen kernels (needed with more than one row per batch; sdpa and eager ignore them)."""
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
@@ -120,7 +128,25 @@ class PackedCollator:
             batch["input_ids"].append(ids + [self.pad_token_id] * pad)
             batch["labels"].append(labels + [IGNORE_INDEX] * pad)
             batch["position_ids"].append(positions + list(range(pad)))
-        return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+        out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+        if self.flash_attn_kwargs:
+            out.update(flash_attn_kwargs_from_positions(out["position_ids"]))
+        return out
+
+
+def flash_attn_kwargs_from_positions(position_ids) -> dict:
+    """``cu_seq_lens_q/k`` and ``max_length_q/k`` for the flattened ``(batch x seq)`` tokens: a sequence
+    starts wherever the position is 0 (and at the start of every row)."""
+    import torch
+
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError("position_ids must start every row at 0 (packed rows from pack_dataset do)")
+    bounds = starts + [flat.numel()]
+    cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
+    longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest}
 
 
 def packing_stats(dataset, *, seq_len: int) -> dict[str, float]:

@@ -214,19 +214,32 @@ def build_datasets(
     return out[0], out[1]
 
 
-def data_collator(tokenizer, *, packed: bool = False, pad_to: int | None = None, pad_to_multiple_of: int | None = None):
+def data_collator(
+    tokenizer,
+    *,
+    packed: bool = False,
+    pad_to: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    attn_implementation: str | None = None,
+):
     """The collator for ``build_datasets`` output.
 
     Unpacked: transformers' ``DataCollatorForSeq2Seq`` (pads ``input_ids`` with the pad token,
     ``attention_mask`` with 0 and ``labels`` with -100), to the longest row or to ``pad_to`` tokens.
-    Packed: ``hf_dist.data.PackedCollator``.
+    Packed: ``hf_dist.data.PackedCollator``; pass the model's ``config._attn_implementation`` as
+    ``attn_implementation`` so that flash attention gets its varlen boundaries (see ``hf_dist.data.packing``).
     """
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token) first")
     if packed:
         from hf_dist.data.packing import PackedCollator
 
-        return PackedCollator(pad_token_id=tokenizer.pad_token_id, pad_to=pad_to, pad_to_multiple_of=pad_to_multiple_of)
+        return PackedCollator(
+            pad_token_id=tokenizer.pad_token_id,
+            pad_to=pad_to,
+            pad_to_multiple_of=pad_to_multiple_of,
+            flash_attn_kwargs="flash" in (attn_implementation or ""),
+        )
     from transformers import DataCollatorForSeq2Seq
 
     return DataCollatorForSeq2Seq(
