@@ -15,7 +15,9 @@ degree, one layer saves:
   * the MLP: gate output, SiLU output, up output and their product, ``4·c·N·I/t``;
   * under autocast, the bf16 copy of every linear weight (``c·weights/t``): autograd saves the cast, not the
     fp32 parameter;
-  * with LoRA (dropout 0), each adapter's A output (``c·N·rank`` per linear).
+  * with LoRA (dropout 0), each adapter's A output (``c·N·rank`` per linear). PEFT keeps adapters in fp32: on
+    a bf16 base each adapter saves its own fp32 copy of its input (``4·N·(5·h + q_dim + I)``), its A output in
+    fp32, and the frozen down_proj no longer keeps the MLP product (``3·c·N·I/t``).
 With activation checkpointing a layer keeps only its input, ``r·N·h`` (divided by t with sequence parallel),
 and during backward one layer is recomputed and holds the full set above.
 
@@ -123,13 +125,19 @@ def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivat
         attention = (4 * c * n * model.q_dim + probabilities) // t
     else:
         attention = (c * n * (2 * model.q_dim + 2 * model.kv_dim) + 4 * heads_s) // t
+    inputs, mlp, lora = (5 if autocast else 2) * c * n * h, 4 * c * n * model.intermediate_size // t, c
+    if layout.lora_rank and c != 4:
+        # fp32 adapters on a bf16 base: every adapter saves its own fp32 copy of its input, and the frozen
+        # down_proj no longer keeps the bf16 gate x up product
+        inputs = 4 * n * (5 * h + (model.q_dim + model.intermediate_size) // t)
+        mlp, lora = 3 * c * n * model.intermediate_size // t, 4
     return LayerActivations(
         norms=2 * norm // sp,
-        linear_inputs=(5 if autocast else 2) * c * n * h,
+        linear_inputs=inputs,
         attention=attention,
-        mlp=4 * c * n * model.intermediate_size // t,
+        mlp=mlp,
         weight_casts=c * model.layer_linear_weights // t if autocast else 0,
-        lora=7 * c * n * layout.lora_rank,
+        lora=7 * lora * n * layout.lora_rank,
     )
 
 

@@ -117,6 +117,17 @@ def shard_elements(shapes: list[tuple[int, ...]], shards: int, how: str) -> int:
     return math.ceil(padded / (2 * shards)) * 2
 
 
+def _ds_partition_overlap(shapes: list[tuple[int, ...]], partition: int) -> int:
+    """Elements of the parameters that start inside rank 0's flat partition (16-byte aligned offsets)."""
+    offset = total = 0
+    for shape in shapes:
+        if offset >= partition:
+            break
+        total += _numel(shape)
+        offset += _numel(shape) + (-_numel(shape)) % 4
+    return total
+
+
 def _gather_bytes(workload: Workload, layout: Layout) -> int:
     """Bytes per element of gathered units: FSDP gathers the stored dtype unless it casts (bf16_mixed/LoRA)."""
     if workload.precision == "fp32":
@@ -180,8 +191,12 @@ def _deepspeed(model, workload, layout, trainable, frozen, unit, root) -> ModelS
         params = p * (part_el + shard_elements(frozen, s, "ds_param"))
     else:  # the whole padded flat buffer, which the module's parameters are views of
         params = p * (s * part_el + sum(_numel(x) for x in frozen))
-    grads = p * (sum(_numel(x) for x in trainable) if stage == 1 else part_el)
-    master, optim = 4 * part_el, 8 * part_el + 4
+    if stage == 1:
+        grads = p * sum(_numel(x) for x in trainable)
+    else:  # stage 2 keeps whole gradients of every parameter touching rank 0's partition; stage 3 the partition
+        grads = p * (_ds_partition_overlap(trainable, part_el) if stage == 2 else part_el)
+    # stage 3 uses the partition itself as the master when it is already fp32; stage 1/2 always clone it
+    master, optim = (0 if stage == 3 and p == 4 else 4 * part_el), 8 * part_el + 4
     buckets = p * h * h * (2 if stage < 3 else 1)
     at_loss = in_backward = unsharded = 0
     if stage == 3:  # the largest module in use (often lm_head), the prefetch bucket, persistent small params

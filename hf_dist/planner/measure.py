@@ -1,0 +1,93 @@
+"""Measure what the memory model predicts, from the tensors themselves: for the benchmark and the tests.
+
+``SavedTensorBytes`` counts the bytes autograd saves for backward during a forward (``saved_tensors_hooks``),
+each storage once, leaving out parameters and views of parameters (they are model states, not
+activations); DTensors count their local shard. ``model_state_bytes`` sums the distinct storages of the
+parameters, gradients and optimizer state tensors of a module and optimizer (local shards for DTensors).
+``peak_rss_bytes`` is the process's peak resident set size.
+
+Not here: predictions (``memory.py``) or any DeepSpeed internals (``bench/memory.py`` reads those itself).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    base = t._base if t._base is not None else t
+    return isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter)
+
+
+class StorageSet:
+    """Distinct storages, counted once by address."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, int] = {}
+
+    def add(self, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        storage = _local(t).untyped_storage()
+        if storage.nbytes():
+            self._sizes.setdefault(storage.data_ptr(), storage.nbytes())
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return _local(t).untyped_storage().data_ptr() in self._sizes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._sizes.values())
+
+
+class SavedTensorBytes:
+    """Context manager: bytes saved for backward inside it, each storage once, parameters excluded."""
+
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
+        self.params = StorageSet()
+        for p in module.parameters() if module is not None else ():
+            self.params.add(p)
+        self.saved = StorageSet()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not _is_parameter(t) and t not in self.params:
+            self.saved.add(t)
+        return t
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return self.saved.nbytes
+
+
+def model_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """``{"parameters", "gradients", "optimizer_states"}``: distinct storage bytes of each."""
+    params, grads, states = StorageSet(), StorageSet(), StorageSet()
+    for p in module.parameters():
+        params.add(p)
+        grads.add(p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    states.add(value)
+    return {"parameters": params.nbytes, "gradients": grads.nbytes, "optimizer_states": states.nbytes}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
