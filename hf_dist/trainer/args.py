@@ -60,36 +60,59 @@ class DistTrainingArguments(TrainingArguments):
             self.learning_rate = self.batch_contract.learning_rate
 
     def _resolve_contract(self) -> BatchContract:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        for name in ("tp_size", "pp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer (1 disables it)")
-        model_parallel = self.tp_size * self.pp_size
-        if world_size % model_parallel != 0:
-            raise ValueError(
-                f"tp_size={self.tp_size} x pp_size={self.pp_size} = {model_parallel} does not divide the "
-                f"world size {world_size}; launch a multiple of {model_parallel} processes or lower tp_size/pp_size"
-            )
-        micro = self.per_device_train_batch_size
-        dp = world_size // model_parallel
-        if self.global_batch_size is None:
-            global_batch = micro * dp * self.gradient_accumulation_steps
-        else:
-            global_batch = self.global_batch_size
-            derived, remainder = divmod(global_batch, micro * dp)
-            if remainder == 0 and self.gradient_accumulation_steps not in (1, derived):
-                raise ValueError(
-                    f"gradient_accumulation_steps={self.gradient_accumulation_steps} contradicts global_batch_size="
-                    f"{global_batch} = per_device_train_batch_size={micro} x data-parallel size={dp} x accumulation "
-                    f"{derived}; drop gradient_accumulation_steps (it is derived) or change global_batch_size"
-                )
-        return BatchContract(
-            world_size=world_size,
-            global_batch_size=global_batch,
-            micro_batch_size=micro,
-            tp=self.tp_size,
-            pp=self.pp_size,
+        return resolve_contract(
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            micro_batch_size=self.per_device_train_batch_size,
+            global_batch_size=self.global_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
             base_learning_rate=self.base_learning_rate,
             base_batch_size=self.base_batch_size,
-            lr_scaling=self.lr_scaling if self.base_learning_rate is not None else "none",
+            lr_scaling=self.lr_scaling,
         )
+
+
+def resolve_contract(
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    global_batch_size: int | None,
+    gradient_accumulation_steps: int = 1,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    base_learning_rate: float | None = None,
+    base_batch_size: int | None = None,
+    lr_scaling: str = "linear",
+) -> BatchContract:
+    """The batch contract of a run (pure). Without ``global_batch_size`` it is micro x dp x accumulation."""
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be a positive integer (1 disables it)")
+    model_parallel = tp_size * pp_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"tp_size={tp_size} x pp_size={pp_size} = {model_parallel} does not divide the world size "
+            f"{world_size}; launch a multiple of {model_parallel} processes or lower tp_size/pp_size"
+        )
+    dp = world_size // model_parallel
+    if global_batch_size is None:
+        global_batch_size = micro_batch_size * dp * gradient_accumulation_steps
+    else:
+        derived, remainder = divmod(global_batch_size, micro_batch_size * dp)
+        if remainder == 0 and gradient_accumulation_steps not in (1, derived):
+            raise ValueError(
+                f"gradient_accumulation_steps={gradient_accumulation_steps} contradicts global_batch_size="
+                f"{global_batch_size} = per_device_train_batch_size={micro_batch_size} x data-parallel size={dp} x "
+                f"accumulation {derived}; drop gradient_accumulation_steps (it is derived) or change global_batch_size"
+            )
+    return BatchContract(
+        world_size=world_size,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        tp=tp_size,
+        pp=pp_size,
+        base_learning_rate=base_learning_rate,
+        base_batch_size=base_batch_size,
+        lr_scaling=lr_scaling if base_learning_rate is not None else "none",
+    )
