@@ -6,13 +6,21 @@ import torch
 from transformers import AutoTokenizer, Trainer, TrainingArguments
 
 from dist_utils import run_distributed
-from hf_dist.data import build_datasets, compute_metrics, data_collator, prepare_demo_data, preprocess_logits_for_metrics
+from hf_dist.data import (
+    build_datasets,
+    compute_metrics,
+    data_collator,
+    prepare_demo_data,
+    preprocess_logits_for_metrics,
+)
 from hf_dist.models import build_tiny_model
 
 
 def _evaluate(jsonl, tokenizer_dir, output_dir, packed):
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    _, eval_ = build_datasets(jsonl, tok, max_seq_len=128, loss_on="assistant", eval_fraction=0.5, seed=0, packed=packed)
+    _, eval_ = build_datasets(
+        jsonl, tok, max_seq_len=128, loss_on="assistant", eval_fraction=0.5, seed=0, packed=packed
+    )
     args = TrainingArguments(output_dir=output_dir, per_device_eval_batch_size=2, report_to=[], use_cpu=True)
     trainer = Trainer(
         model=build_tiny_model(vocab_size=1024, seed=1),

@@ -146,7 +146,12 @@ def flash_attn_kwargs_from_positions(position_ids) -> dict:
     bounds = starts + [flat.numel()]
     cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
     longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max())
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest}
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def packing_stats(dataset, *, seq_len: int) -> dict[str, float]:

@@ -194,7 +194,8 @@ def generate_conversation(rng: random.Random, profile: LengthProfile = LengthPro
     if rng.random() < profile.system_prompt_prob:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
     for _ in range(exchanges):
-        for role, first, filler in (("user", bank["ask"], FILLER_USER), ("assistant", bank["answer"], FILLER_ASSISTANT)):
+        turns = (("user", bank["ask"], FILLER_USER), ("assistant", bank["answer"], FILLER_ASSISTANT))
+        for role, first, filler in turns:
             words = max(3, round(rng.lognormvariate(math.log(profile.words_median), profile.words_sigma)))
             messages.append({"role": role, "content": _turn(rng, first, filler, slots, words)})
     return {"topic": topic, "messages": messages}

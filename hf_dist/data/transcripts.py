@@ -106,7 +106,10 @@ def _prefix_assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], 
             )
         spans.append((len(before), len(upto)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(start < end_s and end > start_s for start_s, end_s in spans)) for start, end in encoded["offset_mapping"]]
+    mask = [
+        int(any(start < span_end and end > span_start for span_start, span_end in spans))
+        for start, end in encoded["offset_mapping"]
+    ]
     return list(encoded["input_ids"]), mask
 
 
