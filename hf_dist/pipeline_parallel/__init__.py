@@ -1,0 +1,36 @@
+"""Pipeline parallelism for HF causal LMs: split into stages, run torch pipeline schedules, save as HF.
+
+- ``plan_stages`` (pure): decoder layers -> ``pp_size x virtual_stages`` stages, balanced or at split points.
+- ``CausalLMStage``: one stage's HF modules under HF names, with rotary and padding-aware masks per stage.
+- ``PipelineConfig`` / ``SCHEDULES``: gpipe, 1f1b, interleaved_1f1b, interleaved_zb, zbv.
+- ``PipelinedCausalLM``: this rank's stages + schedule + dp gradient reduction; ``train_step``/``eval_step``.
+- ``save_pretrained``: one HF directory (or one PEFT adapter) from all stages.
+
+Not for: the Trainer glue (``hf_dist.trainer`` calls ``hf_dist.pipeline_parallel.trainer_glue``).
+"""
+
+from hf_dist.pipeline_parallel.checkpoint import gather_state_dict, save_pretrained
+from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
+from hf_dist.pipeline_parallel.schedules import (
+    SCHEDULES,
+    PipelineConfig,
+    check_microbatches,
+    theoretical_utilisation,
+)
+from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
+from hf_dist.pipeline_parallel.stage_module import CausalLMStage, TokenWeightedLoss, stage_units
+
+__all__ = [
+    "SCHEDULES",
+    "CausalLMStage",
+    "PipelineConfig",
+    "PipelinedCausalLM",
+    "StagePlan",
+    "TokenWeightedLoss",
+    "check_microbatches",
+    "gather_state_dict",
+    "plan_stages",
+    "save_pretrained",
+    "stage_units",
+    "theoretical_utilisation",
+]

@@ -1,0 +1,258 @@
+"""Train and evaluate an HF causal LM split into pipeline stages: ``PipelinedCausalLM``.
+
+Order of application, in ``PipelinedCausalLM.__init__``: split into this rank's stage(s) (``plan_stages``),
+then tensor parallel inside each stage (optional, ``hf_dist.tensor_parallel``), then FSDP2 on the
+data-parallel axis when ``dp_shard > 1``, then the torch ``PipelineStage`` objects and the schedule.
+
+Loss and gradients follow one process with the whole global batch: the last stage sums token losses and
+divides by the loss tokens of the global batch (counted on every rank, summed over the dp axis), and
+gradients are *summed* over data-parallel ranks (FSDP2 with divide factor 1, or an all-reduce of the
+gradients when ``dp_replicate > 1``). ``train_step`` returns the global-batch mean loss on every rank.
+
+Evaluation (``eval_step``) does not use the schedule: it runs the stages forward in order with blocking
+sends of the hidden states, so any batch size works (the last eval batch is often short).
+
+Not for: checkpoints (``checkpoint``) or the Trainer glue (``hf_dist.trainer``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_dist.parallel_dims import ParallelDims
+from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
+from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
+from hf_dist.pipeline_parallel.stage_module import (
+    IGNORE_INDEX,
+    CausalLMStage,
+    TokenWeightedLoss,
+    causal_lm_of,
+    check_untied,
+    count_loss_tokens,
+    stage_units,
+)
+
+
+def _release_unowned(model: nn.Module, plan: StagePlan, owned: set[str]) -> None:
+    """Drop the modules no local stage owns, so a rank holds only its stages' weights."""
+    lm = causal_lm_of(model)
+    all_layers = {n for stage in plan.stages for n in stage if n.startswith("model.layers.")}
+    for name in all_layers - owned:
+        lm.model.layers[int(name.rsplit(".", 1)[1])] = nn.Module()
+    if "model.embed_tokens" not in owned:
+        lm.model.embed_tokens = nn.Module()
+    if "lm_head" not in owned:
+        lm.model.norm, lm.lm_head = nn.Module(), nn.Module()
+
+
+class PipelinedCausalLM:
+    """This rank's stages of a causal LM, its pipeline schedule, and the data-parallel gradient reduction."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dims: ParallelDims,
+        config: PipelineConfig,
+        device: torch.device | str = "cpu",
+        release_unowned: bool = True,
+    ) -> None:
+        if not dims.pp_enabled:
+            raise ValueError(f"PipelinedCausalLM needs pp > 1, got {dims}; train without it when pp=1")
+        check_untied(model, dims.pp)
+        self.dims, self.config, self.device = dims, config, torch.device(device)
+        self.source_model = model  # kept for its config (and PEFT config) when saving
+        self.pp_group = dims.get_mesh("pp").get_group()
+        self.pp_rank = dist.get_rank(self.pp_group)
+        layers, embed_size, head_size = stage_units(model)
+        self.plan = plan_stages(
+            layers,
+            pp_size=dims.pp,
+            virtual_stages=config.virtual_stages,
+            embed_size=embed_size,
+            head_size=head_size,
+            split_points=config.split_points,
+            placement=config.spec.placement,
+        )
+        self.stage_ids = self.plan.local_stages(self.pp_rank)
+        self.modules = [CausalLMStage(model, self.plan.stages[i]).to(self.device) for i in self.stage_ids]
+        if release_unowned:
+            _release_unowned(model, self.plan, {n for i in self.stage_ids for n in self.plan.stages[i]})
+        self.hidden_dtype = next(causal_lm_of(model).parameters()).dtype
+        self.hidden_size = causal_lm_of(model).config.hidden_size
+        self._apply_tensor_parallel()
+        self._apply_data_parallel()
+        self.loss_fn = TokenWeightedLoss()
+        self._build_schedule()
+
+    # -- construction ------------------------------------------------------------------------------
+    def _apply_tensor_parallel(self) -> None:
+        if not self.dims.tp_enabled:
+            return
+        from hf_dist.tensor_parallel import apply_tensor_parallel
+
+        self.modules = [apply_tensor_parallel(m, self.dims.get_mesh("tp")) for m in self.modules]
+
+    def _apply_data_parallel(self) -> None:
+        self.dp_group = self.dims.get_mesh("dp").get_group() if self.dims.dp_enabled else None
+        self.allreduce_group = None
+        if self.dims.dp_shard > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.dims.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.dims.mesh["dp_shard"]
+            for module in self.modules:
+                units = [*module.model.layers.values(), module]  # each decoder layer, then the rest of the stage
+                for unit in units:
+                    fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+                for unit in units:  # per FSDP unit: a unit's settings do not reach the units inside it
+                    unit.set_gradient_divide_factor(1.0)  # sum: the loss is already divided by global tokens
+                    unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        elif self.dims.dp_replicate > 1:
+            self.allreduce_group = self.dims.get_mesh("dp_replicate").get_group()
+
+    def _build_schedule(self) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.stages = [
+            PipelineStage(module, i, self.plan.num_stages, self.device, group=self.pp_group)
+            for i, module in zip(self.stage_ids, self.modules)
+        ]
+        self.schedule = build_schedule(self.config, self.stages, self.loss_fn)
+
+    # -- queries -----------------------------------------------------------------------------------
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.plan.num_stages - 1 in self.stage_ids
+
+    def parameters(self):
+        for module in self.modules:
+            yield from module.parameters()
+
+    def named_parameters(self):
+        for module in self.modules:
+            yield from module.named_parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.modules:
+            module.train(mode)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None:
+            dist.all_reduce(value, group=self.dp_group)
+        return value
+
+    @staticmethod
+    def _model_kwargs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward over the whole per-rank batch; returns the global-batch mean loss (all ranks).
+
+        Gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()`` between steps).
+        """
+        input_ids = batch["input_ids"].to(self.device)
+        labels = batch.get("labels", batch["input_ids"]).to(self.device)
+        check_microbatches(input_ids.shape[0], self.config.microbatches, self.plan.num_stages)
+        tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
+        self.loss_fn.denominator = tokens.clamp(min=1.0)
+        kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        self._allreduce_grads()
+        local = torch.stack([l.detach() for l in losses]).sum() if self.has_last else torch.zeros(())
+        return self._broadcast_loss(local.to(torch.float32))
+
+    def _allreduce_grads(self) -> None:
+        if self.allreduce_group is None:
+            return
+        # TP grads are DTensors: their local shards are summed over the replicas of the same tp coordinate
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.allreduce_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _broadcast_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss on every rank: sum over pp (zeros elsewhere), then over dp."""
+        local = local.to(self.device)
+        dist.all_reduce(local, group=self.pp_group)
+        return self._dp_sum(local)
+
+    @torch.no_grad()
+    def forward_only(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """Run every stage forward in pipeline order; the logits on the last stage's rank, None elsewhere."""
+        input_ids = batch["input_ids"].to(self.device)
+        kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
+        shape = (*input_ids.shape, self.hidden_size)
+        out = None
+        for index in range(self.plan.num_stages):
+            owner = self.plan.rank_of(index)
+            if owner != self.pp_rank:
+                continue
+            if index == 0:
+                x = input_ids
+            elif self.plan.rank_of(index - 1) == self.pp_rank:
+                x = out
+            else:
+                x = torch.empty(shape, dtype=self.hidden_dtype, device=self.device)
+                dist.recv(x, group=self.pp_group, group_src=self.plan.rank_of(index - 1))
+            out = self.modules[self.stage_ids.index(index)](x, **kwargs)
+            if index + 1 < self.plan.num_stages and self.plan.rank_of(index + 1) != self.pp_rank:
+                dist.send(out.contiguous(), group=self.pp_group, group_dst=self.plan.rank_of(index + 1))
+        return out if self.has_last else None
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(global-batch mean loss on every rank, logits on the last stage's rank or None)``."""
+        labels = batch.get("labels", batch["input_ids"]).to(self.device)
+        logits = self.forward_only(batch)
+        summed = torch.zeros((), dtype=torch.float32, device=self.device)
+        if logits is not None:
+            vocab = logits.shape[-1]
+            summed = torch.nn.functional.cross_entropy(
+                logits[:, :-1].float().reshape(-1, vocab),
+                labels[:, 1:].reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+        tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
+        return self._broadcast_loss(summed) / tokens.clamp(min=1.0), logits
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over *all* stages' gradients (all pp ranks, dp/tp shards included); returns it."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        if grads:
+            total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=False)
+            if isinstance(total, DTensor):  # FSDP/TP shards: reduce over their mesh
+                total = total.full_tensor()
+        else:
+            total = torch.zeros((), device=self.device)
+        total = total.to(torch.float32)
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.pp_group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=self.pp_group)
+            total = total ** (1.0 / norm_type)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+        return total

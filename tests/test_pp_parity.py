@@ -1,0 +1,138 @@
+"""Pipeline parallelism against one process (fp32, gloo, CPU): every schedule, PP x DP, LoRA, save and eval.
+
+One spawned group per world size runs every variant, to pay the start-up cost once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from dist_utils import run_distributed
+from pp_harness import LAYERS, batches, padded_batch, pipelined_run, portable, reference_run, tiny_model
+
+SCHEDULE_MICROBATCHES = {"gpipe": 4, "1f1b": 4, "interleaved_1f1b": 8, "interleaved_zb": 8, "zbv": 8}
+GLOBAL_BATCH = 8
+
+
+def _schedules_two_ranks(rank, world_size, out_dir):
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict, save_pretrained
+
+    dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
+    dims.build_mesh("cpu")
+    steps = batches(GLOBAL_BATCH)
+    results = {}
+    for schedule, microbatches in SCHEDULE_MICROBATCHES.items():
+        pipe = PipelinedCausalLM(tiny_model(), dims=dims, config=PipelineConfig(schedule=schedule, microbatches=microbatches))
+        losses, norms = pipelined_run(pipe, steps, dp_rank=0, dp=1)
+        state = portable(gather_state_dict(pipe))
+        results[schedule] = {"losses": losses, "norms": norms, "state": state, "stages": pipe.stage_ids}
+        if schedule == "1f1b":
+            save_pretrained(pipe, os.path.join(out_dir, "full"))
+            eval_batch = padded_batch(3, seed=7)  # 3 sequences: not a multiple of any micro-batch count
+            results["eval"] = float(pipe.eval_step(eval_batch)[0])
+    return results
+
+
+def test_every_schedule_matches_one_process(tmp_path):
+    results = run_distributed(_schedules_two_ranks, 2, str(tmp_path))
+    ref_losses, ref_norms, ref_state = reference_run(tiny_model(), batches(GLOBAL_BATCH))
+    assert results[0]["zbv"]["stages"] == [0, 3] and results[1]["zbv"]["stages"] == [1, 2]  # V placement
+    assert results[0]["interleaved_1f1b"]["stages"] == [0, 2]  # loop placement
+    for schedule in SCHEDULE_MICROBATCHES:
+        for rank in (0, 1):  # the last stage's loss reaches every rank
+            got = results[rank][schedule]
+            assert_close(got["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"{schedule} loss, rank {rank}")
+            assert_close(got["norms"], ref_norms, atol=1e-5, rtol=1e-5, msg=f"{schedule} grad norm, rank {rank}")
+        state = results[0][schedule]["state"]
+        assert results[1][schedule]["state"] is None
+        assert set(state) == set(ref_state)
+        for key, value in ref_state.items():
+            assert_close(torch.from_numpy(state[key]), value, atol=1e-4, rtol=0, msg=f"{schedule} {key}")
+    assert min(ref_norms) > 0.5  # clipping was active, so the global norm across stages mattered
+
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    for key, value in saved.state_dict().items():
+        assert_close(value, ref_state[key], atol=1e-4, rtol=0)
+    eval_batch = padded_batch(3, seed=7)
+    with torch.no_grad():
+        assert_close(results[0]["eval"], float(saved(**eval_batch).loss), atol=1e-5, rtol=0)
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(1)  # LoRA B starts at zero: give it values so the adapter's every tensor is checked
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return peft_model
+
+
+def _lora_two_ranks(rank, world_size, out_dir):
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, save_pretrained
+
+    dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
+    dims.build_mesh("cpu")
+    pipe = PipelinedCausalLM(_lora_model(), dims=dims, config=PipelineConfig(schedule="1f1b", microbatches=4))
+    losses, _ = pipelined_run(pipe, batches(GLOBAL_BATCH, steps=3), dp_rank=0, dp=1)
+    save_pretrained(pipe, out_dir)
+    trainable = sorted(n for n, p in pipe.named_parameters() if p.requires_grad)
+    return losses, trainable
+
+
+def test_lora_adapter_from_stages_loads_on_a_plain_model(tmp_path):
+    from peft import PeftModel
+
+    (losses, names0), (_, names1) = run_distributed(_lora_two_ranks, 2, str(tmp_path))
+    assert names0 and names1 and not set(names0) & set(names1)  # each stage holds its own adapters
+    assert all("lora_" in n for n in names0 + names1)
+    ref_model = _lora_model()
+    ref_losses, _, _ = reference_run(ref_model, batches(GLOBAL_BATCH, steps=3))
+    assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    loaded = PeftModel.from_pretrained(tiny_model(), tmp_path)
+    ref_lora = {k: v for k, v in ref_model.state_dict().items() if "lora_" in k}
+    got_lora = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    assert set(got_lora) == set(ref_lora) and len(ref_lora) == 2 * 3 * LAYERS
+    for key, value in ref_lora.items():
+        assert_close(got_lora[key], value, atol=1e-4, rtol=0)
+
+
+def _pp_times_dp_four_ranks(rank, world_size):
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict
+
+    results = {}
+    layouts = {"fsdp": dict(dp_shard=2), "ddp": dict(dp_replicate=2, dp_shard=1)}
+    for name, sizes in layouts.items():
+        dims = ParallelDims(world_size=4, pp=2, **sizes)
+        dims.build_mesh("cpu")
+        schedule = "1f1b" if name == "fsdp" else "interleaved_1f1b"
+        pipe = PipelinedCausalLM(tiny_model(), dims=dims, config=PipelineConfig(schedule=schedule, microbatches=4))
+        losses, norms = pipelined_run(pipe, batches(GLOBAL_BATCH), dp_rank=dims.dp_rank(rank), dp=dims.dp)
+        results[name] = {"losses": losses, "norms": norms, "state": portable(gather_state_dict(pipe))}
+    return results
+
+
+def test_pp_times_dp_on_four_ranks():
+    results = run_distributed(_pp_times_dp_four_ranks, 4)
+    ref_losses, ref_norms, ref_state = reference_run(tiny_model(), batches(GLOBAL_BATCH))
+    for name in ("fsdp", "ddp"):
+        for rank in range(4):
+            assert_close(results[rank][name]["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
+            assert_close(results[rank][name]["norms"], ref_norms, atol=1e-5, rtol=1e-5)
+        state = results[0][name]["state"]
+        for key, value in ref_state.items():
+            assert_close(torch.from_numpy(state[key]), value, atol=1e-4, rtol=0, msg=f"{name} {key}")

@@ -1,0 +1,147 @@
+"""Pipeline planning and stage modules without processes: splitter, config checks, stages vs the whole model."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from hf_dist.pipeline_parallel import (
+    CausalLMStage,
+    PipelineConfig,
+    TokenWeightedLoss,
+    check_microbatches,
+    plan_stages,
+    stage_units,
+    theoretical_utilisation,
+)
+from hf_dist.pipeline_parallel import schedules as schedules_module
+from hf_dist.pipeline_parallel.stage_module import check_untied, count_loss_tokens
+from pp_harness import padded_batch, tiny_model
+
+
+def _layers(sizes):
+    return [(f"model.layers.{i}", s) for i, s in enumerate(sizes)]
+
+
+def test_first_stage_owns_embeddings_last_owns_head():
+    plan = plan_stages(_layers([10] * 8), pp_size=4, embed_size=5, head_size=5)
+    assert plan.stages[0][0] == "model.embed_tokens"
+    assert plan.stages[-1][-2:] == ("model.norm", "lm_head")
+    layers = [n for stage in plan.stages for n in stage if n.startswith("model.layers.")]
+    assert layers == [f"model.layers.{i}" for i in range(8)]  # every layer once, in order
+
+
+def test_balancing_minimises_the_largest_stage():
+    # A large embedding pushes layers off the first stage: the best max is 40 (e.g. [E+0], [1,2,3,4], ...).
+    plan = plan_stages(_layers([10] * 6), pp_size=2, embed_size=30, head_size=0)
+    assert plan.stages[0] == ("model.embed_tokens", "model.layers.0")
+    assert plan.stage_sizes == (40, 50)
+    uneven = plan_stages(_layers([1, 1, 1, 1, 8, 8]), pp_size=2)
+    assert uneven.stage_sizes == (12, 8)
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    for parts in (2, 3, 4):  # against every possible set of cuts
+        best = min(
+            max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+            for cuts in itertools.combinations(range(1, len(sizes)), parts - 1)
+        )
+        assert max(plan_stages(_layers(sizes), pp_size=parts).stage_sizes) == best
+
+
+def test_explicit_split_points():
+    plan = plan_stages(_layers([1] * 4), pp_size=2, split_points=["model.layers.1"])
+    assert plan.stages == (("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"))
+    with pytest.raises(ValueError, match="exactly 1"):
+        plan_stages(_layers([1] * 4), pp_size=2, split_points=[])
+    with pytest.raises(ValueError, match="not decoder layers"):
+        plan_stages(_layers([1] * 4), pp_size=2, split_points=["model.layers.9"])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        plan_stages(_layers([1] * 4), pp_size=3, split_points=["model.layers.2", "model.layers.1"])
+
+
+def test_placement_loop_and_v():
+    loop = plan_stages(_layers([1] * 8), pp_size=2, virtual_stages=2)
+    assert [loop.local_stages(r) for r in (0, 1)] == [[0, 2], [1, 3]]
+    v = plan_stages(_layers([1] * 8), pp_size=2, virtual_stages=2, placement="v")
+    assert [v.local_stages(r) for r in (0, 1)] == [[0, 3], [1, 2]]
+    with pytest.raises(ValueError, match="virtual_stages=2"):
+        plan_stages(_layers([1] * 8), pp_size=2, virtual_stages=3, placement="v")
+
+
+def test_too_few_layers_is_an_error_naming_the_sizes():
+    with pytest.raises(ValueError, match="4 decoder layers cannot fill pp_size=4 x virtual_stages=2 = 8"):
+        plan_stages(_layers([1] * 4), pp_size=4, virtual_stages=2)
+
+
+def test_schedule_config_checks():
+    assert PipelineConfig(schedule="interleaved_1f1b").virtual_stages == 2
+    assert PipelineConfig(schedule="gpipe").virtual_stages == 1
+    with pytest.raises(ValueError, match="pp_schedule='pipedream' is not known"):
+        PipelineConfig(schedule="pipedream")
+    with pytest.raises(ValueError, match="exactly 2 stage"):
+        PipelineConfig(schedule="zbv", virtual_stages=3)
+    with pytest.raises(ValueError, match="exactly 1 stage"):
+        PipelineConfig(schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="pp_microbatches=0"):
+        PipelineConfig(microbatches=0)
+
+
+def test_microbatch_split_error_and_warning_once(caplog):
+    with pytest.raises(ValueError, match=r"does not split into pp_microbatches=3 .* use pp_microbatches in \[1, 2, 4, 8\]"):
+        check_microbatches(8, 3, num_stages=2)
+    schedules_module._warned.clear()
+    with caplog.at_level(logging.WARNING, logger=schedules_module.__name__):
+        assert check_microbatches(8, 2, num_stages=2) == 4
+        check_microbatches(8, 2, num_stages=2)
+        assert check_microbatches(8, 4, num_stages=2) == 2  # 4 >= 2 x 2: no warning
+    warnings = [r for r in caplog.records if "below 2 x 2 pipeline stages" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_theoretical_utilisation():
+    assert theoretical_utilisation(4, 2) == pytest.approx(0.8)
+    assert theoretical_utilisation(16, 4) == pytest.approx(16 / 19)
+
+
+def test_stages_in_sequence_equal_the_whole_model_with_padding():
+    model = tiny_model()
+    batch = padded_batch(4, seed=3)
+    assert (batch["attention_mask"] == 0).any()  # the mask path is exercised
+    with torch.no_grad():
+        ref = model(**batch)
+        layers, embed, head = stage_units(model)
+        plan = plan_stages(layers, pp_size=2, virtual_stages=2, embed_size=embed, head_size=head)
+        x = batch["input_ids"]
+        for names in plan.stages:
+            x = CausalLMStage(model, names)(x, attention_mask=batch["attention_mask"])
+    keep = batch["attention_mask"].bool()
+    assert_close(x[keep], ref.logits[keep], atol=1e-6, rtol=0)
+    loss = TokenWeightedLoss()
+    loss.denominator = count_loss_tokens(batch["labels"])
+    microbatched = sum(loss(x[i : i + 1], batch["labels"][i : i + 1]) for i in range(4))
+    assert_close(microbatched, ref.loss, atol=1e-6, rtol=0)
+
+
+def test_stage_keys_are_hf_keys():
+    model = tiny_model()
+    layers, embed, head = stage_units(model)
+    plan = plan_stages(layers, pp_size=2, embed_size=embed, head_size=head)
+    keys = set()
+    for names in plan.stages:
+        keys |= set(CausalLMStage(model, names).state_dict())
+    assert keys == set(model.state_dict())
+
+
+def test_tied_embeddings_are_refused_with_the_fix():
+    model = tiny_model(tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings=True with pp_size=2"):
+        check_untied(model, 2)
+    check_untied(model, 1)
+
+
+def test_models_without_the_llama_layout_are_refused():
+    with pytest.raises(ValueError, match="Llama layout"):
+        stage_units(torch.nn.Linear(2, 2))
