@@ -87,6 +87,14 @@ def test_template_that_is_not_prefix_stable_is_refused(demo):
         assistant_token_mask(unstable, CONV)
 
 
+def test_a_tokenizer_without_chat_template_is_refused(demo):
+    jsonl, tok = demo
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template; set tokenizer.chat_template"):
+        build_datasets(jsonl, bare, max_seq_len=64)
+
+
 def test_truncation_and_untrainable_rows(demo):
     _, tok = demo
     row = tokenize_conversation(tok, CONV, max_seq_len=12, loss_on="assistant")

@@ -159,6 +159,12 @@ def tokenize_transcripts(dataset, tokenizer, *, max_seq_len: int, loss_on: LossO
     from datasets import Dataset
 
     _check_args(max_seq_len, loss_on, 0.0)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} has no chat template; "
+            "set tokenizer.chat_template to a Jinja template (hf_dist.data.tokenizer.CHAT_TEMPLATE is one, with "
+            "{% generation %} blocks), or train one with hf_dist.data.train_tokenizer"
+        )
     rows = [tokenize_conversation(tokenizer, r["messages"], max_seq_len=max_seq_len, loss_on=loss_on) for r in dataset]
     kept = [row for row in rows if any(label != IGNORE_INDEX for label in row["labels"][1:])]
     if not kept:
