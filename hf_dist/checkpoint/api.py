@@ -149,6 +149,14 @@ def _write_rank0_files(partial: Path, *, model, lr_scheduler, scaler, tokenizer)
     return contents
 
 
+def _write_extra_file(partial: Path, name: str, text: str) -> None:
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or rel.parts[0] in (DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE, mf.MANIFEST_NAME):
+        raise ValueError(f"extra_files name {name!r} must be a relative path outside dcp/, rng/, hf/ and the manifest")
+    (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+    (partial / rel).write_text(text, encoding="utf-8")
+
+
 def _prepare_partial(target: Path) -> Path:
     partial = target.with_name(f".{target.name}.partial")
     rank, _ = _rank_world()
@@ -175,6 +183,7 @@ def save_checkpoint(
     extra: dict | None = None,
     metrics: dict[str, float] | None = None,
     tokenizer=None,
+    extra_files: dict[str, str] | None = None,
     hash_files: bool = True,
     async_save: bool = False,
     async_group=None,
@@ -184,7 +193,9 @@ def save_checkpoint(
     ``directory``'s parent gets a ``latest`` file naming it once it is complete. With ``async_save=True`` the
     call returns after the state is staged in CPU memory; call ``result()`` on the returned handle (on every
     rank, before the next save) to wait and commit. ``async_group``: a gloo group for the background write, so
-    it does not share a group with training collectives (None: one is created).
+    it does not share a group with training collectives (None: one is created). ``extra_files``: text files
+    (relative name -> content) written by rank 0 into the checkpoint and committed with it (e.g. the HF
+    ``trainer_state.json``).
     """
     rank, world = _rank_world()
     if layout.world_size != world:
@@ -213,6 +224,8 @@ def save_checkpoint(
     contents = ["model"] + (["optimizer"] if optimizer is not None else []) + ["rng"]
     if rank == 0:
         contents += _write_rank0_files(partial, model=model, lr_scheduler=lr_scheduler, scaler=scaler, tokenizer=tokenizer)
+        for name, text in (extra_files or {}).items():
+            _write_extra_file(partial, name, text)
     manifest = mf.Manifest(
         step=step,
         samples_consumed=samples_consumed,
@@ -235,7 +248,11 @@ def _files_of_rank(partial: Path, rank: int) -> list[str]:
     rel += [f"{DCP_DIR}/{p.name}" for p in (partial / DCP_DIR).glob(f"__{rank}_*")]
     if rank == 0:
         rel += [f"{DCP_DIR}/.metadata", TRAIN_STATE]
-        rel += [p.relative_to(partial).as_posix() for p in (partial / HF_DIR).rglob("*") if p.is_file()]
+        rel += [
+            p.relative_to(partial).as_posix()
+            for p in partial.rglob("*")
+            if p.is_file() and p.relative_to(partial).parts[0] not in (DCP_DIR, RNG_DIR, TRAIN_STATE)
+        ]
     return rel
 
 

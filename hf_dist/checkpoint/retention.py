@@ -58,8 +58,11 @@ def select_to_delete(
     return doomed if len(doomed) < len(ordered) else doomed[:-1]
 
 
-def apply_retention(root: str | Path, policy: RetentionPolicy) -> list[str]:
-    """Delete what ``policy`` does not keep under ``root`` (call on one rank). Returns the names deleted."""
+def apply_retention(root: str | Path, policy: RetentionPolicy, *, protect: tuple[str, ...] = ()) -> list[str]:
+    """Delete what ``policy`` does not keep under ``root`` (call on one rank). Returns the names deleted.
+
+    ``protect``: names never deleted (e.g. the Trainer's best checkpoint).
+    """
     root = Path(root)
     complete = mf.complete_checkpoints(root)
     latest_file = root / mf.LATEST_NAME
@@ -68,7 +71,7 @@ def apply_retention(root: str | Path, policy: RetentionPolicy) -> list[str]:
     for path in complete:
         manifest = mf.read_manifest(path)
         entries.append((path.name, manifest.step, manifest.metrics))
-    doomed = select_to_delete(entries, policy, latest=latest)
+    doomed = [name for name in select_to_delete(entries, policy, latest=latest) if name not in protect]
     for name in doomed:
         shutil.rmtree(root / name)
     return doomed

@@ -58,18 +58,15 @@ class DistTrainer(Trainer):
         self.throughput = ThroughputMeter(
             num_parameters=num_parameters, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak
         )
-        super().__init__(model, args, *positional, **kwargs)
+        from hf_dist.checkpoint import trainer_hooks
+
+        with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
+            super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
         if self.args.should_log:
             print(self.describe(), flush=True)
 
     def _apply_owned_layout(self, model, args: DistTrainingArguments):
-        if args.save_strategy != "no" and not args.save_only_model:
-            raise ValueError(
-                f"save_strategy={args.save_strategy!r} with a layout hf_dist applies itself (FSDP2/TP/PP) needs "
-                f"sharded checkpoints, which this version does not write through the Trainer yet; pass "
-                f"save_only_model=True (weights only, gathered) or save_strategy='no'"
-            )
         device = args.device
         self.dims.build_mesh(device.type)
         model = model.to(device)
@@ -113,9 +110,12 @@ class DistTrainer(Trainer):
         return f"{contract.table()}\n{'layout':<22}  {kind}\n"
 
     # -- training -------------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        from hf_dist.checkpoint import trainer_hooks
+
         self.throughput.reset()  # time set-up (data loader, optimizer) is not throughput
-        return super().train(*args, **kwargs)
+        resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.throughput.count(inputs)
@@ -139,6 +139,34 @@ class DistTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------
+    # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
+    def _save_checkpoint(self, model, trial) -> None:
+        from hf_dist.checkpoint import trainer_hooks
+
+        if not self.owns_layout:
+            return super()._save_checkpoint(model, trial)
+        trainer_hooks.save_trainer_checkpoint(self, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        from hf_dist.checkpoint import trainer_hooks
+
+        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(resume_from_checkpoint)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # else: loaded with the optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        from hf_dist.checkpoint import trainer_hooks
+
+        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(checkpoint)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        trainer_hooks.load_trainer_checkpoint(self, checkpoint)
+
+    def _load_rng_state(self, checkpoint) -> None:
+        from hf_dist.checkpoint import trainer_hooks
+
+        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(checkpoint)):
+            return super()._load_rng_state(checkpoint)
+        trainer_hooks.restore_trainer_rng(self, checkpoint)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.owns_layout and state_dict is None:

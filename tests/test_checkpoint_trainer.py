@@ -1,0 +1,76 @@
+"""DistTrainer with FSDP2 on 2 gloo ranks: save_steps writes hf_dist checkpoints; a resumed run continues exactly."""
+
+from __future__ import annotations
+
+import torch
+from dist_utils import run_distributed
+from trainer_harness import VOCAB, full_parameters, token_dataset
+
+STEPS, SAVE_EVERY = 6, 3
+
+
+def _stop_after(step: int):
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                control.should_training_stop = True  # as if the job died right after this step
+
+    return Stop()
+
+
+def _step_counter():
+    from transformers import TrainerCallback
+
+    class Count(TrainerCallback):
+        steps_run = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            Count.steps_run += 1
+
+    return Count()
+
+
+def _run(output_dir: str, *, resume: bool, stop_after: int | None = None):
+    from hf_dist import DistTrainer, DistTrainingArguments
+    from hf_dist.models import build_tiny_model
+
+    args = DistTrainingArguments(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8,
+        learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_strategy="steps",
+        save_steps=SAVE_EVERY, save_total_limit=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, max_grad_norm=1.0, fsdp="full_shard", fsdp_config={"version": 2},
+    )
+    model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
+    counter = _step_counter()
+    callbacks = [counter] + ([_stop_after(stop_after)] if stop_after else [])
+    trainer = DistTrainer(model=model, args=args, train_dataset=token_dataset(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
+    params = {k: v.numpy() for k, v in full_parameters(trainer).items()}
+    return {"losses": losses, "params": params, "steps_run": counter.steps_run}
+
+
+def _uninterrupted_then_resumed(rank, world, root):
+    full = _run(f"{root}/full", resume=False)
+    _run(f"{root}/cut", resume=False, stop_after=SAVE_EVERY + 1)  # stops after step 4: last checkpoint is step 3
+    resumed = _run(f"{root}/cut", resume=True)
+    return {"full": full, "resumed": resumed}
+
+
+def test_fsdp2_trainer_resume_matches_uninterrupted(tmp_path):
+    from hf_dist.checkpoint import read_manifest
+
+    result = run_distributed(_uninterrupted_then_resumed, 2, str(tmp_path))[0]
+    full, resumed = result["full"], result["resumed"]
+    manifest = read_manifest(tmp_path / "full" / "checkpoint-6")
+    assert manifest.layout["dp_shard"] == 2 and manifest.samples_consumed == 6 * 8
+    assert (tmp_path / "full" / "checkpoint-6" / "trainer_state.json").is_file()
+    assert not (tmp_path / "full" / "checkpoint-3").exists()  # save_total_limit=1
+    assert (tmp_path / "cut" / "latest").read_text().strip() == "checkpoint-6"
+    assert resumed["steps_run"] == STEPS - SAVE_EVERY  # it resumed, not retrained from step 0
+    for step in range(SAVE_EVERY + 1, STEPS + 1):
+        torch.testing.assert_close(resumed["losses"][step], full["losses"][step], atol=1e-6, rtol=0)
+    torch.testing.assert_close({k: torch.as_tensor(v) for k, v in resumed["params"].items()},
+                               {k: torch.as_tensor(v) for k, v in full["params"].items()}, atol=1e-6, rtol=0)
