@@ -235,6 +235,10 @@ def test_accelerate_unknown_keys_and_single_process_trap(tmp_path):
     path.write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stag": 2}}))
     with pytest.raises(ValueError, match="in deepspeed_config; did you mean 'zero_stage'"):
         read_accelerate_config(path)
+    path.write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "mixed_precision": "bf16",
+                                    "deepspeed_config": {"deepspeed_config_file": "ds.json", "zero_stage": 2}}))
+    with pytest.raises(ValueError, match="zero_stage, mixed_precision next to deepspeed_config_file"):
+        read_accelerate_config(path)
     path.write_text(yaml.safe_dump({"distributed_type": "MULTI_CPU", "num_processes": 2}))
     with pytest.raises(ValueError, match="start ONE process"):
         read_accelerate_config(path)
@@ -287,3 +291,14 @@ def test_cli_config_bad_input_exits_2_with_the_rule(tmp_path, capsys):
     bad.write_text(json.dumps({"train_batch_size": "auto", "zero_optimisation": {"stage": 2}}))
     assert main(["config", "--check", str(bad)]) == 2
     assert "did you mean 'zero_optimization'" in capsys.readouterr().err
+
+
+def test_layout_dir_precision_must_agree_with_the_deepspeed_json(tmp_path):
+    write_layout_configs(tmp_path, strategy="zero2", num_gpus=2, micro_batch_size=1, gradient_accumulation_steps=1,
+                         mixed_precision="fp16")
+    assert read_layout_dir(tmp_path).mixed_precision == "fp16"
+    ds = json.loads((tmp_path / "deepspeed.json").read_text())
+    ds["bf16"] = {"enabled": True}
+    (tmp_path / "deepspeed.json").write_text(json.dumps(ds))
+    with pytest.raises(ValueError, match=r"bf16.enabled=True disagrees with hf_dist.yaml \(which implies False\)"):
+        read_layout_dir(tmp_path)

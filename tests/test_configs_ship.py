@@ -103,10 +103,66 @@ def test_accelerate_yaml_loads_with_accelerates_loader(path):
 def test_cpu_twin_configs_start_two_processes_without_cpu_flags():
     for name in CPU_TWIN:
         raw = read_accelerate_config(ROOT / "accelerate_configs" / name)
-        assert raw["num_processes"] == 2 and raw["mixed_precision"] == "no" and "use_cpu" not in raw
+        assert raw["num_processes"] == 2 and "use_cpu" not in raw
+        if raw["distributed_type"] == "DEEPSPEED":  # precision comes from the JSON: "auto", i.e. the Trainer's
+            assert "mixed_precision" not in raw
+            ds = read_deepspeed_config(ROOT / raw["deepspeed_config"]["deepspeed_config_file"])
+            assert ds["bf16"]["enabled"] == ds["fp16"]["enabled"] == "auto"
+        else:
+            assert raw["mixed_precision"] == "no"
     fsdp = read_accelerate_config(ROOT / "accelerate_configs" / "fsdp.yaml")["fsdp_config"]
     assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
     assert fsdp["fsdp_cpu_ram_efficient_loading"] is False  # fails on a machine without GPU
+
+
+def _launcher_env(path: Path) -> tuple[object, dict]:
+    """What ``accelerate launch --config_file path`` hands its processes (the launcher's own code, no process)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from dist_utils import free_port
+
+    argv = ["--config_file", str(path), "--main_process_port", str(free_port()), "train.py"]
+    args = launch_command_parser().parse_args(argv)
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+        if not args.use_deepspeed:
+            return args, prepare_multi_gpu_env(args)
+        # as accelerate's launch_command does before deepspeed_launcher
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        return args, prepare_deepspeed_cmd_env(args)[1]
+
+
+@pytest.mark.parametrize("path", [p for p in YAML_FILES if "fsdp1" not in p.name], ids=lambda p: p.name)
+def test_yaml_builds_accelerates_plugin_in_the_launched_process(path):
+    """Each process builds its FSDP/DeepSpeed plugin from the launcher's environment; that must not fail.
+
+    (FSDP1 plugins need a GPU to build, so the FSDP1 file is checked by the loader test only.)
+    """
+    import os
+
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    args, env = _launcher_env(path)
+    raw = read_accelerate_config(path)
+    with mock.patch.dict(os.environ, env):
+        if args.use_deepspeed:
+            plugin = DeepSpeedPlugin()
+            ds = json.loads((ROOT / raw["deepspeed_config"]["deepspeed_config_file"]).read_text())
+            assert plugin.zero_stage == ds["zero_optimization"]["stage"]
+            assert plugin.zero3_init_flag is (plugin.zero_stage == 3)
+        elif args.use_fsdp:
+            plugin = FullyShardedDataParallelPlugin()
+            assert plugin.fsdp_version == raw["fsdp_config"]["fsdp_version"]
+            assert plugin.activation_checkpointing is raw["fsdp_config"]["fsdp_activation_checkpointing"]
+            if raw.get("parallelism_config"):
+                from accelerate.parallelism_config import ParallelismConfig
+
+                mesh = ParallelismConfig()
+                assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (2, 8)
+        else:
+            assert args.multi_gpu and env.get("ACCELERATE_USE_FSDP") is None
 
 
 @pytest.mark.parametrize("name, reshard, checkpointing", [
@@ -118,15 +174,9 @@ def test_fsdp2_yaml_reaches_hf_dists_trainer_as_written(name, reshard, checkpoin
     """accelerate's launcher turns the YAML into FSDP_* variables (writer); hf_dist's trainer reads them (reader)."""
     import os
 
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
     from hf_dist.trainer.launch_env import read_fsdp_request
 
-    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "accelerate_configs" / name), "train.py"])
-    with mock.patch("torch.cuda.is_available", return_value=False):
-        args, *_ = _validate_launch_command(args)
-        env = prepare_multi_gpu_env(args)
+    _, env = _launcher_env(ROOT / "accelerate_configs" / name)
     assert env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
     with mock.patch.dict(os.environ, env):
         version, request = read_fsdp_request(None)

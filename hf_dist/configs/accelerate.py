@@ -156,12 +156,15 @@ def accelerate_config(spec: AccelerateSpec) -> dict:
         "gpu_ids": "all",
         "machine_rank": spec.machine_rank,
         "main_training_function": "main",
-        "mixed_precision": spec.mixed_precision,
         "num_machines": spec.num_machines,
         "num_processes": spec.num_processes,
         "rdzv_backend": "static",
         "same_network": True,
     }
+    if spec.deepspeed is None:
+        # with a DeepSpeed JSON, accelerate refuses mixed_precision in the YAML at start-up of every process
+        # (DeepSpeedPlugin._deepspeed_config_checks): precision lives in the JSON's bf16/fp16 blocks
+        config["mixed_precision"] = spec.mixed_precision
     if spec.num_machines > 1:
         if spec.main_process_ip is not None:
             config["main_process_ip"] = spec.main_process_ip

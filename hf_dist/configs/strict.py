@@ -129,12 +129,33 @@ def read_accelerate_config(path: str | Path) -> dict:
         value = data.get(section)
         if isinstance(value, dict):
             check_keys(value, valid, where=section, path=path)
+    _check_deepspeed_file_section(data, path)
     if data.get("distributed_type") == "MULTI_CPU" or data.get("use_cpu"):
         raise ValueError(
             f"{path}: distributed_type=MULTI_CPU / use_cpu=true makes `accelerate launch` start ONE process; "
             f"write distributed_type: MULTI_GPU (accelerate runs MULTI_CPU over gloo when there is no GPU)"
         )
     return data
+
+
+# Keys accelerate refuses next to a deepspeed_config_file (DeepSpeedPlugin._deepspeed_config_checks): the JSON owns them.
+_OWNED_BY_DEEPSPEED_FILE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+                            "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path",
+                            "zero3_save_16bit_model")
+
+
+def _check_deepspeed_file_section(data: dict, path: str | Path) -> None:
+    section = data.get("deepspeed_config")
+    if not isinstance(section, dict) or not section.get("deepspeed_config_file"):
+        return
+    clash = [k for k in _OWNED_BY_DEEPSPEED_FILE if k in section]
+    if data.get("mixed_precision") is not None:
+        clash.append("mixed_precision")
+    if clash:
+        raise ValueError(
+            f"{path}: {', '.join(clash)} next to deepspeed_config_file; accelerate refuses this when each process "
+            f"starts (the DeepSpeed JSON owns these values): remove them from the YAML and set them in the JSON"
+        )
 
 
 # -- DeepSpeed JSON --------------------------------------------------------------------------------------------
@@ -199,8 +220,9 @@ def read_layout_dir(folder: str | Path) -> Layout:
     layout = read_layout_file(folder / LAYOUT_FILE)
     acc_path = folder / ACCELERATE_FILE
     acc = read_accelerate_config(acc_path)
-    expected = {"num_processes": layout.world_size, "num_machines": layout.num_nodes,
-                "mixed_precision": layout.mixed_precision}
+    expected = {"num_processes": layout.world_size, "num_machines": layout.num_nodes}
+    if not layout.is_deepspeed:  # a DeepSpeed YAML carries no precision: its JSON does
+        expected["mixed_precision"] = layout.mixed_precision
     for key, value in expected.items():
         if acc.get(key) != value:
             raise ValueError(f"{acc_path}: {key}={acc.get(key)!r} disagrees with {LAYOUT_FILE} ({key}={value!r}); "
@@ -208,9 +230,15 @@ def read_layout_dir(folder: str | Path) -> Layout:
     if layout.is_deepspeed:
         ds_path = folder / DEEPSPEED_FILE
         ds = read_deepspeed_config(ds_path, dp=layout.dp)
-        for key, value in (("train_micro_batch_size_per_gpu", layout.micro_batch_size),
-                           ("gradient_accumulation_steps", layout.gradient_accumulation_steps)):
-            if ds.get(key) not in ("auto", value):
-                raise ValueError(f"{ds_path}: {key}={ds.get(key)!r} disagrees with {LAYOUT_FILE} ({value}); "
+        checks = {
+            "train_micro_batch_size_per_gpu": (ds.get("train_micro_batch_size_per_gpu"), layout.micro_batch_size),
+            "gradient_accumulation_steps": (ds.get("gradient_accumulation_steps"), layout.gradient_accumulation_steps),
+            # an absent precision block is a disabled one
+            "bf16.enabled": (ds.get("bf16", {}).get("enabled", False), layout.mixed_precision == "bf16"),
+            "fp16.enabled": (ds.get("fp16", {}).get("enabled", False), layout.mixed_precision == "fp16"),
+        }
+        for key, (found, value) in checks.items():
+            if found not in ("auto", value):
+                raise ValueError(f"{ds_path}: {key}={found!r} disagrees with {LAYOUT_FILE} (which implies {value!r}); "
                                  f"regenerate the folder with hf-dist config")
     return layout
