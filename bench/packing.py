@@ -72,10 +72,12 @@ def useful_tokens(batch, pad_token_id: int) -> int:
 def time_modes(args, modes, pad_token_id: int) -> dict[str, dict[str, float]]:
     import torch
 
+    from hf_dist.data import PackedCollator, check_model_for_packing
     from hf_dist.models import build_tiny_model
 
     model = build_tiny_model(vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=args.layers, seed=args.seed)
     model.config.use_cache = False  # packed rows need it; the Trainer sets it the same way
+    check_model_for_packing(model, PackedCollator(pad_token_id=pad_token_id))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
 

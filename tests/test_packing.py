@@ -6,6 +6,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.data import (
     PackedCollator,
+    check_model_for_packing,
     build_datasets,
     data_collator,
     first_fit_bins,
@@ -157,3 +158,25 @@ def test_flash_attention_gets_varlen_boundaries_over_the_flattened_batch(convers
     model = build_tiny_model(vocab_size=1024).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(**with_kwargs, use_cache=False).loss, model(**packed, use_cache=False).loss)
+
+
+def test_models_that_would_leak_across_conversations_are_refused(conversations):
+    sub, tok = conversations
+    model = build_tiny_model(vocab_size=1024)
+    collator = data_collator(tok, packed=True)
+    assert model.config.use_cache  # the default of a fresh config
+    with pytest.raises(ValueError, match="use_cache=True: .*set model.config.use_cache=False"):
+        check_model_for_packing(model, collator)
+    model.config.use_cache = False
+    check_model_for_packing(model, collator)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2' needs varlen boundaries"):
+        check_model_for_packing(model, collator)
+    check_model_for_packing(model, data_collator(tok, packed=True, attn_implementation="flash_attention_2"))
+    # What the check prevents: with a KV cache, the packed loss is no longer the unpacked one.
+    model.config._attn_implementation = "sdpa"
+    unpacked, packed, _ = _batches(sub, tok)
+    with torch.no_grad():
+        leaky = model.eval()(**packed, use_cache=True).loss
+        exact = model(**unpacked, use_cache=False).loss
+    assert abs(leaky.item() - exact.item()) > 1e-5

@@ -22,7 +22,13 @@ from hf_dist.data.evaluation import (
     preprocess_logits_for_metrics,
     token_nll,
 )
-from hf_dist.data.packing import PackedCollator, first_fit_bins, pack_dataset, packing_stats
+from hf_dist.data.packing import (
+    PackedCollator,
+    check_model_for_packing,
+    first_fit_bins,
+    pack_dataset,
+    packing_stats,
+)
 from hf_dist.data.synthetic import LengthProfile, generate_conversations, write_jsonl
 from hf_dist.data.tokenizer import special_token_ids, train_tokenizer, train_tokenizer_from_texts
 from hf_dist.data.transcripts import (
@@ -41,6 +47,7 @@ __all__ = [
     "PackedCollator",
     "assistant_token_mask",
     "build_datasets",
+    "check_model_for_packing",
     "compute_metrics",
     "data_collator",
     "first_fit_bins",

@@ -22,7 +22,7 @@ and ``max_length_q/k`` over the flattened batch, which transformers passes to th
 The one condition: the model must run without a KV cache (``use_cache=False``), because transformers only
 looks for packed sequences when there is none. The Trainer guarantees this (``TrainingArguments.use_cache``
 defaults to False and the Trainer writes it to ``model.config.use_cache``); a hand-written loop must pass
-``use_cache=False``.
+``use_cache=False``. ``check_model_for_packing(model, collator)`` turns both conditions into errors.
 
 What it is not: a streaming packer; it packs an in-memory dataset.
 """
@@ -152,6 +152,37 @@ def flash_attn_kwargs_from_positions(position_ids) -> dict:
         "max_length_q": longest,
         "max_length_k": longest,
     }
+
+
+MASKING_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def check_model_for_packing(model, collator: PackedCollator) -> None:
+    """Refuse a model/collator pair under which packed conversations would silently attend to each other.
+
+    Call it after ``Trainer.__init__`` (which copies ``TrainingArguments.use_cache`` into the config) or
+    before a hand-written loop.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no config; packing needs a transformers model")
+    if getattr(config, "use_cache", False):
+        raise ValueError(
+            "model.config.use_cache=True: transformers only derives the per-conversation mask from position_ids "
+            "when no KV cache is built, so packed conversations would attend to each other; set "
+            "model.config.use_cache=False (the Trainer does, from TrainingArguments.use_cache=False)"
+        )
+    attn = getattr(config, "_attn_implementation", None) or "eager"
+    if "flash" in attn and not collator.flash_attn_kwargs:
+        raise ValueError(
+            f"attn_implementation={attn!r} needs varlen boundaries for multi-row packed batches; build the "
+            f"collator with data_collator(tokenizer, packed=True, attn_implementation={attn!r})"
+        )
+    if "flash" not in attn and attn not in MASKING_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={attn!r} is not known to honour packed position_ids; use one of "
+            f"{', '.join(MASKING_ATTENTION)} or a flash_attention_* implementation"
+        )
 
 
 def packing_stats(dataset, *, seq_len: int) -> dict[str, float]:
