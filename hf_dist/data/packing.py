@@ -7,7 +7,8 @@ order) and gives every token a ``position_ids`` value that restarts at 0 for eac
 
 How the separation is exact: the collator emits ``position_ids`` and no ``attention_mask``. transformers
 (5.x) then detects the packed format from the position resets (``masking_utils.find_packed_sequence_indices``)
-and, with ``sdpa``, ``eager`` or ``flex``, builds a block-diagonal causal mask per row. Rotary embeddings use
+and builds a block-diagonal causal mask per row (tested here with ``sdpa`` and ``eager``; ``flex_attention``
+goes through the same mask function, untested on CPU). Rotary embeddings use
 the restarted positions. The first label of every conversation is set to -100: in the unpacked batch it is
 never predicted (the loss shifts labels by one), and in a packed row it would be predicted from the previous
 conversation's last token. So the loss over a packed batch equals the token-weighted loss of the same
