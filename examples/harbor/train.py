@@ -129,7 +129,7 @@ def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
         base_dir = Path(args.output_dir) / "base"
         if args.process_index == 0:
             model.save_pretrained(base_dir)
-        model.config.name_or_path = str(base_dir.resolve())
+        model.name_or_path = model.config.name_or_path = str(base_dir.resolve())  # recorded in adapter_config
     config = LoraConfig(
         r=script.lora_r, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout, task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
