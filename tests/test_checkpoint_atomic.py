@@ -156,3 +156,17 @@ def test_bad_inputs_are_value_errors(tmp_path):
     _save(tmp_path, 1, model, None, None, layout, contract)
     with pytest.raises(ValueError, match="no optimizer state"):
         load_checkpoint(tmp_path / "step_1", model=model, optimizer=optimizer)
+
+
+def test_rank_major_fused_rows_refuse_another_tp(tmp_path):
+    from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR
+
+    model, optimizer, scheduler, layout, contract = build("single", 1)
+    gate_up = model.model.layers[0].mlp.gate_proj  # stands in for a fused gate/up projection sharded with tp=2
+    setattr(gate_up, FUSED_PARTS_ATTR, ((64, 64), 2))
+    _save(tmp_path, 1, model, optimizer, scheduler, layout, contract)
+    assert read_manifest(tmp_path / "step_1").fused_rows == {
+        "model.layers.0.mlp.gate_proj.weight": {"parts": [64, 64], "tp": 2}
+    }
+    with pytest.raises(ValueError, match="stored rank-major for tp=2 .* the model has tp=1"):
+        _load_fresh(tmp_path / "step_1")

@@ -30,6 +30,8 @@ def dataset() -> torch.Tensor:
 def layout_for(kind: str, world: int) -> ParallelDims:
     if kind == "fsdp":
         return ParallelDims(world_size=world, dp_shard=world)
+    if kind == "tp":
+        return ParallelDims(world_size=world, tp=world, dp_shard=1)
     return ParallelDims(world_size=world, dp_replicate=world, dp_shard=1)
 
 
@@ -40,8 +42,14 @@ def build(kind: str, world: int):
 
     model = build_tiny_model(seed=0, **MODEL_KWARGS)
     layout = layout_for(kind, world)
-    if kind == "fsdp":
-        mesh = layout.build_mesh("cpu")["dp_shard"]
+    if world > 1:
+        layout.build_mesh("cpu")
+    if kind == "tp":
+        from hf_dist.tensor_parallel import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, layout.get_mesh("tp"))
+    elif kind == "fsdp":
+        mesh = layout.get_mesh("dp_shard")
         for block in model.model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -49,7 +57,8 @@ def build(kind: str, world: int):
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
-    contract = BatchContract(world_size=world, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH)
+    contract = BatchContract(world_size=world, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+                             tp=layout.tp)
     return model, optimizer, scheduler, layout, contract
 
 
@@ -81,8 +90,8 @@ def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume:
             loss = model(input_ids=data[ids], labels=data[ids]).loss / accum
             loss.backward()
             total += loss.detach()
-        if world > 1:
-            dist.all_reduce(total)
+        if layout.dp > 1:  # tensor-parallel ranks already hold the same loss
+            dist.all_reduce(total, group=layout.get_mesh("dp").get_group())
             total /= layout.dp
         optimizer.step()
         scheduler.step()
@@ -104,7 +113,8 @@ def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume:
                 pending = None
     if pending is not None:
         pending.result()
-    return {"losses": losses, "ids": ids_seen, "draws": draws, "params": full_params(model), "rank": rank}
+    return {"losses": losses, "ids": ids_seen, "draws": draws, "params": full_params(model), "rank": rank,
+            "dp_rank": layout.dp_rank(rank)}
 
 
 def picklable(result: dict) -> dict:
@@ -117,9 +127,13 @@ def as_tensors(params: dict) -> dict[str, torch.Tensor]:
 
 
 def merged_ids(per_rank: list[dict]) -> dict[int, list[int]]:
-    """Sample ids each optimizer step consumed, over all ranks."""
+    """Sample ids each optimizer step consumed, over all data-parallel ranks (one rank per dp rank)."""
     out: dict[int, list[int]] = {}
+    seen_dp: set[int] = set()
     for result in per_rank:
+        if result["dp_rank"] in seen_dp:
+            continue
+        seen_dp.add(result["dp_rank"])
         for step, ids in result["ids"]:
             out.setdefault(step, []).extend(ids)
     return out

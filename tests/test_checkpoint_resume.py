@@ -1,4 +1,5 @@
-"""Exact resume and resharding on 2 gloo ranks against one process: DDP, FSDP2, 2->1, 1->2, DDP<->FSDP2.
+"""Exact resume and resharding on 2 gloo ranks against one process: DDP, FSDP2, TP, 2->1, 1->2, DDP<->FSDP2,
+FSDP2<->TP.
 
 One spawn runs every 2-rank case (start-up dominates the cost); the 1-rank cases run in the test process.
 Same layout, same world: losses, final parameters and the RNG stream equal the uninterrupted run (1e-6).
@@ -18,11 +19,16 @@ SAME = dict(atol=1e-6, rtol=0)
 CROSS = dict(atol=1e-5, rtol=0)
 
 
+SAME_LAYOUT = (("ddp", "ddp"), ("fsdp", "fsdp"), ("tp", "tp"))
+CROSS_LAYOUT = (("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "single"), ("tp", "fsdp"), ("fsdp", "tp"))
+CASES = SAME_LAYOUT + CROSS_LAYOUT
+
+
 def _two_rank_matrix(rank, world, root):
     out = {}
-    for kind in ("ddp", "fsdp"):
+    for kind in ("ddp", "fsdp", "tp"):
         out[kind] = picklable(train(kind, steps=STEPS, save_at=(SAVE_AT,), root=f"{root}/{kind}"))
-    for kind, source in (("ddp", "ddp"), ("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "single")):
+    for kind, source in CASES:
         out[f"{kind}<-{source}"] = picklable(train(kind, steps=STEPS, resume=f"{root}/{source}"))
     return out
 
@@ -39,7 +45,7 @@ def _assert_ids_continue(before: list[dict], after: list[dict]):
 def test_exact_resume_and_reshard(tmp_path):
     reference = train("single", steps=STEPS, save_at=(SAVE_AT,), root=str(tmp_path / "single"))
     ranks = run_distributed(_two_rank_matrix, 2, str(tmp_path))
-    for kind in ("ddp", "fsdp"):
+    for kind, _ in SAME_LAYOUT:
         full = ranks[0][kind]
         torch.testing.assert_close(full["losses"], reference["losses"], **CROSS)
         resumed = [r[f"{kind}<-{kind}"] for r in ranks]
@@ -48,14 +54,14 @@ def test_exact_resume_and_reshard(tmp_path):
         for r in (0, 1):  # per-rank RNG restored: each rank's random stream continues
             assert resumed[r]["draws"] == ranks[r][kind]["draws"][SAVE_AT:]
         _assert_ids_continue([r[kind] for r in ranks], resumed)
-    for case, source in (("fsdp<-ddp", "ddp"), ("ddp<-fsdp", "fsdp"), ("fsdp<-single", None)):
-        resumed = [r[case] for r in ranks]
+    for kind, source in CROSS_LAYOUT:
+        resumed = [r[f"{kind}<-{source}"] for r in ranks]
         torch.testing.assert_close(resumed[0]["losses"], reference["losses"][SAVE_AT:], **CROSS)
         torch.testing.assert_close(as_tensors(resumed[0]["params"]), reference["params"], **CROSS)
-        before = [reference] if source is None else [r[source] for r in ranks]
+        before = [reference] if source == "single" else [r[source] for r in ranks]
         _assert_ids_continue(before, resumed)
     # 2 -> 1: both 2-rank checkpoints resume in one process with accumulation 4 instead of 2
-    for source in ("ddp", "fsdp"):
+    for source in ("ddp", "fsdp", "tp"):
         resumed = train("single", steps=STEPS, resume=str(tmp_path / source))
         torch.testing.assert_close(resumed["losses"], reference["losses"][SAVE_AT:], **CROSS)
         torch.testing.assert_close(resumed["params"], reference["params"], **CROSS)

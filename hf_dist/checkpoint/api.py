@@ -62,6 +62,33 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def fused_rows(model: torch.nn.Module) -> dict[str, dict]:
+    """Parameters whose global rows TP stores rank-major (fused q/k/v or gate/up): ``{fqn: {parts, tp}}``."""
+    try:
+        from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR
+    except ImportError:
+        return {}
+    out = {}
+    for name, module in unwrap_model(model).named_modules():
+        fused = getattr(module, FUSED_PARTS_ATTR, None)
+        if fused is not None:
+            for param_name, _ in module.named_parameters(recurse=False):
+                out[f"{name}.{param_name}" if name else param_name] = {"parts": list(fused[0]), "tp": fused[1]}
+    return out
+
+
+def _check_fused_rows(ckpt: Path, saved: dict, model: torch.nn.Module) -> None:
+    """Rank-major fused rows only load into the same tensor-parallel degree (DCP would not reorder them)."""
+    current = fused_rows(model)
+    for key in sorted(set(saved) | set(current)):
+        before, after = saved.get(key, {}).get("tp", 1), current.get(key, {}).get("tp", 1)
+        if before != after:
+            raise ValueError(
+                f"{key} is a fused projection stored rank-major for tp={before} in {ckpt} but the model has tp={after}; "
+                f"resume it with tp={before}, or export it (hf-dist checkpoint export) and start from the HF weights"
+            )
+
+
 def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(unwrap_model(model), "peft_config")
 
@@ -236,6 +263,7 @@ def save_checkpoint(
         metrics=dict(metrics or {}),
         extra=dict(extra or {}),
         model_kind="peft" if _is_peft(model) else "causal_lm",
+        fused_rows=fused_rows(model),
     )
     handle = SaveHandle(target=target, partial=partial, manifest=manifest, hash_files=hash_files, future=future)
     if not async_save:
@@ -331,6 +359,7 @@ def load_checkpoint(
             f"{ckpt} holds no optimizer state (contents: {', '.join(manifest.contents)}); pass optimizer=None to "
             f"load the model only and start the optimizer fresh"
         )
+    _check_fused_rows(ckpt, manifest.fused_rows, model)
     state = _model_and_optim_state(model, optimizer)
     dcp.load(
         state,

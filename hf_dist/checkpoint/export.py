@@ -69,6 +69,18 @@ def check_complete_tensor(name: str, meta: TensorStorageMetadata) -> None:
         )
 
 
+def hf_order(tensors: dict[str, torch.Tensor], fused: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Fused projections saved rank-major by tensor parallelism, back in HF row order."""
+    if not fused:
+        return tensors
+    from hf_dist.tensor_parallel.styles import deinterleave_parts
+
+    return {
+        name: deinterleave_parts(t, tuple(fused[name]["parts"]), fused[name]["tp"]) if name in fused else t
+        for name, t in tensors.items()
+    }
+
+
 def read_tensors(ckpt: Path, names: list[str], metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
     """Read just ``names`` (full, unsharded) from the DCP files into CPU tensors."""
     state = {name: torch.empty(tuple(metas[name].size), dtype=metas[name].properties.dtype) for name in names}
@@ -166,9 +178,9 @@ def export_causal_lm(
     for name, meta in metas.items():
         check_complete_tensor(name, meta)
     plan = plan_shards({n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}, max_shard_size)
-    write_shards(out, plan, lambda names: read_tensors(ckpt, names, metas), report)
+    write_shards(out, plan, lambda names: hf_order(read_tensors(ckpt, names, metas), manifest.fused_rows), report)
     if verify:
-        report.max_logit_diff = verify_export(ckpt, out, metas)
+        report.max_logit_diff = verify_export(ckpt, out, metas, manifest.fused_rows)
     return report
 
 
@@ -176,13 +188,13 @@ def probe_batch(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-def reference_model(ckpt: Path, metas: dict[str, TensorStorageMetadata]):
+def reference_model(ckpt: Path, metas: dict[str, TensorStorageMetadata], fused: dict[str, dict] | None = None):
     """The checkpoint's model built from its config, with every tensor read directly from the DCP files."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(ckpt / HF_DIR))
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(metas.values())).properties.dtype)
-    state = read_tensors(ckpt, list(metas), metas)
+    state = hf_order(read_tensors(ckpt, list(metas), metas), fused or {})
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
     real_missing = [k for k in missing if k not in allowed]
@@ -204,10 +216,10 @@ def compare_logits(reference, exported, vocab_size: int, atol: float, what: str)
     return diff
 
 
-def verify_export(ckpt: Path, out: Path, metas: dict[str, TensorStorageMetadata]) -> float:
+def verify_export(ckpt: Path, out: Path, metas: dict[str, TensorStorageMetadata], fused: dict[str, dict]) -> float:
     from transformers import AutoModelForCausalLM
 
-    reference = reference_model(ckpt, metas)
+    reference = reference_model(ckpt, metas, fused)
     exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=reference.dtype).eval()
     return compare_logits(reference, exported, reference.config.vocab_size, 0.0, f"export {out}")
 

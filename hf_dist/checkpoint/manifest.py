@@ -64,6 +64,8 @@ class Manifest:
     """Evaluation metrics at this step (best-by-metric retention reads them)."""
     extra: dict = field(default_factory=dict)
     """JSON-serialisable user data."""
+    fused_rows: dict = field(default_factory=dict)
+    """Fused projections stored rank-major by tensor parallelism: ``{param: {"parts": [...], "tp": n}}``."""
     model_kind: str = "causal_lm"
     """``causal_lm`` or ``peft`` (a PEFT-wrapped model; export can write the adapter or merge it)."""
     format_version: int = FORMAT_VERSION
