@@ -155,7 +155,9 @@ def main(argv: list[str]) -> int:
     model = build_model(script, args, tokenizer)
     trainer = DistTrainer(
         model=model, args=args, train_dataset=train, eval_dataset=eval_, processing_class=tokenizer,
-        data_collator=data.data_collator(tokenizer, packed=script.packed),
+        data_collator=data.data_collator(
+            tokenizer, packed=script.packed, attn_implementation=model.config._attn_implementation
+        ),
         preprocess_logits_for_metrics=data.preprocess_logits_for_metrics, compute_metrics=data.compute_metrics,
     )
     before = trainer.evaluate(metric_key_prefix="before") if eval_ is not None else {}

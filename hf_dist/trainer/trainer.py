@@ -20,6 +20,7 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
+from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.trainer import launch_env
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
@@ -63,6 +64,9 @@ class DistTrainer(Trainer):
         with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
+        self._check_packing()
+        if self.dims.pp_enabled:
+            pipeline_trainer.shard_data_by_dp(self)  # ranks of one pipeline read the same batch
         if self.args.should_log:
             print(self.describe(), flush=True)
 
@@ -70,6 +74,8 @@ class DistTrainer(Trainer):
         device = args.device
         self.dims.build_mesh(device.type)
         model = model.to(device)
+        if self.dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
+            return pipeline_trainer.apply_pipeline(self, model, args)
         param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         model = apply_layout(
             model,
@@ -80,6 +86,13 @@ class DistTrainer(Trainer):
         )
         mark_distribution_owned(model)
         return model
+
+    def _check_packing(self) -> None:
+        """Packed batches must not let conversations attend to each other (KV cache off, varlen kwargs on flash)."""
+        from hf_dist.data.packing import PackedCollator, check_model_for_packing
+
+        if isinstance(self.data_collator, PackedCollator):
+            check_model_for_packing(self.accelerator.unwrap_model(self.model), self.data_collator)
 
     def _mean_sequence_length(self) -> int | None:
         """Mean ``input_ids`` length over the first rows of the train set (for the tokens/step figure)."""
@@ -119,7 +132,19 @@ class DistTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.throughput.count(inputs)
+        if self.dims.pp_enabled:
+            return pipeline_trainer.training_step(self, model, inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _sync_replicated_trainable_parameters(self, model) -> None:
+        if self.dims.pp_enabled:  # stages differ per rank: no broadcast from rank 0; the pipeline reduces grads
+            return
+        super()._sync_replicated_trainable_parameters(model)
+
+    def _clip_grad_norm(self, model):
+        if self.dims.pp_enabled:  # the norm over every stage, not just this rank's
+            return pipeline_trainer.clip_grad_norm(self)
+        return super()._clip_grad_norm(model)
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
@@ -169,6 +194,8 @@ class DistTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
+        if self.dims.pp_enabled:
+            return pipeline_trainer.save(self, output_dir)
         if self.owns_layout and state_dict is None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
