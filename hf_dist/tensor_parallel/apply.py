@@ -1,0 +1,135 @@
+"""Apply a tensor-parallel plan to an already-built HF causal LM, in place, on a 1-D ``tp`` mesh.
+
+``apply_tensor_parallel`` checks sizes, picks the family plan (or takes the caller's), expands it over PEFT
+LoRA layers, calls torch's ``parallelize_module`` on every module a pattern names, makes the parameters that
+stay whole identical on every TP rank, and installs the vocab-parallel loss when the lm_head is sharded.
+
+Not for: data parallelism or FSDP (``compose.py``), saving (``state.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from hf_dist.tensor_parallel.checks import check_tp_sizes
+from hf_dist.tensor_parallel.lora import expand_plan_for_lora
+from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
+from hf_dist.tensor_parallel.plans import plan_names, resolve_styles
+
+TP_INFO_ATTR = "_hf_dist_tp"
+
+
+@dataclass(kw_only=True, frozen=True)
+class TensorParallelInfo:
+    """What ``apply_tensor_parallel`` did to a model; stored on it as ``model._hf_dist_tp``."""
+
+    tp: int
+    """Tensor-parallel degree."""
+    tp_mesh: object
+    """The 1-D mesh the parameters are sharded on."""
+    sequence_parallel: bool
+    """Whether norms run on sequence shards."""
+    vocab_parallel: bool
+    """Whether embedding and lm_head are sharded on the vocabulary (logits come back vocab-sharded)."""
+    plan: dict
+    """The ``{pattern: ParallelStyle}`` plan that was applied."""
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``PeftModel`` (the model itself otherwise)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+
+
+def match_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[tuple[str, ParallelStyle]]:
+    """``(module_name, style)`` for every module a pattern names; a pattern naming nothing is an error."""
+    names = [name for name, _ in model.named_modules()]
+    matched: list[tuple[str, ParallelStyle]] = []
+    for pattern, style in plan.items():
+        regex = _pattern_regex(pattern)
+        hits = [name for name in names if regex.fullmatch(name)]
+        if not hits:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}; "
+                f"check the path (e.g. {names[1:4]}) or remove the entry"
+            )
+        matched.extend((name, style) for name in hits)
+    return matched
+
+
+def _sync_whole_parameters(model: nn.Module, tp_mesh) -> None:
+    """Broadcast every parameter that TP did not shard from TP rank 0, so all TP ranks start equal."""
+    group = tp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    for param in model.parameters():
+        if not isinstance(param, DTensor):
+            dist.broadcast(param.data, src=src, group=group)
+
+
+def _retie_embeddings(model: nn.Module) -> None:
+    output = model.get_output_embeddings()
+    if output is not None and getattr(model.config, "tie_word_embeddings", False):
+        output.weight = model.get_input_embeddings().weight
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh,
+    *,
+    plan: dict[str, ParallelStyle] | None = None,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
+) -> nn.Module:
+    """Shard ``model`` (an HF ``*ForCausalLM``, optionally inside a ``PeftModel``) over ``tp_mesh`` in place.
+
+    Args:
+        model: the built model, on its device, every rank holding the same architecture.
+        tp_mesh: a 1-D ``DeviceMesh`` (``ParallelDims.get_mesh("tp")``).
+        plan: ``{module_pattern: ParallelStyle}``, patterns relative to the ``*ForCausalLM`` module, ``*`` for
+            one path component. Default: the family's plan (see ``plans.py``).
+        sequence_parallel: run the norms on sequence shards (activations between layers are sequence-sharded).
+        vocab_parallel: shard the embedding and lm_head on the vocabulary; the model then returns vocab-sharded
+            logits and computes its loss with ``VocabParallelCausalLMLoss``.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tp_mesh must be 1-D (ParallelDims.get_mesh('tp')), got a {tp_mesh.ndim}-D mesh")
+    target = unwrap_peft(model)
+    config = target.config
+    tp = tp_mesh.size()
+    if plan is None:
+        check_tp_sizes(config, tp, vocab_parallel=vocab_parallel)
+        plan = resolve_styles(plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel), config)
+    elif sequence_parallel or vocab_parallel:
+        raise ValueError(
+            "sequence_parallel/vocab_parallel choose entries of hf_dist's family plans; with plan= given, "
+            "put the sequence- or vocab-parallel styles in your plan and leave both flags False"
+        )
+    if tp == 1:
+        return model
+    plan = expand_plan_for_lora(target, plan, sequence_parallel=sequence_parallel)
+    for name, style in match_plan(target, plan):
+        parallelize_module(target.get_submodule(name), tp_mesh, style)
+    _sync_whole_parameters(target, tp_mesh)
+    if vocab_parallel:
+        _retie_embeddings(target)
+        target.loss_function = VocabParallelCausalLMLoss(tp_mesh)
+    info = TensorParallelInfo(
+        tp=tp, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, plan=plan
+    )
+    setattr(target, TP_INFO_ATTR, info)
+    return model
+
+
+def tensor_parallel_info(model: nn.Module) -> TensorParallelInfo | None:
+    """What ``apply_tensor_parallel`` recorded on ``model`` (``None`` for a model without TP)."""
+    return getattr(unwrap_peft(model), TP_INFO_ATTR, None)

@@ -1,0 +1,158 @@
+"""Parallel styles that torch does not ship and HF decoder models need.
+
+- ``FusedColwiseParallel``: a column-parallel Linear whose output is several projections concatenated
+  (Phi-3 ``qkv_proj`` = [q | k | v], ``gate_up_proj`` = [gate | up]). Each part is split across the TP ranks
+  on its own, so rank r holds ``[q_r | k_r | v_r]`` and the model's own slicing of the local output stays right.
+- ``ReplicatedWithGradReduce``: parameters kept whole on every TP rank for a module that sees only this rank's
+  heads (Qwen3 ``q_norm``/``k_norm``); the gradient, a partial sum per rank, is summed over the TP ranks.
+- ``LocalHeadCounts``: rewrites the head counts an attention module reads from itself or its config so that
+  slicing by ``config.num_attention_heads * head_dim`` addresses the local shard (Phi-3).
+
+Not for: choosing which style goes where (``plans.py``) or validating sizes (``checks.py``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+FUSED_PARTS_ATTR = "_hf_dist_fused_parts"
+"""Attribute set on a Linear sharded by ``FusedColwiseParallel``: ``(row count of each fused part, tp)``."""
+
+
+def interleave_parts(weight: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Tensor:
+    """Reorder rows ``[p0 | p1 | ...]`` into ``[p0_0 | p1_0 | ... | p0_1 | p1_1 | ...]`` (rank-major).
+
+    After this, an even ``Shard(0)`` over ``tp`` ranks gives rank r the r-th slice of every part.
+    """
+    chunks = [part.chunk(tp, dim=0) for part in weight.split(list(parts), dim=0)]
+    return torch.cat([chunk[r] for r in range(tp) for chunk in chunks], dim=0)
+
+
+def deinterleave_parts(weight: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Tensor:
+    """Inverse of ``interleave_parts``: the HF row order back from the rank-major one."""
+    local = [p // tp for p in parts]
+    per_rank = [shard.split(local, dim=0) for shard in weight.chunk(tp, dim=0)]
+    return torch.cat([per_rank[r][i] for i in range(len(parts)) for r in range(tp)], dim=0)
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column-parallel Linear over fused projections, each part sharded on its own.
+
+    The global DTensor is the weight with rows reordered by ``interleave_parts``; ``FUSED_PARTS_ATTR`` on the
+    module records ``(parts, tp)`` so that a gathered save can restore the HF order (``deinterleave_parts``).
+    """
+
+    def __init__(self, parts: tuple[int, ...], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.parts = tuple(parts)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        tp = device_mesh.size()
+        for param_name, param in module.named_parameters():
+            reordered = interleave_parts(param.detach(), self.parts, tp)
+            dist_param = nn.Parameter(
+                distribute_tensor(reordered, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(param_name, dist_param)
+        setattr(module, FUSED_PARTS_ATTR, (self.parts, tp))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"FusedColwiseParallel shards nn.Linear only, got {type(module).__name__}")
+        rows = module.weight.shape[0]
+        if sum(self.parts) != rows:
+            raise ValueError(f"fused parts {self.parts} sum to {sum(self.parts)}, but the Linear has {rows} rows")
+        return super()._apply(module, device_mesh)
+
+    def __repr__(self) -> str:
+        return f"FusedColwiseParallel(parts={self.parts})"
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+class ReplicatedWithGradReduce(ParallelStyle):
+    """Whole parameters on every TP rank, for a module whose input is sharded on dimension ``input_dim``.
+
+    The input becomes a DTensor sharded on ``input_dim`` so the weight gradient comes out as a partial sum;
+    a post-accumulate hook sums it over the TP ranks (FSDP2, when it wraps the module, does the same itself).
+    """
+
+    def __init__(self, *, input_dim: int = -2) -> None:
+        super().__init__()
+        self.input_dim = input_dim
+
+    def _partition_fn(self, name, module, device_mesh):
+        for param_name, param in module.named_parameters(recurse=False):
+            dist_param = nn.Parameter(
+                distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            dist_param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            module.register_parameter(param_name, dist_param)
+
+    @staticmethod
+    def _prepare_input(input_dim, module, inputs, device_mesh):
+        hidden = inputs[0]
+        dim = input_dim % hidden.ndim
+        return (DTensor.from_local(hidden, device_mesh, [Shard(dim)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _prepare_output(module, output, device_mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_fn,
+            partial(self._prepare_input, self.input_dim),
+            self._prepare_output,
+        )
+
+    def __repr__(self) -> str:
+        return f"ReplicatedWithGradReduce(input_dim={self.input_dim})"
+
+
+class _LocalConfigView:
+    """Reads through to the model config, except for the attributes overridden for this TP shard."""
+
+    def __init__(self, config, **overrides) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+
+class LocalHeadCounts(ParallelStyle):
+    """Make an attention module see ``heads / tp`` and ``kv_heads / tp`` (it has no parameters of its own)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        config = module.config
+        module.config = _LocalConfigView(
+            config,
+            num_attention_heads=config.num_attention_heads // tp,
+            num_key_value_heads=config.num_key_value_heads // tp,
+        )
+        if hasattr(module, "num_key_value_heads"):
+            module.num_key_value_heads = module.num_key_value_heads // tp
+        if hasattr(module, "num_heads"):
+            module.num_heads = module.num_heads // tp
+        return module
+
+    def __repr__(self) -> str:
+        return "LocalHeadCounts()"
