@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
+from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.trainer import launch_env
 
 
@@ -43,6 +44,20 @@ class DistTrainingArguments(TrainingArguments):
     )
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel degree (ranks that share a batch)."})
     pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel degree (number of stages)."})
+    pp_schedule: str = field(
+        default="1f1b",
+        metadata={
+            "help": "Pipeline schedule when pp_size > 1.",
+            "choices": ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"],
+        },
+    )
+    pp_microbatches: int | None = field(
+        default=None,
+        metadata={
+            "help": "Pipeline micro-batches per step when pp_size > 1 (they replace gradient accumulation). "
+            "Default: the accumulation derived from global_batch_size."
+        },
+    )
     peak_tflops: float | None = field(
         default=None,
         metadata={
@@ -58,6 +73,7 @@ class DistTrainingArguments(TrainingArguments):
         self.gradient_accumulation_steps = self.batch_contract.gradient_accumulation_steps
         if self.batch_contract.learning_rate is not None:
             self.learning_rate = self.batch_contract.learning_rate
+        pipeline_trainer.fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
 
     def _resolve_contract(self) -> BatchContract:
         return resolve_contract(

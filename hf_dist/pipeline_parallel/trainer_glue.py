@@ -1,0 +1,178 @@
+"""Pipeline parallelism inside ``DistTrainer``: what each Trainer hook does when ``pp_size > 1``.
+
+``DistTrainer`` calls one function from here per hook; the logic lives here, not in the Trainer.
+
+Gradient accumulation becomes the pipeline's micro-batches. The batch contract derives accumulation ``a``
+from the global batch; with PP one optimizer step is one pipeline step over the data-parallel rank's whole
+share of the global batch (``per_device_train_batch_size x a`` sequences) cut into ``a`` micro-batches, so
+the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch of ``micro x a``
+(``fold_accumulation_into_pipeline``). ``pp_microbatches`` states ``a`` directly when no global batch is given.
+
+- ``apply_pipeline``: split the model into this rank's stages (after activation checkpointing, before FSDP);
+  the Trainer holds a ``PipelineModel`` (local parameters under HF names).
+- ``training_step``: runs the schedule (forward + backward), returns the global-batch mean loss on every rank.
+- ``clip_grad_norm``: the norm over all stages (pp group), dp/tp shards included.
+- evaluation: ``PipelineModel.forward`` runs the stages forward only; loss on every rank.
+- ``shard_data_by_dp``: data loaders shard by the dp rank only (ranks of one pipeline read the same batch).
+- ``save``: a normal HF directory (or one PEFT adapter) written by rank 0.
+
+Known limits: eval with ``compute_metrics`` on logits is not supported (logits exist on the last stage only);
+when the eval set does not divide into dp x eval batch, the short last batch is weighted by accelerate's
+world-size remainder rule, so eval_loss is then not exactly the single-process figure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from hf_dist.pipeline_parallel.checkpoint import save_pretrained
+from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
+from hf_dist.pipeline_parallel.schedules import PipelineConfig
+
+
+def fold_accumulation_into_pipeline(args) -> None:
+    """With ``pp_size > 1``: pipeline micro-batches = contract accumulation; Trainer accumulation = 1."""
+    if args.pp_size <= 1:
+        return
+    m = args.pp_microbatches
+    contract = args.batch_contract
+    if m is not None and m != contract.gradient_accumulation_steps:
+        if args.global_batch_size is None and contract.gradient_accumulation_steps == 1:
+            args.gradient_accumulation_steps = m  # no global batch given: pp_microbatches defines it
+            args.batch_contract = contract = args._resolve_contract()
+        else:
+            raise ValueError(
+                f"pp_microbatches={m} contradicts the batch contract: global_batch_size={contract.global_batch_size} "
+                f"= per_device_train_batch_size={contract.micro_batch_size} x dp={contract.dp} x "
+                f"{contract.gradient_accumulation_steps} micro-batches; with pp_size > 1 the micro-batches are the "
+                f"accumulation steps, so drop pp_microbatches or set global_batch_size="
+                f"{contract.micro_batch_size * contract.dp * m}"
+            )
+    PipelineConfig(schedule=args.pp_schedule, microbatches=contract.gradient_accumulation_steps)  # validate early
+    args.pp_microbatches = contract.gradient_accumulation_steps
+    args.per_device_train_batch_size = contract.micro_batch_size * contract.gradient_accumulation_steps
+    args.gradient_accumulation_steps = 1
+
+
+class PipelineModel(nn.Module):
+    """What ``DistTrainer`` holds as its model under PP: this rank's stages, parameters under HF names.
+
+    The decoder layers, embeddings, norm and lm_head of every local stage are registered here with their HF
+    names (``model.layers.3...``), so optimizers, ``zero_grad``, ``train()`` and checkpoints see exactly the
+    local parameters. Calling it runs the pipeline forward only (evaluation); training goes through
+    ``training_step``.
+    """
+
+    # The loss it returns is already the token mean over the dp group: the Trainer must not rescale it by
+    # world size (what it does for models that take ``num_items_in_batch``).
+    accepts_loss_kwargs = False
+
+    def __init__(self, pipe: PipelinedCausalLM) -> None:
+        super().__init__()
+        object.__setattr__(self, "pipeline", pipe)  # not a submodule: its stages share the modules below
+        body = nn.Module()
+        body.layers = nn.ModuleDict({k: v for stage in pipe.modules for k, v in stage.model.layers.items()})
+        for stage in pipe.modules:
+            if stage.is_first:
+                body.embed_tokens = stage.model.embed_tokens
+            if stage.is_last:
+                body.norm = stage.model.norm
+        self.model = body
+        last = [stage for stage in pipe.modules if stage.is_last]
+        self.lm_head = last[0].lm_head if last else None
+        self.config = pipe.modules[0].config
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "a pipelined model trains through DistTrainer.training_step (PipelinedCausalLM.train_step), "
+                "not through forward; call it under torch.no_grad() or in eval mode for evaluation"
+            )
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if labels is None:
+            return CausalLMOutput(logits=self.pipeline.forward_only(batch))
+        loss, logits = self.pipeline.eval_step({**batch, "labels": labels})
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
+    """Split ``model`` into this rank's stages for ``trainer.dims`` (mesh built) and wrap it for the Trainer."""
+    if args.gradient_checkpointing:
+        from hf_dist.trainer.layout import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)  # per decoder layer, before the layers are split out
+    fsdp = getattr(args, "hf_dist_fsdp", None)
+    if fsdp is not None and fsdp.cpu_offload:
+        raise ValueError("FSDP cpu_offload with pp_size > 1 is not supported; drop cpu offload or set pp_size=1")
+    if args.bf16 or args.fp16:
+        raise ValueError(
+            f"bf16={args.bf16}, fp16={args.fp16} with pp_size={args.pp_size}: the pipeline does not autocast; "
+            f"load the model in the dtype you want (from_pretrained(dtype=torch.bfloat16)) and drop bf16/fp16"
+        )
+    config = PipelineConfig(schedule=args.pp_schedule, microbatches=args.pp_microbatches)
+    pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device)
+    wrapped = PipelineModel(pipe)
+    # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
+    wrapped.is_distributed_loading_by_transformers = True
+    wrapped._is_distributed_loading_by_transformers = True
+    return wrapped
+
+
+def training_step(trainer, model: PipelineModel, inputs) -> torch.Tensor:
+    """One optimizer step's forward and backward through the schedule; the loss for logging on every rank."""
+    model.train()
+    inputs = trainer._prepare_inputs(inputs)
+    with trainer.compute_loss_context_manager():
+        loss = model.pipeline.train_step(inputs)
+    return loss.detach()
+
+
+def clip_grad_norm(trainer) -> torch.Tensor:
+    return trainer.model.pipeline.clip_grad_norm_(trainer.args.max_grad_norm)
+
+
+def shard_data_by_dp(trainer) -> None:
+    """Make the Trainer's data loaders shard by the dp rank only (accelerate would shard by world rank)."""
+    import torch.distributed as dist
+    from accelerate.data_loader import prepare_data_loader
+
+    accelerator, dims = trainer.accelerator, trainer.dims
+    dp_rank = dims.dp_rank(dist.get_rank())
+
+    def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=dims.dp,
+            process_index=dp_rank,
+            split_batches=accelerator.split_batches,
+            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=accelerator.dispatch_batches,
+            even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(prepared)
+        return prepared
+
+    accelerator.prepare_data_loader = prepare
+
+
+def save(trainer, output_dir: str | None) -> None:
+    """``Trainer._save`` under PP: every rank joins the gather, rank 0 writes weights, tokenizer and args."""
+    output_dir = output_dir or trainer.args.output_dir
+    save_pretrained(trainer.model.pipeline, output_dir)
+    if not trainer.args.should_save:
+        return
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))

@@ -1,0 +1,136 @@
+"""DistTrainer with pp_size=2 on 2 gloo ranks against a single-process HF Trainer: losses, grad norms, eval, save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from dist_utils import run_distributed
+from pp_harness import LR, MAX_NORM, padded_batch, tiny_model
+
+STEPS, GLOBAL_BATCH, MICRO = 4, 8, 2
+
+
+class PaddedDataset(torch.utils.data.Dataset):
+    """Right-padded sequences (labels -100 on padding), the same on every rank."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.rows = padded_batch(n, seed)
+
+    def __len__(self) -> int:
+        return self.rows["input_ids"].shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.rows.items()}
+
+
+def _common_args(output_dir: str) -> dict:
+    return dict(
+        output_dir=output_dir,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=MAX_NORM,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        per_device_eval_batch_size=4,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        train_sampling_strategy="sequential",
+    )
+
+
+def _history(trainer, key: str) -> list[float]:
+    return [log[key] for log in trainer.state.log_history if key in log and "train_runtime" not in log]
+
+
+def _pp_trainer(rank, world_size, output_dir, schedule):
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    args = DistTrainingArguments(
+        **_common_args(output_dir),
+        per_device_train_batch_size=MICRO,
+        global_batch_size=GLOBAL_BATCH,
+        pp_size=2,
+        pp_schedule=schedule,
+    )
+    assert (args.gradient_accumulation_steps, args.pp_microbatches, args.per_device_train_batch_size) == (1, 4, 8)
+    trainer = DistTrainer(
+        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2)
+    )
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    trainer.save_model(f"{output_dir}/final")
+    return _history(trainer, "loss"), _history(trainer, "grad_norm"), eval_loss
+
+
+def _reference(output_dir: str):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**_common_args(output_dir), per_device_train_batch_size=GLOBAL_BATCH, use_cpu=True)
+    trainer = Trainer(
+        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2)
+    )
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    return _history(trainer, "loss"), _history(trainer, "grad_norm"), eval_loss, trainer.model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_dist_trainer_pp2_matches_single_process_trainer(tmp_path, schedule):
+    results = run_distributed(_pp_trainer, 2, str(tmp_path / "pp"), schedule)
+    ref_losses, ref_norms, ref_eval, ref_model = _reference(str(tmp_path / "ref"))
+    assert len(ref_losses) == STEPS and min(ref_norms) > MAX_NORM  # clipping active: the global norm matters
+    for losses, norms, eval_loss in results:  # every rank logs the last stage's loss
+        # the Trainer rounds logged losses to 4 significant digits
+        assert_close(losses, ref_losses, atol=1e-4, rtol=0)
+        assert_close(norms, ref_norms, atol=1e-5, rtol=1e-5)
+        assert_close(eval_loss, ref_eval, atol=1e-5, rtol=0)
+
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
+    ref_state = ref_model.state_dict()
+    for key, value in saved.state_dict().items():
+        assert_close(value, ref_state[key], atol=1e-4, rtol=0, msg=key)
+
+
+def _fake_args(**values):
+    """The fields ``fold_accumulation_into_pipeline`` reads (TrainingArguments would start a process group)."""
+    from types import SimpleNamespace
+
+    from hf_dist.trainer.args import resolve_contract
+
+    args = SimpleNamespace(pp_size=2, pp_schedule="1f1b", pp_microbatches=None, global_batch_size=None,
+                           per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    vars(args).update(values)
+
+    def resolve():
+        return resolve_contract(world_size=2, micro_batch_size=args.per_device_train_batch_size,
+                                global_batch_size=args.global_batch_size,
+                                gradient_accumulation_steps=args.gradient_accumulation_steps, pp_size=2)
+
+    args._resolve_contract = resolve
+    args.batch_contract = resolve()
+    args.gradient_accumulation_steps = args.batch_contract.gradient_accumulation_steps
+    return args
+
+
+def test_accumulation_becomes_pipeline_microbatches():
+    from hf_dist.pipeline_parallel.trainer_glue import fold_accumulation_into_pipeline
+
+    args = _fake_args(global_batch_size=8)
+    fold_accumulation_into_pipeline(args)
+    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8, 1)
+    args = _fake_args(pp_microbatches=4)  # no global batch: pp_microbatches defines it
+    fold_accumulation_into_pipeline(args)
+    assert args.batch_contract.global_batch_size == 8
+    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8, 1)
+    with pytest.raises(ValueError, match="pp_microbatches=3 contradicts the batch contract.*global_batch_size=6"):
+        fold_accumulation_into_pipeline(_fake_args(global_batch_size=8, pp_microbatches=3))
+    with pytest.raises(ValueError, match="pp_schedule='nope' is not known"):
+        fold_accumulation_into_pipeline(_fake_args(global_batch_size=8, pp_schedule="nope"))
