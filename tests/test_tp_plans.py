@@ -1,0 +1,86 @@
+"""Tensor-parallel plans and size checks, without processes: the errors users see before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from hf_dist.tensor_parallel import check_tp_sizes, plan_names, supported_families, valid_tp_sizes
+from hf_dist.tensor_parallel.plans import resolve_styles
+from hf_dist.tensor_parallel.styles import FusedColwiseParallel, deinterleave_parts, interleave_parts
+from test_tp_parity import tiny_config
+
+
+def test_heads_not_divisible_names_value_and_valid_sizes():
+    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide num_key_value_heads=3.*tp in \{1, 3\}"):
+        check_tp_sizes(config, 2)
+
+
+def test_gqa_checks_kv_heads_too():
+    config = tiny_config("llama")  # 4 heads, 2 kv heads
+    check_tp_sizes(config, 2)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2.*tp in \{1, 2\}"):
+        check_tp_sizes(config, 4)
+
+
+def test_vocab_checked_only_when_sharded():
+    config = tiny_config("llama", vocab_size=511)
+    check_tp_sizes(config, 2)
+    with pytest.raises(ValueError, match=r"vocab_size=511.*pad the vocabulary"):
+        check_tp_sizes(config, 2, vocab_parallel=True)
+    assert valid_tp_sizes(config, vocab_parallel=True) == [1]
+
+
+def test_intermediate_size_checked():
+    with pytest.raises(ValueError, match=r"intermediate_size=130"):
+        check_tp_sizes(tiny_config("llama", intermediate_size=130, num_attention_heads=4, num_key_value_heads=4), 4)
+
+
+def test_unknown_architecture_lists_supported_and_how_to_pass_a_plan():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError) as info:
+        plan_names(GPT2Config())
+    message = str(info.value)
+    assert "model_type='gpt2'" in message
+    for family in supported_families():
+        assert family in message
+    assert "plan=" in message
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_transformers_plan_is_used_where_shipped(arch):
+    config = tiny_config(arch)
+    names = plan_names(config)
+    expected = {f"model.{k}": v for k, v in type(config).base_model_tp_plan.items()}
+    assert names == expected
+    styles = resolve_styles(names, config)
+    assert isinstance(styles["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(styles["model.layers.*.mlp.down_proj"], RowwiseParallel)
+
+
+def test_phi3_uses_hf_dist_plan_that_shards_fused_parts():
+    config = tiny_config("phi3")  # 4 heads x 16, 2 kv heads, intermediate 128
+    styles = resolve_styles(plan_names(config), config)
+    assert styles["model.layers.*.self_attn.qkv_proj"].parts == (64, 32, 32)
+    assert styles["model.layers.*.mlp.gate_up_proj"].parts == (128, 128)
+    assert isinstance(styles["model.layers.*.mlp.gate_up_proj"], FusedColwiseParallel)
+
+
+def test_overlays_add_sequence_and_vocab_entries():
+    names = plan_names(tiny_config("llama"), sequence_parallel=True, vocab_parallel=True)
+    assert names["model.layers.*.input_layernorm"] == "sequence_parallel"
+    assert names["model.layers.*.self_attn.o_proj"] == "rowwise_to_sequence_shards"
+    assert names["lm_head"] == "vocab_lm_head_from_sequence_shards"
+    assert names["model.embed_tokens"] == "vocab_embedding_to_sequence_shards"
+
+
+def test_interleave_gives_each_rank_its_slice_of_every_part_and_inverts():
+    weight = torch.arange(12.0).unsqueeze(1)  # parts of 4, 4, 4 rows
+    reordered = interleave_parts(weight, (4, 4, 4), 2)
+    assert reordered.squeeze(1).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert torch.equal(deinterleave_parts(reordered, (4, 4, 4), 2), weight)
+    uneven = torch.arange(8.0).unsqueeze(1)  # GQA-like: 4 + 2 + 2
+    assert torch.equal(deinterleave_parts(interleave_parts(uneven, (4, 2, 2), 2), (4, 2, 2), 2), uneven)
