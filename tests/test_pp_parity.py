@@ -110,26 +110,39 @@ def test_lora_adapter_from_stages_loads_on_a_plain_model(tmp_path):
         assert_close(got_lora[key], value, atol=1e-4, rtol=0)
 
 
+FOUR_RANK_LAYOUTS = {
+    "fsdp": dict(dp_shard=2),  # PP2 x FSDP2
+    "ddp": dict(dp_replicate=2, dp_shard=1),  # PP2 x replicated data parallel (gradient all-reduce)
+    "tp": dict(tp=2, dp_shard=1),  # PP2 x TP2 (hf_dist.tensor_parallel inside each stage)
+}
+
+
 def _pp_times_dp_four_ranks(rank, world_size):
     from hf_dist import ParallelDims
     from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict
 
     results = {}
-    layouts = {"fsdp": dict(dp_shard=2), "ddp": dict(dp_replicate=2, dp_shard=1)}
-    for name, sizes in layouts.items():
+    for name, sizes in FOUR_RANK_LAYOUTS.items():
         dims = ParallelDims(world_size=4, pp=2, **sizes)
         dims.build_mesh("cpu")
-        schedule = "1f1b" if name == "fsdp" else "interleaved_1f1b"
+        schedule = "interleaved_1f1b" if name == "ddp" else "1f1b"
         pipe = PipelinedCausalLM(tiny_model(), dims=dims, config=PipelineConfig(schedule=schedule, microbatches=4))
         losses, norms = pipelined_run(pipe, batches(GLOBAL_BATCH), dp_rank=dims.dp_rank(rank), dp=dims.dp)
-        results[name] = {"losses": losses, "norms": norms, "state": portable(gather_state_dict(pipe))}
+        from torch.distributed.tensor import DTensor
+
+        sharded = {tuple(p.device_mesh.mesh_dim_names) for p in pipe.parameters() if isinstance(p, DTensor)}
+        state = portable(gather_state_dict(pipe))
+        results[name] = {"losses": losses, "norms": norms, "state": state, "sharded_on": sharded}
     return results
 
 
-def test_pp_times_dp_on_four_ranks():
+def test_pp_times_dp_and_tp_on_four_ranks():
     results = run_distributed(_pp_times_dp_four_ranks, 4)
     ref_losses, ref_norms, ref_state = reference_run(tiny_model(), batches(GLOBAL_BATCH))
-    for name in ("fsdp", "ddp"):
+    assert results[0]["fsdp"]["sharded_on"] == {("dp_shard",)}
+    assert results[0]["tp"]["sharded_on"] == {("tp",)}
+    assert results[0]["ddp"]["sharded_on"] == set()
+    for name in FOUR_RANK_LAYOUTS:
         for rank in range(4):
             assert_close(results[rank][name]["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
             assert_close(results[rank][name]["norms"], ref_norms, atol=1e-5, rtol=1e-5)

@@ -236,23 +236,35 @@ class PipelinedCausalLM:
     # -- gradients ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over *all* stages' gradients (all pp ranks, dp/tp shards included); returns it."""
-        from torch.distributed.tensor import DTensor
-
         params = [p for p in self.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        if grads:
-            total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=False)
-            if isinstance(total, DTensor):  # FSDP/TP shards: reduce over their mesh
-                total = total.full_tensor()
-        else:
-            total = torch.zeros((), device=self.device)
-        total = total.to(torch.float32)
-        if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.pp_group)
-        else:
-            total = total**norm_type
-            dist.all_reduce(total, group=self.pp_group)
-            total = total ** (1.0 / norm_type)
+        total = _local_norm_power([p.grad for p in params], norm_type, self.device)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=self.pp_group)
+        total = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
         return total
+
+
+def _local_norm_power(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """``sum |g|^p`` (max |g| for p = inf) over this rank's gradients, reduced over their DTensor meshes.
+
+    FSDP/TP gradients are DTensors; those with the same mesh and placements are normed together, and the
+    norm of a DTensor is made whole with ``full_tensor()`` (a scalar collective over its mesh). Replicated
+    plain tensors (norm weights under TP) count once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norm = norm.to(torch.float32)
+        total = torch.maximum(total, norm) if inf else total + norm**norm_type
+    return total
