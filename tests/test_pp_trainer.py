@@ -25,6 +25,12 @@ class PaddedDataset(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.rows.items()}
 
 
+def _metrics() -> dict:
+    from hf_dist.data import compute_metrics, preprocess_logits_for_metrics
+
+    return dict(compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+
+
 def _common_args(output_dir: str) -> dict:
     return dict(
         output_dir=output_dir,
@@ -60,12 +66,13 @@ def _pp_trainer(rank, world_size, output_dir, schedule):
     )
     assert (args.gradient_accumulation_steps, args.pp_microbatches, args.per_device_train_batch_size) == (1, 4, 8)
     trainer = DistTrainer(
-        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2)
+        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2),
+        **_metrics(),
     )
     trainer.train()
-    eval_loss = trainer.evaluate()["eval_loss"]
+    metrics = trainer.evaluate()
     trainer.save_model(f"{output_dir}/final")
-    return _history(trainer, "loss"), _history(trainer, "grad_norm"), eval_loss
+    return _history(trainer, "loss"), _history(trainer, "grad_norm"), metrics
 
 
 def _reference(output_dir: str):
@@ -73,11 +80,11 @@ def _reference(output_dir: str):
 
     args = TrainingArguments(**_common_args(output_dir), per_device_train_batch_size=GLOBAL_BATCH, use_cpu=True)
     trainer = Trainer(
-        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2)
+        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2),
+        **_metrics(),
     )
     trainer.train()
-    eval_loss = trainer.evaluate()["eval_loss"]
-    return _history(trainer, "loss"), _history(trainer, "grad_norm"), eval_loss, trainer.model
+    return _history(trainer, "loss"), _history(trainer, "grad_norm"), trainer.evaluate(), trainer.model
 
 
 @pytest.mark.parametrize("schedule", ["1f1b"])
@@ -85,11 +92,13 @@ def test_dist_trainer_pp2_matches_single_process_trainer(tmp_path, schedule):
     results = run_distributed(_pp_trainer, 2, str(tmp_path / "pp"), schedule)
     ref_losses, ref_norms, ref_eval, ref_model = _reference(str(tmp_path / "ref"))
     assert len(ref_losses) == STEPS and min(ref_norms) > MAX_NORM  # clipping active: the global norm matters
-    for losses, norms, eval_loss in results:  # every rank logs the last stage's loss
+    for losses, norms, metrics in results:  # every rank logs the last stage's loss
         # the Trainer rounds logged losses to 4 significant digits
         assert_close(losses, ref_losses, atol=1e-4, rtol=0)
         assert_close(norms, ref_norms, atol=1e-5, rtol=1e-5)
-        assert_close(eval_loss, ref_eval, atol=1e-5, rtol=0)
+        assert_close(metrics["eval_loss"], ref_eval["eval_loss"], atol=1e-5, rtol=0)
+        # perplexity from logits (compute_metrics): the logits reach every rank
+        assert_close(metrics["eval_perplexity"], ref_eval["eval_perplexity"], atol=1e-4, rtol=1e-6)
 
     from transformers import AutoModelForCausalLM
 

@@ -217,12 +217,20 @@ class PipelinedCausalLM:
         return out if self.has_last else None
 
     @torch.no_grad()
-    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(global-batch mean loss on every rank, logits on the last stage's rank or None)``."""
+    def eval_step(
+        self, batch: Mapping[str, torch.Tensor], *, logits_everywhere: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(global-batch mean loss on every rank, logits)``.
+
+        Logits are on the last stage's rank only (None elsewhere) unless ``logits_everywhere``: then they are
+        broadcast over the pp group (for metrics computed from logits on every rank; costs B x S x V).
+        """
         labels = batch.get("labels", batch["input_ids"]).to(self.device)
         logits = self.forward_only(batch)
+        if logits_everywhere:
+            logits = self._broadcast_logits(logits, labels.shape)
         summed = torch.zeros((), dtype=torch.float32, device=self.device)
-        if logits is not None:
+        if logits is not None and self.has_last:
             vocab = logits.shape[-1]
             summed = torch.nn.functional.cross_entropy(
                 logits[:, :-1].float().reshape(-1, vocab),
@@ -232,6 +240,13 @@ class PipelinedCausalLM:
             )
         tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
         return self._broadcast_loss(summed) / tokens.clamp(min=1.0), logits
+
+    def _broadcast_logits(self, logits: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+        if logits is None:
+            vocab = self.modules[0].config.vocab_size
+            logits = torch.empty((*shape, vocab), dtype=self.hidden_dtype, device=self.device)
+        dist.broadcast(logits, group=self.pp_group, group_src=self.plan.rank_of(self.plan.num_stages - 1))
+        return logits
 
     # -- gradients ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

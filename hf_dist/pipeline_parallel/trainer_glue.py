@@ -12,12 +12,12 @@ the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch 
   the Trainer holds a ``PipelineModel`` (local parameters under HF names).
 - ``training_step``: runs the schedule (forward + backward), returns the global-batch mean loss on every rank.
 - ``clip_grad_norm``: the norm over all stages (pp group), dp/tp shards included.
-- evaluation: ``PipelineModel.forward`` runs the stages forward only; loss on every rank.
-- ``shard_data_by_dp``: data loaders shard by the dp rank only (ranks of one pipeline read the same batch).
+- evaluation: ``PipelineModel.forward`` runs the stages forward only; loss on every rank (and the logits,
+  broadcast over the pp group, when the Trainer has ``compute_metrics``/``preprocess_logits_for_metrics``).
+- ``finish_init``: data loaders shard by the dp rank only (ranks of one pipeline read the same batch).
 - ``save``: a normal HF directory (or one PEFT adapter) written by rank 0.
 
-Known limits: eval with ``compute_metrics`` on logits is not supported (logits exist on the last stage only);
-when the eval set does not divide into dp x eval batch, the short last batch is weighted by accelerate's
+Known limits: when the eval set does not divide into dp x eval batch, the short last batch is weighted by accelerate's
 world-size remainder rule, so eval_loss is then not exactly the single-process figure.
 """
 
@@ -69,6 +69,8 @@ class PipelineModel(nn.Module):
     # The loss it returns is already the token mean over the dp group: the Trainer must not rescale it by
     # world size (what it does for models that take ``num_items_in_batch``).
     accepts_loss_kwargs = False
+    logits_everywhere = False
+    """True when the Trainer computes metrics from logits: every pp rank then gets them (a broadcast)."""
 
     def __init__(self, pipe: PipelinedCausalLM) -> None:
         super().__init__()
@@ -96,7 +98,7 @@ class PipelineModel(nn.Module):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if labels is None:
             return CausalLMOutput(logits=self.pipeline.forward_only(batch))
-        loss, logits = self.pipeline.eval_step({**batch, "labels": labels})
+        loss, logits = self.pipeline.eval_step({**batch, "labels": labels}, logits_everywhere=self.logits_everywhere)
         return CausalLMOutput(loss=loss, logits=logits)
 
 
@@ -134,6 +136,14 @@ def training_step(trainer, model: PipelineModel, inputs) -> torch.Tensor:
 
 def clip_grad_norm(trainer) -> torch.Tensor:
     return trainer.model.pipeline.clip_grad_norm_(trainer.args.max_grad_norm)
+
+
+def finish_init(trainer) -> None:
+    """After ``Trainer.__init__``: shard data by dp rank only; logits on every rank when metrics need them."""
+    shard_data_by_dp(trainer)
+    trainer.model.logits_everywhere = (
+        trainer.compute_metrics is not None or trainer.preprocess_logits_for_metrics is not None
+    )
 
 
 def shard_data_by_dp(trainer) -> None:

@@ -66,7 +66,7 @@ class DistTrainer(Trainer):
         launch_env.verify_backend(self)
         self._check_packing()
         if self.dims.pp_enabled:
-            pipeline_trainer.shard_data_by_dp(self)  # ranks of one pipeline read the same batch
+            pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
         if self.args.should_log:
             print(self.describe(), flush=True)
 
