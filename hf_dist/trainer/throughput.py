@@ -1,22 +1,47 @@
-"""Tokens/s, MFU and per-rank peak memory, measured between two training logs.
+"""Tokens/s, MFU, per-rank peak memory, per-rank busy time, stragglers and DDP communication wait.
 
-``ThroughputMeter.count(inputs)`` is called once per micro step on every rank; ``report()`` is called on every
-rank when the Trainer logs (the Trainer's own loss gathering makes that a collective point already) and returns
-the figures to add to the log. Tokens are the tokens the model processed (padding included); ranks of one
-tensor/pipeline group process the same tokens, so the cluster figure divides by ``tp x pp``.
+``ThroughputMeter.step(model, inputs)`` wraps each micro step's ``training_step`` on every rank; ``report()`` is
+called on every rank when the Trainer logs (the Trainer's own loss gathering makes that a collective point
+already) and returns the figures to add to the log. Tokens are the tokens the model processed (padding
+included); ranks of one tensor/pipeline group process the same tokens, so the cluster figure divides by
+``tp x pp``.
 
 MFU = 6 x parameters x tokens / (seconds x devices x peak FLOP/s): the usual dense estimate without the attention
 term, so it reads a little low at long context.
+
+What the step-time figures measure (per rank, mean per micro step over the log interval):
+
+- ``busy_seconds/rank{r}``: wall time inside ``training_step`` (forward, loss, backward; on CUDA after a device
+  synchronize) minus the *exposed* DDP gradient all-reduce wait measured below. Under DDP on gloo that is the
+  rank's own work, so a slow rank stands out. Under FSDP2, DeepSpeed, TP and PP the collectives inside
+  forward/backward cannot be separated without a profiler, so busy time includes them: a fast rank waiting
+  for a slow one reads busy too, and stragglers look milder than they are.
+- ``comm_wait_seconds``: mean over ranks of the exposed DDP communication wait: the gradient all-reduce, timed
+  by a DDP comm hook that wraps the default all-reduce, from the moment the last gradient bucket is ready
+  (backward compute is done) to the completion of the last all-reduce; plus the blocking buffer broadcast
+  DDP runs before each forward (``forward_sync_buffers``; Llama's rotary ``inv_freq`` is a buffer), timed
+  around DDP's ``_sync_buffers``. Measured on gloo only: with NCCL the completion callback runs on the host
+  before the kernel finishes, so host timestamps would be fiction; the key is then absent.
+
+A straggler is a rank whose busy time exceeds ``straggler_ratio`` (1.2) x the median over ranks. The main
+process prints and logs one warning when a rank becomes a straggler, and again only after it has recovered
+and slowed down anew; ``straggler_ratio`` (max / median busy time) is in every training log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import resource
+import statistics
+import threading
 import time
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 # Peak dense bf16 FLOP/s per device, by a substring of torch.cuda.get_device_name(). Vendor datasheet figures.
 _GPU_PEAK_FLOPS = {
@@ -28,6 +53,7 @@ _GPU_PEAK_FLOPS = {
     "A10G": 125e12,
     "A10": 125e12,
 }
+STRAGGLER_RATIO = 1.2
 
 
 def default_peak_flops() -> float | None:
@@ -48,28 +74,123 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-class ThroughputMeter:
-    """Counts tokens per rank and turns them into cluster-wide figures at each log."""
+def find_stragglers(busy: list[float], ratio: float = STRAGGLER_RATIO) -> list[int]:
+    """Ranks whose busy time exceeds ``ratio`` x the median busy time."""
+    if len(busy) < 2:
+        return []
+    median = statistics.median(busy)
+    return [rank for rank, t in enumerate(busy) if t > ratio * median]
 
-    def __init__(self, *, num_parameters: int, model_parallel: int, peak_flops: float | None) -> None:
+
+class DdpCommTimer:
+    """A DDP comm hook (default all-reduce, timed) that measures how long backward waits for the last bucket."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last_ready = 0.0
+        self._last_done = 0.0
+        self._buffer_sync = 0.0
+
+    def hook(self, process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        with self._lock:
+            self._last_ready = time.perf_counter()
+
+        def done(fut):
+            with self._lock:
+                self._last_done = time.perf_counter()
+            return fut.value()
+
+        return allreduce_hook(process_group, bucket).then(done)
+
+    def time_buffer_sync(self, sync_buffers):
+        """Wrap DDP's blocking pre-forward buffer broadcast so its wall time counts as communication."""
+
+        def timed():
+            start = time.perf_counter()
+            try:
+                return sync_buffers()
+            finally:
+                self._buffer_sync += time.perf_counter() - start
+
+        return timed
+
+    def take_exposed_wait(self) -> float:
+        """Buffer-broadcast time plus last-bucket-ready to last-all-reduce-done, since the previous call."""
+        with self._lock:
+            wait = max(0.0, self._last_done - self._last_ready) if self._last_ready else 0.0
+            wait += self._buffer_sync
+            self._last_ready = self._last_done = self._buffer_sync = 0.0
+        return wait
+
+
+def _attach_comm_timer(model) -> DdpCommTimer | None:
+    """Register the timed all-reduce on a DDP model when its backend is gloo; None otherwise."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    if dist.get_backend(model.process_group) != "gloo":
+        return None
+    timer = DdpCommTimer()
+    model.register_comm_hook(model.process_group, timer.hook)
+    if callable(getattr(model, "_sync_buffers", None)):  # private DDP method; untimed if a torch renames it
+        model._sync_buffers = timer.time_buffer_sync(model._sync_buffers)
+    return timer
+
+
+class ThroughputMeter:
+    """Counts tokens and busy time per rank and turns them into cluster-wide figures at each log."""
+
+    def __init__(
+        self, *, num_parameters: int, model_parallel: int, peak_flops: float | None,
+        straggler_ratio: float = STRAGGLER_RATIO,
+    ) -> None:
         self.num_parameters = num_parameters
         self.model_parallel = model_parallel
         self.peak_flops = peak_flops
-        self._tokens = 0
-        self._since = time.perf_counter()
+        self.straggler_ratio = straggler_ratio
+        self._comm_timer: DdpCommTimer | None = None
+        self._hooked_model_id: int | None = None
+        self._flagged: set[int] = set()
+        self.warnings: list[str] = []
+        """Straggler warnings issued by this process (main process only), in order."""
+        self.reset()
 
     def count(self, inputs: dict) -> None:
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if ids is not None:
             self._tokens += ids.numel()
 
+    @contextlib.contextmanager
+    def step(self, model, inputs: dict):
+        """Wrap one micro step's ``training_step``: count its tokens and time its busy part."""
+        if id(model) != self._hooked_model_id:
+            self._hooked_model_id = id(model)
+            self._comm_timer = _attach_comm_timer(model)
+        self.count(inputs)
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wait = self._comm_timer.take_exposed_wait() if self._comm_timer is not None else 0.0
+        self._busy += time.perf_counter() - start - wait
+        self._comm_wait += wait
+        self._micro_steps += 1
+
     def reset(self) -> None:
         self._tokens = 0
+        self._busy = 0.0
+        self._comm_wait = 0.0
+        self._micro_steps = 0
         self._since = time.perf_counter()
 
     def report(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self._since
-        local = torch.tensor([float(self._tokens), elapsed, float(peak_memory_bytes())], dtype=torch.float64)
+        steps = max(self._micro_steps, 1)
+        local = torch.tensor(
+            [float(self._tokens), elapsed, float(peak_memory_bytes()), self._busy / steps, self._comm_wait / steps],
+            dtype=torch.float64,
+        )
         if dist.is_available() and dist.is_initialized():
             gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local)
@@ -77,11 +198,35 @@ class ThroughputMeter:
             gathered = [local]
         self.reset()
         tokens = sum(t[0].item() for t in gathered) / self.model_parallel
-        times = [t[1].item() for t in gathered]
-        wall = max(times)
+        wall = max(t[1].item() for t in gathered)
         logs = {"tokens_per_second": tokens / wall if wall > 0 else 0.0}
         if self.peak_flops:
             logs["mfu"] = 6 * self.num_parameters * tokens / (wall * len(gathered) * self.peak_flops)
         for rank, t in enumerate(gathered):
             logs[f"peak_memory_gb/rank{rank}"] = round(t[2].item() / 2**30, 4)
+        busy = [t[3].item() for t in gathered]
+        for rank, seconds in enumerate(busy):
+            logs[f"busy_seconds/rank{rank}"] = round(seconds, 6)
+        if self._comm_timer is not None:
+            logs["comm_wait_seconds"] = round(sum(t[4].item() for t in gathered) / len(gathered), 6)
+        median = statistics.median(busy)
+        logs["straggler_ratio"] = round(max(busy) / median, 4) if median > 0 else 1.0
+        self._warn_new_stragglers(busy, median)
         return logs
+
+    def _warn_new_stragglers(self, busy: list[float], median: float) -> None:
+        stragglers = set(find_stragglers(busy, self.straggler_ratio))
+        new = sorted(stragglers - self._flagged)
+        self._flagged = stragglers
+        is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if not new or not is_main:
+            return
+        for rank in new:
+            message = (
+                f"straggler: rank {rank} is busy {busy[rank]:.3f} s per micro step, {busy[rank] / median:.2f} x "
+                f"the median {median:.3f} s over {len(busy)} ranks (threshold {self.straggler_ratio} x); "
+                "check that rank's host for contention, throttling or a slow data loader"
+            )
+            self.warnings.append(message)
+            logger.warning(message)
+            print(f"[hf_dist] WARNING {message}", flush=True)

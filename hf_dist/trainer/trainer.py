@@ -21,6 +21,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
+from hf_dist.report.log_history import LogHistoryCallback
+from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
 from hf_dist.trainer import launch_env
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
@@ -64,9 +66,12 @@ class DistTrainer(Trainer):
         with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
+        self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
         self._check_packing()
         if self.dims.pp_enabled:
             pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
+        elif self.dims.tp_enabled:
+            tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
         if self.args.should_log:
             print(self.describe(), flush=True)
 
@@ -131,10 +136,13 @@ class DistTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        self.throughput.count(inputs)
-        if self.dims.pp_enabled:
-            return pipeline_trainer.training_step(self, model, inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
+        with self.throughput.step(model, inputs):  # tokens, busy time, DDP all-reduce wait
+            if self.dims.pp_enabled:
+                return pipeline_trainer.training_step(self, model, inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_tp_size(self) -> int:
+        return self.dims.tp  # the Trainer divides num_items_in_batch and the global batch by it
 
     def _sync_replicated_trainable_parameters(self, model) -> None:
         if self.dims.pp_enabled:  # stages differ per rank: no broadcast from rank 0; the pipeline reduces grads
@@ -196,6 +204,8 @@ class DistTrainer(Trainer):
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
+        if self.dims.tp_enabled and state_dict is None:  # fused projections back in HF row order
+            state_dict = tensor_parallel_trainer.gathered_state_dict(self.model)
         if self.owns_layout and state_dict is None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
