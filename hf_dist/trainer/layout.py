@@ -84,6 +84,10 @@ def apply_layout(
         apply_activation_checkpointing(model)
     if fsdp is not None:
         model = apply_fsdp(model, dims.get_mesh("dp"), fsdp, param_dtype)
+    elif dims.tp_enabled and dims.dp_enabled:  # DDP cannot wrap DTensor parameters: average over dp ourselves
+        from hf_dist.tensor_parallel.compose import replicate_tp_model
+
+        model = replicate_tp_model(model, dims.get_mesh("dp"))
     return model
 
 

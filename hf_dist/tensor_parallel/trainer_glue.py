@@ -1,0 +1,58 @@
+"""What ``DistTrainer`` changes in the HF Trainer when ``tp_size > 1`` (called from one line each).
+
+- data: the loaders shard by data-parallel rank, so the TP ranks of a group read the same batch;
+- metrics: evaluation and prediction gather over data-parallel ranks only (TP ranks hold copies of the same
+  outputs; gathering them all would repeat every prediction ``tp`` times);
+- TP degree: the Trainer divides ``num_items_in_batch`` and the global batch by ``get_tp_size()``;
+- saving: the gathered state dict in HF layout (fused projections back in HF row order).
+
+Loss scaling, gradient clipping (``Trainer._mixed_mesh_grad_norm`` spans plain and DTensor gradients) and
+the optimizer need nothing here. Not for: applying TP to the model (``hf_dist.trainer.layout``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hf_dist.tensor_parallel.state import full_state_dict
+
+
+def prepare_trainer(trainer) -> None:
+    """Data by dp rank, metrics over dp ranks; call once after ``Trainer.__init__``."""
+    from hf_dist.pipeline_parallel.trainer_glue import shard_data_by_dp
+
+    shard_data_by_dp(trainer)
+    gather = _gather_for_metrics_over_dp(trainer.accelerator, trainer.dims.tp)
+    trainer.accelerator.gather_for_metrics = gather
+    trainer.gather_function = gather
+
+
+def _gather_for_metrics_over_dp(accelerator, tp: int):
+    """``accelerator.gather_for_metrics`` that keeps one copy per TP group (the tp-rank-0 process's)."""
+    from accelerate.utils import gather_object, recursively_apply
+
+    def drop_tp_copies(tensor: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size()
+        per_rank = tensor.reshape(world, -1, *tensor.shape[1:])[::tp]
+        return per_rank.reshape(-1, *tensor.shape[1:])
+
+    def gather(input_data, use_gather_object: bool = False):
+        if use_gather_object:
+            objects = gather_object([input_data])[::tp]  # one entry per process, in rank order
+            data = [item for chunk in objects for item in chunk]
+        else:
+            data = recursively_apply(drop_tp_copies, accelerator.gather(input_data))
+        remainder = accelerator.gradient_state.remainder
+        if accelerator.gradient_state.end_of_dataloader and remainder > 0:
+            if use_gather_object:
+                return data[:remainder]
+            return recursively_apply(lambda t: t[:remainder], data)
+        return data
+
+    return gather
+
+
+def gathered_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full CPU state dict in HF layout for ``Trainer._save`` (collective: every rank calls it)."""
+    return full_state_dict(model)
