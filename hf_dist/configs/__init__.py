@@ -19,6 +19,13 @@ from hf_dist.configs.deepspeed import (
     deepspeed_config,
 )
 from hf_dist.configs.layout import STRATEGIES, Layout, layout_files, write_layout_configs
+from hf_dist.configs.strict import (
+    read_accelerate_config,
+    read_config_file,
+    read_deepspeed_config,
+    read_layout_dir,
+    read_layout_file,
+)
 
 __all__ = [
     "STRATEGIES",
@@ -33,6 +40,11 @@ __all__ = [
     "accelerate_config",
     "deepspeed_config",
     "layout_files",
+    "read_accelerate_config",
+    "read_config_file",
+    "read_deepspeed_config",
+    "read_layout_dir",
+    "read_layout_file",
     "to_yaml",
     "write_layout_configs",
 ]

@@ -215,7 +215,7 @@ def launch_script(layout: Layout) -> str:
     """``launch.sh``: ``bash launch.sh TRAIN_SCRIPT [more training arguments]`` from any directory."""
     lines = [
         "#!/usr/bin/env bash",
-        f"# {HEADER.format(source='hf-dist config')}",
+        f"# {HEADER.format(source='hf-dist config / plan --out')}",
         f"# Layout: {describe(layout)}",
         "# Usage: bash launch.sh TRAIN_SCRIPT [more training arguments]",
     ]
@@ -253,7 +253,7 @@ def layout_files(layout: Layout, out_dir: str | Path) -> dict[str, str]:
     if layout.is_deepspeed:
         ds_path = str(Path(out_dir).resolve() / DEEPSPEED_FILE)
         files[DEEPSPEED_FILE] = json.dumps(deepspeed_config(deepspeed_spec(layout)), indent=2) + "\n"
-    header = HEADER.format(source="hf-dist config") + "\n" + describe(layout)
+    header = HEADER.format(source="hf-dist config / plan --out") + "\n" + describe(layout)
     files[ACCELERATE_FILE] = to_yaml(accelerate_config(accelerate_spec(layout, deepspeed_path=ds_path)), header=header)
     files[LAYOUT_FILE] = to_yaml(layout.as_dict(), header=header + "\nRead back strictly by hf_dist "
                                  "(hf_dist.configs.read_layout_file): unknown keys are errors.")
