@@ -17,6 +17,7 @@ Not for: checkpoints (``checkpoint``) or the Trainer glue (``hf_dist.trainer``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -116,13 +117,21 @@ class PipelinedCausalLM:
             self.allreduce_group = self.dims.get_mesh("dp_replicate").get_group()
 
     def _build_schedule(self) -> None:
+        self._schedules: dict[int, tuple[list, object]] = {}
+        self.stages, self.schedule = self._schedule_for(self.config.microbatches)
+
+    def _schedule_for(self, microbatches: int) -> tuple[list, object]:
+        """Stages and schedule for ``microbatches`` (built once per count: a short last batch needs fewer)."""
         from torch.distributed.pipelining import PipelineStage
 
-        self.stages = [
-            PipelineStage(module, i, self.plan.num_stages, self.device, group=self.pp_group)
-            for i, module in zip(self.stage_ids, self.modules)
-        ]
-        self.schedule = build_schedule(self.config, self.stages, self.loss_fn)
+        if microbatches not in self._schedules:
+            stages = [
+                PipelineStage(module, i, self.plan.num_stages, self.device, group=self.pp_group)
+                for i, module in zip(self.stage_ids, self.modules)
+            ]
+            config = dataclasses.replace(self.config, microbatches=microbatches)
+            self._schedules[microbatches] = (stages, build_schedule(config, stages, self.loss_fn))
+        return self._schedules[microbatches]
 
     # -- queries -----------------------------------------------------------------------------------
     @property
@@ -155,20 +164,24 @@ class PipelinedCausalLM:
     def _model_kwargs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
 
-    def train_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def train_step(self, batch: Mapping[str, torch.Tensor], *, microbatches: int | None = None) -> torch.Tensor:
         """Forward and backward over the whole per-rank batch; returns the global-batch mean loss (all ranks).
 
-        Gradients are accumulated into ``.grad`` (call ``optimizer.zero_grad()`` between steps).
+        ``microbatches`` overrides the configured count for this step (the Trainer's short last batch of an
+        epoch keeps the micro-batch size and runs fewer micro-batches). Gradients are accumulated into
+        ``.grad`` (call ``optimizer.zero_grad()`` between steps).
         """
         input_ids = batch["input_ids"].to(self.device)
         labels = batch.get("labels", batch["input_ids"]).to(self.device)
-        check_microbatches(input_ids.shape[0], self.config.microbatches, self.plan.num_stages)
+        microbatches = microbatches or self.config.microbatches
+        check_microbatches(input_ids.shape[0], microbatches, self.plan.num_stages)
+        _, schedule = self._schedule_for(microbatches)
         tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
         self.loss_fn.denominator = tokens.clamp(min=1.0)
         kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
-        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         self._allreduce_grads()
         local = torch.stack([l.detach() for l in losses]).sum() if self.has_last else torch.zeros(())
         return self._broadcast_loss(local.to(torch.float32))

@@ -130,8 +130,18 @@ def training_step(trainer, model: PipelineModel, inputs) -> torch.Tensor:
     model.train()
     inputs = trainer._prepare_inputs(inputs)
     with trainer.compute_loss_context_manager():
-        loss = model.pipeline.train_step(inputs)
+        loss = model.pipeline.train_step(inputs, microbatches=_microbatches_for(trainer, inputs))
     return loss.detach()
+
+
+def _microbatches_for(trainer, inputs) -> int:
+    """The configured count, or fewer micro-batches of the same size for an epoch's short last batch."""
+    args = trainer.args
+    micro = args.per_device_train_batch_size // args.pp_microbatches
+    rows = inputs["input_ids"].shape[0]
+    if rows == args.per_device_train_batch_size or rows % micro != 0:
+        return args.pp_microbatches  # a full batch, or one train_step refuses with the reason
+    return rows // micro
 
 
 def clip_grad_norm(trainer) -> torch.Tensor:
