@@ -57,31 +57,55 @@ def _dp_world(dp: int):
     return Mpu()
 
 
-@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
-def test_deepspeed_json_passes_deepspeed_after_trainer_filling(path):
+def _through_trainer_and_deepspeed(config: dict, *, micro: int, accum: int, world: int, precision: str = "bf16"):
+    """Fill ``config`` as the HF Trainer does for these arguments, then build DeepSpeed's own config object."""
     from deepspeed.runtime import config as ds_config_module
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    raw = read_deepspeed_config(path)
-    resolved = raw["train_batch_size"] != "auto"
-    micro, accum, world = (raw["train_micro_batch_size_per_gpu"], raw["gradient_accumulation_steps"],
-                           raw["train_batch_size"] // (raw["train_micro_batch_size_per_gpu"] *
-                                                       raw["gradient_accumulation_steps"])) if resolved else (2, 3, 1)
     args = TrainingArguments(output_dir="/tmp/unused", per_device_train_batch_size=micro,
-                             gradient_accumulation_steps=accum, bf16=True, use_cpu=True, report_to=[])
-    hf_config = HfTrainerDeepSpeedConfig(json.loads(path.read_text()))
+                             gradient_accumulation_steps=accum, bf16=precision == "bf16", fp16=precision == "fp16",
+                             use_cpu=precision != "fp16", report_to=[])
+    hf_config = HfTrainerDeepSpeedConfig(config)
     with mock.patch.object(TrainingArguments, "world_size", new_callable=mock.PropertyMock, return_value=world):
         hf_config.trainer_config_process(args)
-        hf_config.trainer_config_finalize(args, _Model, 100)
+        hf_config.trainer_config_finalize(args, _Model, 100)  # raises on any mismatch with the arguments
     assert "auto" not in json.dumps(hf_config.config)
     with mock.patch.object(ds_config_module.dist, "get_rank", return_value=0):
-        ds = ds_config_module.DeepSpeedConfig(hf_config.config, mpu=_dp_world(world))
+        return ds_config_module.DeepSpeedConfig(hf_config.config, mpu=_dp_world(world))
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
+def test_deepspeed_json_passes_deepspeed_after_trainer_filling(path):
+    raw = read_deepspeed_config(path)
+    if raw["train_batch_size"] == "auto":
+        micro, accum, world = 2, 3, 1
+    else:
+        micro, accum = raw["train_micro_batch_size_per_gpu"], raw["gradient_accumulation_steps"]
+        world = raw["train_batch_size"] // (micro * accum)
+    ds = _through_trainer_and_deepspeed(json.loads(path.read_text()), micro=micro, accum=accum, world=world)
     assert ds.train_batch_size == micro * accum * world
     assert ds.zero_optimization_stage == raw["zero_optimization"]["stage"]
     assert ds.bfloat16_config.enabled is True
     if ds.zero_optimization_stage == 3:
         assert ds.zero_config.gather_16bit_weights_on_model_save is True
+
+
+@pytest.mark.parametrize("strategy, offload, precision", [
+    ("zero1", None, "bf16"), ("zero2", "cpu", "fp16"), ("zero3", "nvme", "bf16"), ("zero3", None, "no"),
+])
+def test_resolved_layout_json_passes_deepspeed(tmp_path, strategy, offload, precision):
+    from hf_dist.configs import write_layout_configs
+
+    write_layout_configs(tmp_path, strategy=strategy, num_gpus=8, num_nodes=2, micro_batch_size=2,
+                         gradient_accumulation_steps=3, mixed_precision=precision, offload=offload)
+    config = json.loads((tmp_path / "deepspeed.json").read_text())
+    ds = _through_trainer_and_deepspeed(config, micro=2, accum=3, world=16, precision=precision)
+    assert ds.train_batch_size == 2 * 3 * 16
+    assert ds.bfloat16_config.enabled is (precision == "bf16")
+    assert ds.float16_config.enabled is (precision == "fp16")
+    if offload:
+        assert ds.zero_config.offload_optimizer.device == offload
 
 
 @pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: p.name)
