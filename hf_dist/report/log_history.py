@@ -65,7 +65,9 @@ def read_log_history(run_dir: str | Path) -> list[dict]:
     records = _read_jsonl(run_dir / LOG_FILE)
     if records:
         return records
-    states = sorted(run_dir.glob("**/trainer_state.json"), key=lambda p: json.loads(p.read_text()).get("global_step", 0))
+    states = sorted(
+        run_dir.glob("**/trainer_state.json"), key=lambda p: json.loads(p.read_text()).get("global_step", 0)
+    )
     if states:
         return json.loads(states[-1].read_text()).get("log_history", [])
     raise ValueError(

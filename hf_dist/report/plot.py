@@ -17,7 +17,7 @@ from hf_dist.report.log_history import read_log_history
 PANEL_LOSS = "loss"
 PANEL_THROUGHPUT = "throughput (tokens/s)"
 PANEL_MEMORY = "peak memory per rank (GiB)"
-PANEL_STEP_TIME = "busy time per optimizer step (s)"
+PANEL_STEP_TIME = "busy time per micro step (s)"
 _RANK_KEY = re.compile(r"^(?P<name>.+)/rank(?P<rank>\d+)$")
 
 
@@ -38,7 +38,7 @@ def _per_rank(records: list[dict], name: str) -> dict[int, str]:
 
 def _loss_panel(ax, records: list[dict]) -> None:
     ax.plot(*_series(records, "loss"), marker="o", ms=3, label="train loss")
-    eval_keys = sorted({k for r in records for k in r if k.endswith("eval_loss") or k.endswith("_loss") and k != "loss"})
+    eval_keys = sorted({k for r in records for k in r if k.endswith("_loss") and k != "train_loss"})
     for key in eval_keys:
         ax.plot(*_series(records, key), marker="s", ls="--", label=key)
     ax.set_xlabel("optimizer step")
@@ -73,7 +73,7 @@ def _title(run_dir: Path) -> str:
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         if summary.get("layout"):
-            title += f"\n{summary['layout']}"
+            title += f"\n{' '.join(summary['layout'].split())}"
         if summary.get("perplexity_after") is not None:
             title += f" | eval perplexity {summary['perplexity_before']:.2f} -> {summary['perplexity_after']:.2f}"
     return title

@@ -228,5 +228,4 @@ class ThroughputMeter:
                 "check that rank's host for contention, throttling or a slow data loader"
             )
             self.warnings.append(message)
-            logger.warning(message)
-            print(f"[hf_dist] WARNING {message}", flush=True)
+            logger.warning(message)  # with no handler configured, Python's last-resort handler prints it

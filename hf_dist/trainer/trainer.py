@@ -132,6 +132,11 @@ class DistTrainer(Trainer):
         from hf_dist.checkpoint import trainer_hooks
 
         self.throughput.reset()  # time set-up (data loader, optimizer) is not throughput
+        wrapped_elsewhere = self.owns_layout or self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if self.model is self.model_wrapped and not wrapped_elsewhere:
+            # evaluate() before train() marks the bare model prepared (inference only): accelerate would then
+            # skip the DDP wrap and every rank would train alone, gradients never reduced. Let train() wrap it.
+            self.model.__dict__.pop("_is_accelerate_prepared", None)
         resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
