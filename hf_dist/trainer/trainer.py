@@ -117,6 +117,8 @@ class DistTrainer(Trainer):
         elif self.is_deepspeed_enabled:
             stage = self.accelerator.state.deepspeed_plugin.zero_stage
             kind = f"DeepSpeed ZeRO-{stage}"
+        elif self.dims.tp_enabled:  # DDP never wraps a TP model (hf_dist.tensor_parallel.compose averages over dp)
+            kind = f"DP{self.dims.dp} (hf_dist gradient averaging)" if self.dims.dp_enabled else "no data parallelism"
         elif contract.world_size > 1:
             kind = f"DDP ({self.accelerator.distributed_type.value})"
         else:
