@@ -62,7 +62,14 @@ class PipelinedCausalLM:
         config: PipelineConfig,
         device: torch.device | str = "cpu",
         release_unowned: bool = True,
+        reshard_after_forward: bool = False,
     ) -> None:
+        """Split ``model`` for this rank of ``dims`` (mesh built) and build the schedule.
+
+        ``release_unowned`` drops the modules of other ranks' stages from ``model``. ``reshard_after_forward``
+        (FSDP only): free gathered parameters after each micro-batch's forward (less memory, one all-gather per
+        micro-batch and layer) instead of keeping them for the whole step.
+        """
         if not dims.pp_enabled:
             raise ValueError(f"PipelinedCausalLM needs pp > 1, got {dims}; train without it when pp=1")
         check_untied(model, dims.pp)
@@ -87,7 +94,7 @@ class PipelinedCausalLM:
         self.hidden_dtype = next(causal_lm_of(model).parameters()).dtype
         self.hidden_size = causal_lm_of(model).config.hidden_size
         self._apply_tensor_parallel()
-        self._apply_data_parallel()
+        self._apply_data_parallel(reshard_after_forward)
         self.loss_fn = TokenWeightedLoss()
         self._build_schedule()
 
@@ -99,7 +106,7 @@ class PipelinedCausalLM:
 
         self.modules = [apply_tensor_parallel(m, self.dims.get_mesh("tp")) for m in self.modules]
 
-    def _apply_data_parallel(self) -> None:
+    def _apply_data_parallel(self, reshard_after_forward: bool) -> None:
         self.dp_group = self.dims.get_mesh("dp").get_group() if self.dims.dp_enabled else None
         self.allreduce_group = None
         if self.dims.dp_shard > 1:
@@ -109,7 +116,7 @@ class PipelinedCausalLM:
             for module in self.modules:
                 units = [*module.model.layers.values(), module]  # each decoder layer, then the rest of the stage
                 for unit in units:
-                    fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+                    fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and unit is not module)
                 for unit in units:  # per FSDP unit: a unit's settings do not reach the units inside it
                     unit.set_gradient_divide_factor(1.0)  # sum: the loss is already divided by global tokens
                     unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)

@@ -87,6 +87,11 @@ class PipelineModel(nn.Module):
         self.lm_head = last[0].lm_head if last else None
         self.config = pipe.modules[0].config
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **_ignored) -> None:
+        """Called by ``Trainer.train``; ``apply_pipeline`` already enabled it per layer before the split."""
+        if not all(getattr(layer, "gradient_checkpointing", False) for layer in self.model.layers.values()):
+            raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
+
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):
         from transformers.modeling_outputs import CausalLMOutput
 
@@ -103,21 +108,29 @@ class PipelineModel(nn.Module):
 
 
 def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
-    """Split ``model`` into this rank's stages for ``trainer.dims`` (mesh built) and wrap it for the Trainer."""
-    if args.gradient_checkpointing:
+    """Split ``model`` into this rank's stages for ``trainer.dims`` (mesh built) and wrap it for the Trainer.
+
+    Activation checkpointing (``gradient_checkpointing`` or the FSDP request's) is enabled per decoder layer
+    before the split; FSDP's ``reshard_after_forward`` is honoured. Mixed precision: the pipeline does not
+    autocast, so ``bf16``/``fp16`` need the model loaded in that dtype (the Harbor 13B recipe does).
+    """
+    fsdp = getattr(args, "hf_dist_fsdp", None)
+    if args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing):
         from hf_dist.trainer.layout import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)  # per decoder layer, before the layers are split out
-    fsdp = getattr(args, "hf_dist_fsdp", None)
     if fsdp is not None and fsdp.cpu_offload:
         raise ValueError("FSDP cpu_offload with pp_size > 1 is not supported; drop cpu offload or set pp_size=1")
-    if args.bf16 or args.fp16:
+    wanted = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    dtype = next(model.parameters()).dtype
+    if wanted is not None and dtype != wanted:
         raise ValueError(
-            f"bf16={args.bf16}, fp16={args.fp16} with pp_size={args.pp_size}: the pipeline does not autocast; "
-            f"load the model in the dtype you want (from_pretrained(dtype=torch.bfloat16)) and drop bf16/fp16"
+            f"bf16={args.bf16}, fp16={args.fp16} with pp_size={args.pp_size} but the model is {dtype}: the pipeline "
+            f"does not autocast; load the model in {wanted} (from_pretrained(..., dtype={wanted})) or drop bf16/fp16"
         )
     config = PipelineConfig(schedule=args.pp_schedule, microbatches=args.pp_microbatches)
-    pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device)
+    reshard = fsdp.reshard_after_forward if fsdp is not None else False
+    pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)
     # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
     wrapped.is_distributed_loading_by_transformers = True
