@@ -71,3 +71,45 @@ def test_export_refuses_one_rank_shard(fsdp_checkpoint):
     empty = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([0]), chunks=[])
     with pytest.raises(CheckpointError, match="empty"):
         check_complete_tensor("lora_B", empty)
+
+
+def _train_lora_fsdp_and_save(rank, world, root):
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dist import ParallelDims
+    from hf_dist.checkpoint import save_checkpoint
+    from hf_dist.models import build_tiny_model
+
+    layout = ParallelDims(world_size=world, dp_shard=world)
+    mesh = layout.build_mesh("cpu")["dp_shard"]
+    model = get_peft_model(build_tiny_model(seed=0, **MODEL_KWARGS),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for block in model.base_model.model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, MODEL_KWARGS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):  # lora_B starts at zero: train so that the adapter changes the logits
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_checkpoint(f"{root}/step_2", model=model, optimizer=optimizer, step=2, samples_consumed=8, layout=layout,
+                    batch_contract=None)
+
+
+def test_lora_export_adapter_and_merged(tmp_path):
+    from safetensors.torch import load_file
+
+    run_distributed(_train_lora_fsdp_and_save, 2, str(tmp_path / "ckpt"))
+    assert main(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--adapter", "adapter"]) == 0
+    adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    assert all(".default." not in key for key in adapter)
+    assert any(key.endswith("lora_B.weight") and value.abs().sum() > 0 for key, value in adapter.items())
+    assert not (tmp_path / "adapter" / "config.json").exists()
+    assert main(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--adapter", "merged"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert not any("lora" in name for name, _ in merged.named_parameters())

@@ -1,0 +1,232 @@
+"""Checkpoint save/load time and peak memory on 2 ranks: hf_dist (DCP, sharded) vs torch.save vs accelerate.
+
+    .venv/bin/python bench/checkpoint.py                 # ~100M-parameter Llama, 2 gloo ranks, CPU
+    .venv/bin/python bench/checkpoint.py --layers 2      # quicker
+
+Methods (model + AdamW state, after one training step so the optimizer state exists):
+- ``hf_dist sync``: ``save_checkpoint`` / ``load_checkpoint`` of an FSDP2 model; each rank writes its shards.
+- ``hf_dist async``: the same with ``async_save=True``; "blocking" is the time until training could go on
+  (staging copy), "total" until the commit.
+- ``torch.save rank0``: full state dict gathered to rank 0 (``full_state_dict=True, cpu_offload=True``),
+  ``torch.save`` there; load = every rank ``torch.load(mmap=True)`` of the full file + ``set_state_dict``.
+- ``accelerate save_state``: a DDP model/optimizer prepared by ``Accelerator`` (MULTI_CPU; accelerate cannot
+  FSDP on CPU), ``save_state`` / ``load_state``.
+Peak memory is the largest resident-set growth of any rank above its level before the operation (sampled
+every 5 ms). Ratios are method / hf_dist sync. Timings on a shared 2-core CPU machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class PeakRss:
+    """Largest RSS growth of this process while the block runs."""
+
+    def __enter__(self):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.start = self._proc.memory_info().rss
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        self._t0 = time.perf_counter()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self._t0
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self.growth = self.peak - self.start
+
+
+def _model(args):
+    from hf_dist.models import build_tiny_model
+
+    return build_tiny_model(
+        seed=0, vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=12, num_key_value_heads=4, intermediate_size=args.intermediate,
+    )
+
+
+def _one_step(model, optimizer):
+    ids = torch.randint(0, model.config.vocab_size if hasattr(model, "config") else 100, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _fsdp(args, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dist import ParallelDims
+
+    layout = ParallelDims(world_size=world, dp_shard=world)
+    mesh = layout.build_mesh("cpu")["dp_shard"]
+    model = _model(args)
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _one_step(model, optimizer)
+    return model, optimizer, layout
+
+
+def _measure(fn) -> tuple[float, int]:
+    dist.barrier()
+    with PeakRss() as peak:
+        fn()
+        dist.barrier()
+    stats = [None] * dist.get_world_size()
+    dist.all_gather_object(stats, (peak.seconds, peak.growth))
+    return max(s[0] for s in stats), max(s[1] for s in stats)
+
+
+def _hf_dist(args, root, rows):
+    from hf_dist.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer, layout = _fsdp(args, dist.get_world_size())
+    save = lambda path, **kw: save_checkpoint(path, model=model, optimizer=optimizer, step=1, samples_consumed=1,
+                                              layout=layout, batch_contract=None, hash_files=False, **kw)
+    rows["hf_dist sync"] = {"save": _measure(lambda: save(f"{root}/dcp_sync"))}
+    rows["hf_dist sync"]["load"] = _measure(lambda: load_checkpoint(f"{root}/dcp_sync", model=model, optimizer=optimizer))
+    group = dist.new_group(backend="gloo")
+    handles = []
+    blocking = _measure(lambda: handles.append(save(f"{root}/dcp_async", async_save=True, async_group=group)))
+    t0 = time.perf_counter()
+    handles[0].result()
+    total = blocking[0] + time.perf_counter() - t0
+    rows["hf_dist async"] = {"save": blocking, "total": total}
+    del model, optimizer
+
+
+def _torch_save(args, root, rows):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model, optimizer, _ = _fsdp(args, dist.get_world_size())
+    path = f"{root}/full.pt"
+
+    def save():
+        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            torch.save({"model": msd, "optim": osd}, path)
+
+    def load():
+        full = torch.load(path, weights_only=True, mmap=True)  # every rank reads the whole file
+        options = StateDictOptions(full_state_dict=True)
+        set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"], options=options)
+
+    rows["torch.save rank0"] = {"save": _measure(save), "load": _measure(load)}
+    del model, optimizer
+
+
+def _accelerate(args, root, rows):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = _model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    _one_step(model, optimizer)
+    kind = f"{accelerator.distributed_type.value}x{accelerator.num_processes}"
+    if accelerator.num_processes != dist.get_world_size():
+        raise RuntimeError(f"accelerate runs {kind}, not {dist.get_world_size()} processes: not comparable")
+    rows["accelerate save_state"] = {
+        "save": _measure(lambda: accelerator.save_state(f"{root}/accel")),
+        "load": _measure(lambda: accelerator.load_state(f"{root}/accel")),
+    }
+
+
+def _worker(rank, world, port, args, root, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(args.stall_s, exit=True, file=sys.stderr)  # a hung collective: show where
+    rows: dict = {}
+    for stage in (_hf_dist, _torch_save, _accelerate):
+        stage(args, root, rows)
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _table(rows: dict, n_params: int, args) -> str:
+    base = rows["hf_dist sync"]
+    lines = [
+        f"checkpoint bench: {n_params / 1e6:.1f}M-parameter Llama + AdamW, 2 gloo ranks, CPU "
+        f"(hidden {args.hidden}, {args.layers} layers, vocab {args.vocab})",
+        f"{'method':<24}{'save s':>8}{'x':>6}{'save peak MiB':>15}{'x':>6}{'load s':>8}{'x':>6}{'load peak MiB':>15}{'x':>6}",
+    ]
+    for name, row in rows.items():
+        cells = []
+        for op in ("save", "load"):
+            if op not in row:
+                cells += ["-", "", "-", ""]
+                continue
+            seconds, growth = row[op]
+            b_seconds, b_growth = base[op]
+            cells += [f"{seconds:.2f}", f"{seconds / b_seconds:.2f}", f"{growth / 2**20:.0f}",
+                      f"{growth / max(b_growth, 1):.2f}"]
+        lines.append(f"{name:<24}{cells[0]:>8}{cells[1]:>6}{cells[2]:>15}{cells[3]:>6}"
+                     f"{cells[4]:>8}{cells[5]:>6}{cells[6]:>15}{cells[7]:>6}")
+    asynchronous = rows["hf_dist async"]
+    lines.append(f"async: blocking {asynchronous['save'][0]:.2f} s vs sync {base['save'][0]:.2f} s "
+                 f"({asynchronous['save'][0] / base['save'][0]:.2f}x); background write done after "
+                 f"{asynchronous['total']:.2f} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--stall-s", type=float, default=1800, help="dump stacks and exit if a rank runs this long")
+    args = parser.parse_args()
+    n_params = sum(p.numel() for p in _model(args).parameters())
+    root = tempfile.mkdtemp(prefix="hf_dist_ckpt_bench_")
+    try:
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        from socket import socket
+
+        with socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = [ctx.Process(target=_worker, args=(r, 2, port, args, root, queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        if any(proc.exitcode != 0 for proc in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        print(_table(queue.get(), n_params, args))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

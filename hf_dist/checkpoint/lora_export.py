@@ -1,0 +1,176 @@
+"""Export a LoRA (PEFT) training checkpoint: the adapter alone, or merged into the base weights.
+
+Adapter-only writes ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT's ``save_pretrained`` does
+(adapter name dropped from the keys). Every adapter tensor must be whole: not empty (the ZeRO-3/FSDP1 failure
+where an adapter saved as 0-element placeholders) and covered by its saved chunks (not one rank's shard), with
+the rank the config declares. Merged writes a plain causal-LM folder, shard by shard: each base weight is read
+with its ``lora_A``/``lora_B`` and merged as ``W + scale * B @ A``.
+
+Both verify against the checkpoint loaded directly into a PEFT model (logits on a probe batch).
+Not here: plain models (``export``). Only LoRA A/B adapters with one adapter name are handled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.api import HF_DIR
+from hf_dist.checkpoint.export import (
+    ExportReport,
+    check_complete_tensor,
+    compare_logits,
+    copy_hf_files,
+    plan_shards,
+    prepare_out,
+    read_tensors,
+    tensor_metadata,
+    write_shards,
+)
+
+BASE_PREFIX = "base_model.model."
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
+
+
+def _adapter_dir(ckpt: Path) -> Path:
+    adapters = sorted((ckpt / HF_DIR / "adapter").glob("*/adapter_config.json"))
+    if len(adapters) != 1:
+        raise mf.CheckpointError(
+            f"{ckpt / HF_DIR / 'adapter'} holds {len(adapters)} adapter configs; export handles exactly one adapter"
+        )
+    return adapters[0].parent
+
+
+def _split_keys(metas: dict, adapter: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """``{module: {"A": key, "B": key}}`` for LoRA pairs, and the remaining (base) keys."""
+    pairs: dict[str, dict[str, str]] = {}
+    base = []
+    for key in metas:
+        match = _LORA.match(key)
+        if match and match["adapter"] == adapter:
+            pairs.setdefault(match["module"], {})[match["which"]] = key
+        elif f".{adapter}." in key or key.endswith(f".{adapter}"):
+            raise mf.CheckpointError(f"adapter tensor {key} is not a LoRA A/B weight; export handles LoRA only")
+        else:
+            base.append(key)
+    return pairs, base
+
+
+def _check_adapter(metas: dict, pairs: dict, config: dict) -> None:
+    if not pairs:
+        raise mf.CheckpointError("the checkpoint holds no LoRA tensors: refusing to write an empty adapter")
+    r = config["r"]
+    for module, keys in pairs.items():
+        if set(keys) != {"A", "B"}:
+            raise mf.CheckpointError(f"LoRA module {module} has only lora_{''.join(keys)}: the adapter is incomplete")
+        for which, key in keys.items():
+            check_complete_tensor(key, metas[key])
+            size = tuple(metas[key].size)
+            rank_dim = size[0] if which == "A" else size[1]
+            if not config.get("rank_pattern") and rank_dim != r:
+                raise mf.CheckpointError(f"{key} has shape {size} but the adapter config says r={r}")
+
+
+def _base_name(key: str) -> str:
+    name = key[len(BASE_PREFIX) :] if key.startswith(BASE_PREFIX) else key
+    return name.replace(".base_layer.", ".")
+
+
+def _scale(config: dict) -> float:
+    if config.get("alpha_pattern") or config.get("rank_pattern"):
+        raise ValueError("merging an adapter with rank_pattern/alpha_pattern is not supported; export adapter-only")
+    r = config["r"]
+    return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def _merged_producer(ckpt: Path, metas: dict, pairs: dict, base_keys: dict[str, str], config: dict):
+    scale, transpose = _scale(config), bool(config.get("fan_in_fan_out"))
+    module_of = {key: key.rsplit(".base_layer.", 1)[0] for key in base_keys.values() if ".base_layer." in key}
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        keys = [base_keys[n] for n in names]
+        lora_keys = [pairs[module_of[k]][w] for k in keys if k in module_of and module_of[k] in pairs for w in "AB"]
+        tensors = read_tensors(ckpt, keys + lora_keys, metas)
+        out = {}
+        for name, key in zip(names, keys):
+            weight = tensors[key]
+            module = module_of.get(key)
+            if module in pairs:
+                delta = tensors[pairs[module]["B"]] @ tensors[pairs[module]["A"]] * scale
+                weight = weight + (delta.T if transpose else delta).to(weight.dtype)
+            out[name] = weight
+        return out
+
+    return produce
+
+
+def export_peft(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    mode: str,
+    max_shard_size: int | str = "2GB",
+    tokenizer_dir: str | Path | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> ExportReport:
+    """Write the LoRA adapter of ``ckpt`` (``mode='adapter'``) or the merged model (``mode='merged'``)."""
+    if mode not in ("adapter", "merged"):
+        raise ValueError(f"adapter={mode!r} is not an export mode; use 'adapter' or 'merged'")
+    ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
+    manifest = mf.read_manifest(ckpt)
+    mf.verify_files(ckpt, manifest, "size")
+    if manifest.model_kind != "peft":
+        raise ValueError(f"{ckpt} holds a plain model (no adapter); export it without --adapter")
+    adapter_dir = _adapter_dir(ckpt)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    metas = tensor_metadata(ckpt)
+    pairs, base = _split_keys(metas, adapter_dir.name)
+    _check_adapter(metas, pairs, config)
+    prepare_out(out, overwrite)
+    report = ExportReport(out_dir=out)
+    if mode == "adapter":
+        from safetensors.torch import save_file
+
+        keys = [key for keys in pairs.values() for key in keys.values()]
+        tensors = {key.replace(f".{adapter_dir.name}.", "."): t for key, t in read_tensors(ckpt, keys, metas).items()}
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        shutil.copy2(adapter_dir / "adapter_config.json", out / "adapter_config.json")
+        report.files += ["adapter_model.safetensors", "adapter_config.json"]
+        report.total_bytes = report.largest_shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    else:
+        base_keys = {_base_name(key): key for key in base}
+        plan = plan_shards({n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()},
+                           max_shard_size)
+        write_shards(out, plan, _merged_producer(ckpt, metas, pairs, base_keys, config), report)
+    copy_hf_files(ckpt, out, report, tokenizer_dir)
+    if mode == "adapter":
+        (out / "config.json").unlink()  # an adapter folder is not a model folder: from_pretrained must not see one
+        report.files.remove("config.json")
+    if verify:
+        report.max_logit_diff = _verify(ckpt, out, adapter_dir, metas, base, mode)
+    return report
+
+
+def _verify(ckpt: Path, out: Path, adapter_dir: Path, metas: dict, base: list[str], mode: str) -> float:
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(ckpt / HF_DIR))
+    reference = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig.from_pretrained(str(adapter_dir)))
+    reference.load_state_dict(read_tensors(ckpt, list(metas), metas), strict=True)
+    reference.eval()
+    if mode == "merged":
+        exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        return compare_logits(reference, exported, config.vocab_size, 1e-4, f"merged export {out}")
+    fresh_base = AutoModelForCausalLM.from_config(config)
+    fresh_base.load_state_dict({_base_name(k): v for k, v in read_tensors(ckpt, base, metas).items()}, strict=True)
+    exported = PeftModel.from_pretrained(fresh_base, str(out)).eval()
+    return compare_logits(reference, exported, config.vocab_size, 0.0, f"adapter export {out}")
