@@ -113,3 +113,56 @@ def test_lora_export_adapter_and_merged(tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+def _zero3_train_and_save(rank, world, root):
+    import deepspeed
+
+    from hf_dist.models import build_tiny_model
+
+    model = build_tiny_model(seed=0, **MODEL_KWARGS)
+    if rank == 0:
+        model.config.save_pretrained(root)  # the HF Trainer writes config.json beside global_stepN/
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    ids = torch.randint(0, MODEL_KWARGS["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(root)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {name: p.detach().clone().numpy() for name, p in engine.module.named_parameters()}
+
+
+def _load_into_fsdp2(rank, world, ckpt):
+    from test_checkpoint_loop import build, full_params
+
+    from hf_dist.checkpoint import load_checkpoint
+
+    model, _, _, _, _ = build("fsdp", world)
+    info = load_checkpoint(ckpt, model=model, optimizer=None)
+    return {"step": info.step, "params": {k: v.numpy() for k, v in full_params(model).items()}}
+
+
+def test_zero3_converts_to_fsdp2_and_exports(tmp_path):
+    from hf_dist.checkpoint.zero import convert_zero_checkpoint
+
+    zero_dir = tmp_path / "zero"
+    zero_dir.mkdir()
+    trained = as_tensors(run_distributed(_zero3_train_and_save, 2, str(zero_dir))[0])
+    with pytest.raises(ValueError, match="trust_pickles=True"):
+        convert_zero_checkpoint(zero_dir, tmp_path / "converted")
+    convert_zero_checkpoint(zero_dir, tmp_path / "converted", trust_pickles=True)
+    loaded = run_distributed(_load_into_fsdp2, 2, str(tmp_path / "converted"))[0]
+    assert loaded["step"] == 2
+    torch.testing.assert_close(as_tensors(loaded["params"]), trained, atol=0, rtol=0)
+    out = tmp_path / "hub"
+    assert main(["checkpoint", "export", str(zero_dir), str(out)]) == 2  # refuses without the trust flag
+    assert main(["checkpoint", "export", str(zero_dir), str(out), "--trust-deepspeed-pickles",
+                 "--max-shard-size", "40KB"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(dict(exported.state_dict()), trained, atol=0, rtol=0)
