@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
@@ -19,7 +18,28 @@ SCHEDULE_MICROBATCHES = {"gpipe": 4, "1f1b": 4, "interleaved_1f1b": 8, "interlea
 GLOBAL_BATCH = 8
 
 
-def _schedules_two_ranks(rank, world_size, out_dir):
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(1)  # LoRA B starts at zero: give it values so the adapter's every tensor is checked
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return peft_model
+
+
+def _two_ranks(rank, world_size, out_dir):
+    """Every schedule, then LoRA, in one 2-rank group (pp=2)."""
+    results = _schedules(out_dir)
+    results["lora"] = _lora(os.path.join(out_dir, "adapter"))
+    return results
+
+
+def _schedules(out_dir):
     from hf_dist import ParallelDims
     from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict, save_pretrained
 
@@ -39,8 +59,27 @@ def _schedules_two_ranks(rank, world_size, out_dir):
     return results
 
 
-def test_every_schedule_matches_one_process(tmp_path):
-    results = run_distributed(_schedules_two_ranks, 2, str(tmp_path))
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2")
+    return run_distributed(_two_ranks, 2, str(out)), out
+
+
+def _lora(out_dir):
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, save_pretrained
+
+    dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
+    dims.build_mesh("cpu")
+    pipe = PipelinedCausalLM(_lora_model(), dims=dims, config=PipelineConfig(schedule="1f1b", microbatches=4))
+    losses, _ = pipelined_run(pipe, batches(GLOBAL_BATCH, steps=3), dp_rank=0, dp=1)
+    save_pretrained(pipe, out_dir)
+    trainable = sorted(n for n, p in pipe.named_parameters() if p.requires_grad)
+    return losses, trainable
+
+
+def test_every_schedule_matches_one_process(two_rank_run):
+    results, tmp_path = two_rank_run
     ref_losses, ref_norms, ref_state = reference_run(tiny_model(), batches(GLOBAL_BATCH))
     assert results[0]["zbv"]["stages"] == [0, 3] and results[1]["zbv"]["stages"] == [1, 2]  # V placement
     assert results[0]["interleaved_1f1b"]["stages"] == [0, 2]  # loop placement
@@ -66,43 +105,17 @@ def test_every_schedule_matches_one_process(tmp_path):
         assert_close(results[0]["eval"], float(saved(**eval_batch).loss), atol=1e-5, rtol=0)
 
 
-def _lora_model():
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = tiny_model()
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
-    peft_model = get_peft_model(model, config)
-    torch.manual_seed(1)  # LoRA B starts at zero: give it values so the adapter's every tensor is checked
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.02)
-    return peft_model
-
-
-def _lora_two_ranks(rank, world_size, out_dir):
-    from hf_dist import ParallelDims
-    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, save_pretrained
-
-    dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
-    dims.build_mesh("cpu")
-    pipe = PipelinedCausalLM(_lora_model(), dims=dims, config=PipelineConfig(schedule="1f1b", microbatches=4))
-    losses, _ = pipelined_run(pipe, batches(GLOBAL_BATCH, steps=3), dp_rank=0, dp=1)
-    save_pretrained(pipe, out_dir)
-    trainable = sorted(n for n, p in pipe.named_parameters() if p.requires_grad)
-    return losses, trainable
-
-
-def test_lora_adapter_from_stages_loads_on_a_plain_model(tmp_path):
+def test_lora_adapter_from_stages_loads_on_a_plain_model(two_rank_run):
     from peft import PeftModel
 
-    (losses, names0), (_, names1) = run_distributed(_lora_two_ranks, 2, str(tmp_path))
+    results, tmp_path = two_rank_run
+    (losses, names0), (_, names1) = results[0]["lora"], results[1]["lora"]
     assert names0 and names1 and not set(names0) & set(names1)  # each stage holds its own adapters
     assert all("lora_" in n for n in names0 + names1)
     ref_model = _lora_model()
     ref_losses, _, _ = reference_run(ref_model, batches(GLOBAL_BATCH, steps=3))
     assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-    loaded = PeftModel.from_pretrained(tiny_model(), tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
     ref_lora = {k: v for k, v in ref_model.state_dict().items() if "lora_" in k}
     got_lora = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
     assert set(got_lora) == set(ref_lora) and len(ref_lora) == 2 * 3 * LAYERS
