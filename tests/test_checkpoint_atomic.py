@@ -115,10 +115,11 @@ def test_metadata_pickle_with_foreign_globals_is_refused(saved):
 
 def test_retention_keeps_last_and_best(tmp_path):
     model, optimizer, scheduler, layout, contract = build("single", 1)
-    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5)):
+    policy = RetentionPolicy(keep_last=1, best_metric="eval_loss", mode="min")
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
         _save(tmp_path, step, model, optimizer, scheduler, layout, contract, metrics={"eval_loss": loss}, hash_files=False)
-    deleted = apply_retention(tmp_path, RetentionPolicy(keep_last=1, best_metric="eval_loss", mode="min"))
-    assert sorted(deleted) == ["step_1", "step_3"]
+    assert sorted(apply_retention(tmp_path, policy)) == ["step_1"]
+    _save(tmp_path, 4, model, optimizer, scheduler, layout, contract, metrics={"eval_loss": 2.5}, retention=policy)
     assert [p.name for p in mf.complete_checkpoints(tmp_path)] == ["step_2", "step_4"]
 
 

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hf_dist.batch import BatchContract
 from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
 from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, restore_rng, save_rng
 from hf_dist.parallel_dims import ParallelDims
 
@@ -118,9 +119,10 @@ class ResumeState:
 class SaveHandle:
     """A checkpoint being written. ``result()`` (collective) waits for the shards, then commits atomically."""
 
-    def __init__(self, *, target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool, future=None):
+    def __init__(self, *, target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool, future=None,
+                 retention=None):
         self.target, self._partial, self._manifest = target, partial, manifest
-        self._hash_files, self._future = hash_files, future
+        self._hash_files, self._future, self._retention = hash_files, future, retention
         self._committed: mf.Manifest | None = None
 
     def done(self) -> bool:
@@ -132,7 +134,7 @@ class SaveHandle:
         if self._committed is None:
             if self._future is not None:
                 self._future.result()
-            self._committed = _commit(self.target, self._partial, self._manifest, self._hash_files)
+            self._committed = _commit(self.target, self._partial, self._manifest, self._hash_files, self._retention)
         return self._committed
 
 
@@ -211,6 +213,7 @@ def save_checkpoint(
     metrics: dict[str, float] | None = None,
     tokenizer=None,
     extra_files: dict[str, str] | None = None,
+    retention: RetentionPolicy | None = None,
     hash_files: bool = True,
     async_save: bool = False,
     async_group=None,
@@ -222,7 +225,7 @@ def save_checkpoint(
     rank, before the next save) to wait and commit. ``async_group``: a gloo group for the background write, so
     it does not share a group with training collectives (None: one is created). ``extra_files``: text files
     (relative name -> content) written by rank 0 into the checkpoint and committed with it (e.g. the HF
-    ``trainer_state.json``).
+    ``trainer_state.json``). ``retention``: applied to ``directory``'s parent after the commit (rank 0).
     """
     rank, world = _rank_world()
     if layout.world_size != world:
@@ -265,7 +268,8 @@ def save_checkpoint(
         model_kind="peft" if _is_peft(model) else "causal_lm",
         fused_rows=fused_rows(model),
     )
-    handle = SaveHandle(target=target, partial=partial, manifest=manifest, hash_files=hash_files, future=future)
+    handle = SaveHandle(target=target, partial=partial, manifest=manifest, hash_files=hash_files, future=future,
+                        retention=retention)
     if not async_save:
         handle.result()
     return handle
@@ -284,7 +288,7 @@ def _files_of_rank(partial: Path, rank: int) -> list[str]:
     return rel
 
 
-def _commit(target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool) -> mf.Manifest:
+def _commit(target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool, retention) -> mf.Manifest:
     rank, _ = _rank_world()
     files = _files_of_rank(partial, rank)
     for rel in files:
@@ -293,12 +297,13 @@ def _commit(target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool
     manifest.files = [entry for rank_entries in entries for entry in rank_entries]
     if rank == 0:
         mf.write_text_durably(partial / mf.MANIFEST_NAME, manifest.to_json())
-        for sub in {partial / rel for rel in files} | {partial / DCP_DIR, partial / RNG_DIR}:
-            if sub.is_dir():
-                mf.fsync_path(sub)
+        for sub in [p for p in partial.rglob("*") if p.is_dir()]:
+            mf.fsync_path(sub)  # directory entries of the shards, before the rename publishes them
         _replace_dir(partial, target)
         mf.commit_marker(target)
         mf.point_latest(target.parent, target.name)
+        if retention is not None:
+            apply_retention(target.parent, retention)
     _barrier()
     return manifest
 

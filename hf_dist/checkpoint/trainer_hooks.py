@@ -76,7 +76,7 @@ def save_trainer_checkpoint(trainer, trial) -> Path:
         protect = (Path(best).name,) if best else ()
         apply_retention(run_dir, RetentionPolicy(keep_last=trainer.args.save_total_limit), protect=protect)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # no rank starts the next step while rank 0 may still be deleting
     return output_dir
 
 
