@@ -1,0 +1,204 @@
+"""Benchmark: hf_dist tensor parallelism against transformers' own ``tp_plan="auto"``, same model, same run.
+
+One invocation saves a randomly initialised Llama-class model to a temporary directory, then trains it for a
+few steps (forward, backward, AdamW) with each TP implementation on ``--tp`` ranks: hf_dist loads it plainly
+and calls ``apply_tensor_parallel``; transformers loads it with ``from_pretrained(path, tp_plan="auto",
+device_mesh=...)``. Each variant runs in fresh processes so that peak memory is its own (peak RSS growth on
+CPU, ``max_memory_allocated`` on GPU). A third variant, ``hf_dist+vocab``, also vocab-shards embedding and lm_head (transformers' Llama
+plan shards lm_head and gathers its output). The variants alternate for ``--repeats`` rounds; the table shows the
+median step time, peak memory and the hf_dist / transformers ratios. On a GPU, ``--dtype bfloat16``.
+
+    python bench/tp.py --tp 2 --steps 8
+
+Not a test: nothing here asserts; the first-step losses are printed to show both variants train the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VARIANTS = ("hf_dist", "hf_dist+vocab", "transformers")
+"""hf_dist+vocab: embedding and lm_head vocab-sharded too (transformers' Llama plan shards lm_head and gathers)."""
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """What to measure."""
+
+    tp: int = 2
+    """Tensor-parallel degree (processes per variant)."""
+    steps: int = 8
+    """Timed optimizer steps per variant (after ``warmup``)."""
+    warmup: int = 2
+    """Untimed steps first."""
+    repeats: int = 2
+    """Rounds of (hf_dist, transformers); the table takes medians over rounds."""
+    hidden: int = 256
+    """Model width."""
+    layers: int = 4
+    """Decoder layers."""
+    heads: int = 8
+    """Attention heads (kv heads: half)."""
+    vocab: int = 4096
+    """Vocabulary size."""
+    batch: int = 4
+    """Sequences per step (every TP rank sees the same batch)."""
+    seq: int = 256
+    """Tokens per sequence."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, or bfloat16 on a GPU."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _load(variant: str, path: str, tp_mesh, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if variant == "transformers":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto", device_mesh=tp_mesh)
+    from hf_dist.tensor_parallel import apply_tensor_parallel
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(tp_mesh.device_type)
+    return apply_tensor_parallel(model, tp_mesh, vocab_parallel=variant == "hf_dist+vocab")
+
+
+def _train_steps(model, batch: torch.Tensor, cfg: BenchConfig, device: torch.device) -> tuple[list[float], float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times, first_loss = [], None
+    for step in range(cfg.warmup + cfg.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if first_loss is None:
+            first_loss = loss.item()
+        if step >= cfg.warmup:
+            times.append(time.perf_counter() - start)
+    return times, first_loss
+
+
+def _worker(rank: int, cfg: BenchConfig, variant: str, path: str, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cfg.tp),
+                      LOCAL_RANK=str(rank))
+    cuda = torch.cuda.is_available()
+    torch.set_num_threads(1 if not cuda else torch.get_num_threads())
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=cfg.tp)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    tp_mesh = init_device_mesh(device.type, (cfg.tp,), mesh_dim_names=("tp",))
+    import transformers  # noqa: F401  (imports before the memory baseline)
+
+    baseline = _rss_bytes()
+    model = _load(variant, path, tp_mesh, getattr(torch, cfg.dtype))
+    local_bytes = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
+    )
+    batch = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, first_loss = _train_steps(model, batch, cfg, device)
+    peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes() - baseline
+    queue.put((rank, {"step_s": statistics.median(times), "peak_bytes": peak, "param_bytes": local_bytes,
+                      "first_loss": first_loss}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_variant(cfg: BenchConfig, variant: str, path: str) -> dict:
+    """Spawn ``cfg.tp`` fresh ranks for ``variant``; the slowest rank's step time, the largest peak."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cfg, variant, path, port, queue)) for r in range(cfg.tp)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode != 0 for proc in procs):
+        raise RuntimeError(f"{variant}: a rank failed, exit codes {[p.exitcode for p in procs]}")
+    results = [queue.get()[1] for _ in procs]
+    return {
+        "step_s": max(r["step_s"] for r in results),
+        "peak_bytes": max(r["peak_bytes"] for r in results),
+        "param_bytes": max(r["param_bytes"] for r in results),
+        "first_loss": results[0]["first_loss"],
+    }
+
+
+def save_model(cfg: BenchConfig, path: str) -> int:
+    from hf_dist.models import build_tiny_model
+
+    model = build_tiny_model(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads // 2, max_position_embeddings=cfg.seq,
+    )
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def table(cfg: BenchConfig, n_params: int, rounds: dict[str, list[dict]]) -> str:
+    med = {v: {k: statistics.median(r[k] for r in rounds[v]) for k in rounds[v][0]} for v in VARIANTS}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores), gloo"
+    lines = [
+        f"TP={cfg.tp}, Llama-class {n_params / 1e6:.1f}M params (hidden {cfg.hidden}, {cfg.layers} layers, "
+        f"vocab {cfg.vocab}), batch {cfg.batch} x {cfg.seq}, {cfg.dtype}, {device}; medians of {cfg.repeats} rounds "
+        f"x {cfg.steps} steps",
+        f"{'variant':<20}{'step (s)':>10}{'peak mem (MiB)':>16}{'params/rank (MiB)':>19}{'first loss':>12}",
+    ]
+    for v in VARIANTS:
+        m = med[v]
+        lines.append(f"{v:<20}{m['step_s']:>10.4f}{m['peak_bytes'] / 2**20:>16.1f}{m['param_bytes'] / 2**20:>19.2f}"
+                     f"{m['first_loss']:>12.5f}")
+    b = med["transformers"]
+    for v in VARIANTS[:-1]:
+        a = med[v]
+        lines.append(f"{'ratio ' + v:<20}{a['step_s'] / b['step_s']:>10.3f}{a['peak_bytes'] / b['peak_bytes']:>16.3f}"
+                     f"{a['param_bytes'] / b['param_bytes']:>19.3f}   (/ transformers)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, value in asdict(BenchConfig()).items():
+        parser.add_argument(f"--{name}", type=type(value), default=value)
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype {cfg.dtype!r} must be float32 or bfloat16")
+    with tempfile.TemporaryDirectory() as path:
+        n_params = save_model(cfg, path)
+        rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        for _ in range(cfg.repeats):
+            for variant in VARIANTS:
+                rounds[variant].append(run_variant(cfg, variant, path))
+    print(table(cfg, n_params, rounds))
+
+
+if __name__ == "__main__":
+    main()
