@@ -23,7 +23,7 @@ def clean_env(monkeypatch):
 
 
 def _launch_args(**kw):
-    values = dict(deepspeed=None, fsdp=None, fsdp_config=None, use_cpu=False)
+    values = dict(deepspeed=None, fsdp=None, fsdp_config=None, use_cpu=False, ddp_backend=None)
     values.update(kw)
     return SimpleNamespace(**values)
 
@@ -85,6 +85,7 @@ def test_deepspeed_launch_never_gets_use_cpu(monkeypatch):
     args = _launch_args()
     launch_env.prepare_environment(args)
     assert args.use_cpu is False  # use_cpu would silently switch DeepSpeed off
+    assert args.ddp_backend == "gloo"  # else accelerate sees 1 process and does not shard the data
 
 
 def test_accelerate_fsdp2_request_is_taken_over(monkeypatch):

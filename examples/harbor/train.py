@@ -138,7 +138,10 @@ def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
 
 
 def reload_check(final_dir: Path, lora: bool) -> str:
-    """Load what was saved the way a user would, and say what came back."""
+    """Load what was saved the way a user would, and say what came back (main process only)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # else from_pretrained under ZeRO-3 waits for the other ranks (zero.Init)
     if lora:
         from peft import AutoPeftModelForCausalLM
 

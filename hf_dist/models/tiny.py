@@ -6,6 +6,8 @@ grouped-query attention (kv heads < heads), a gated MLP, RMSNorm, rotary embeddi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -38,15 +40,36 @@ def tiny_llama_config(
     )
 
 
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Build a whole model even when DeepSpeed ZeRO-3 arguments exist (the engine partitions it later).
+
+    Under ZeRO-3, transformers builds models inside ``deepspeed.zero.Init``, which draws the random init in another
+    order: the same seed would give other weights than in a single process.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    config = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
+
+
 def build_tiny_model(config=None, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
     """A randomly initialised causal LM from ``config`` (default: ``tiny_llama_config(**config_kwargs)``).
 
-    The same seed gives the same weights in every process, which is what parity tests compare against.
+    The same seed gives the same weights in every process and under every layout (ZeRO-3 included), which is
+    what parity tests compare against.
     """
     from transformers import AutoModelForCausalLM
 
     if config is None:
         config = tiny_llama_config(**config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _without_zero3_init():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model

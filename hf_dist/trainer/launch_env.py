@@ -4,7 +4,9 @@ The traps this module closes (each measured on a machine without GPUs, see ENVIR
 
 - the plain Trainer under ``torchrun``/``accelerate launch`` without ``use_cpu=True`` runs N independent
   trainings (no gradient sync): we set ``use_cpu`` when there is no GPU and more than one process;
-- ``use_cpu=True`` silently disables DeepSpeed in accelerate: we never set it for a DeepSpeed launch;
+- ``use_cpu=True`` silently disables DeepSpeed in accelerate: we never set it for a DeepSpeed launch, and
+  name the gloo backend instead (without it accelerate counts 1 process while DeepSpeed's group has N, so every
+  rank reads the same batches);
 - an accelerate FSDP config on such a machine silently trains as DDP: hf_dist takes an FSDP **v2** request
   over and applies ``fully_shard`` itself (``hf_dist.trainer.layout``) on CPU and GPU alike; an FSDP **v1**
   request without GPUs is refused with the fix.
@@ -120,7 +122,11 @@ def prepare_environment(args) -> None:
     if deepspeed_requested(args):
         if args.hf_dist_fsdp is not None:
             raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
-        return  # accelerate runs DeepSpeed; use_cpu would silently turn it off
+        # accelerate runs DeepSpeed; use_cpu would silently turn it off. Without a GPU accelerate picks no backend
+        # and counts one process while DeepSpeed's own group has N: name gloo so both see the same world.
+        if not has_gpu() and world_size_from_env() > 1 and not getattr(args, "ddp_backend", None):
+            args.ddp_backend = "gloo"
+        return
     if not has_gpu() and world_size_from_env() > 1:
         args.use_cpu = True  # without it every rank trains alone on the same data
 
