@@ -119,3 +119,19 @@ def test_training_arguments_fsdp_is_read(tmp_path):
     args = DistTrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op", fsdp_config={"version": 2})
     assert args.hf_dist_fsdp is not None and args.hf_dist_fsdp.reshard_after_forward is False
     assert not args.fsdp  # the Trainer's own FSDP plugin stays off: hf_dist shards
+
+
+def test_hybrid_shard_replicas_come_from_the_accelerate_parallelism_config(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    args = _launch_args()
+    launch_env.prepare_environment(args)
+    assert args.hf_dist_fsdp.dp_replicate == 2
+    assert "PARALLELISM_CONFIG_DP_REPLICATE_SIZE" not in os.environ  # accelerate must not build its own mesh
+
+
+def test_accelerate_tp_size_must_match_tp_size(monkeypatch):
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    with pytest.raises(ValueError, match="--tp_size 2"):
+        launch_env.prepare_environment(_launch_args(tp_size=1))

@@ -24,6 +24,10 @@ def _rank_run(rank, world_size, layout):
     overrides = dict(global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2)
     if layout == "fsdp2":
         overrides.update(fsdp="full_shard", fsdp_config={"version": 2})
+    if layout == "hsdp":  # as accelerate's launcher passes a HYBRID_SHARD parallelism_config
+        import os
+
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2")
     with tempfile.TemporaryDirectory() as out:
         losses, params, trainer = train_tiny(out, max_steps=STEPS, **overrides)
     from torch.distributed.tensor import DTensor
@@ -32,6 +36,7 @@ def _rank_run(rank, world_size, layout):
         (p.to_local().numel(), p.numel()) for p in trainer.model.parameters() if isinstance(p, DTensor)
     ]
     return {
+        "dims": (trainer.dims.dp_replicate, trainer.dims.dp_shard),
         "losses": losses,
         "params": params,
         "accumulation": trainer.args.gradient_accumulation_steps,
@@ -68,3 +73,15 @@ def test_micro_batch_layouts_give_the_same_losses(reference):
     ref_losses, _ = reference
     losses, _ = _reference(micro=2)
     torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+
+
+def test_hybrid_shard_on_four_ranks(reference):
+    """HSDP (2 replicas x 2 shards, micro 2, accumulation 1): same losses; each rank holds half of each tensor."""
+    ref_losses, ref_params = reference
+    results = run_distributed(_rank_run, 4, "hsdp")
+    for result in results:
+        assert result["dims"] == (2, 2) and result["accumulation"] == 1
+        torch.testing.assert_close(result["losses"], ref_losses, atol=1e-4, rtol=0)
+        assert sum(local for local, _ in result["sharded"]) < 0.6 * sum(full for _, full in result["sharded"])
+    for name, value in ref_params.items():
+        torch.testing.assert_close(results[3]["params"][name], value, atol=1e-4, rtol=1e-4, msg=name)

@@ -37,6 +37,8 @@ class FsdpRequest:
     """Module class names sharded as units; None: the model's ``_no_split_modules``."""
     cpu_offload: bool = False
     """Keep sharded parameters on CPU (``CPUOffloadPolicy``)."""
+    dp_replicate: int = 1
+    """Replica groups (HYBRID_SHARD / HSDP): shard inside a group of world / dp_replicate ranks, all-reduce across."""
     source: str = "TrainingArguments.fsdp"
     """Where the request came from, for messages."""
 
@@ -75,6 +77,7 @@ def read_fsdp_request(args) -> tuple[int, FsdpRequest] | None:
             activation_checkpointing=_env_flag("FSDP_ACTIVATION_CHECKPOINTING", False),
             wrap_classes=tuple(c.strip() for c in classes.split(",") if c.strip()) if classes else None,
             cpu_offload=_env_flag("FSDP_OFFLOAD_PARAMS", False),
+            dp_replicate=int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")),
             source="the accelerate config (ACCELERATE_USE_FSDP)",
         )
     if not getattr(args, "fsdp", None):
@@ -97,13 +100,26 @@ def read_fsdp_request(args) -> tuple[int, FsdpRequest] | None:
 
 def _clear_accelerate_fsdp_env() -> None:
     for key in list(os.environ):
-        if key == "ACCELERATE_USE_FSDP" or key.startswith("FSDP_"):
+        if key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG") or key.startswith(
+            ("FSDP_", "PARALLELISM_CONFIG_")
+        ):
             del os.environ[key]
+
+
+def _check_parallelism_env(args) -> None:
+    """accelerate's parallelism_config TP size must agree with hf_dist's (hf_dist applies TP itself)."""
+    tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+    if tp > 1 and tp != getattr(args, "tp_size", 1):
+        raise ValueError(
+            f"the accelerate config asks for parallelism_config_tp_size={tp} but tp_size={getattr(args, 'tp_size', 1)}; "
+            f"hf_dist applies tensor parallelism itself: pass --tp_size {tp} (and drop it from the YAML)"
+        )
 
 
 def prepare_environment(args) -> None:
     """Called first in ``DistTrainingArguments.__post_init__``: take FSDP v2 over, fix the CPU traps."""
     args.hf_dist_fsdp = None
+    _check_parallelism_env(args)
     request = read_fsdp_request(args)
     if request is not None:
         version, settings = request

@@ -16,10 +16,11 @@ from hf_dist.parallel_dims import ParallelDims
 from hf_dist.trainer.launch_env import FsdpRequest
 
 
-def layout_dims(*, world_size: int, tp: int, pp: int, fsdp: bool) -> ParallelDims:
-    """The ``ParallelDims`` of a DistTrainer run: data-parallel ranks shard under FSDP, replicate otherwise."""
+def layout_dims(*, world_size: int, tp: int, pp: int, fsdp: bool, dp_replicate: int = 1) -> ParallelDims:
+    """The ``ParallelDims`` of a DistTrainer run: data-parallel ranks shard under FSDP (HSDP: inside each of
+    ``dp_replicate`` groups), replicate otherwise."""
     if fsdp:
-        return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=1, dp_shard=-1)
+        return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=-1)
     return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=-1, dp_shard=1)
 
 
@@ -83,7 +84,9 @@ def apply_layout(
     if activation_checkpointing or (fsdp is not None and fsdp.activation_checkpointing):
         apply_activation_checkpointing(model)
     if fsdp is not None:
-        model = apply_fsdp(model, dims.get_mesh("dp"), fsdp, param_dtype)
+        # HSDP: a 2-D (replicate, shard) mesh; FSDP2 all-reduces across the first axis and shards over the second
+        mesh = dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.get_mesh("dp")
+        model = apply_fsdp(model, mesh, fsdp, param_dtype)
     elif dims.tp_enabled and dims.dp_enabled:  # DDP cannot wrap DTensor parameters: average over dp ourselves
         from hf_dist.tensor_parallel.compose import replicate_tp_model
 

@@ -51,8 +51,10 @@ class DistTrainer(Trainer):
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
         num_parameters = sum(p.numel() for p in model.parameters())
+        fsdp = args.hf_dist_fsdp
         self.dims = layout_dims(
-            world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=args.hf_dist_fsdp is not None
+            world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
+            dp_replicate=fsdp.dp_replicate if fsdp is not None else 1,
         )
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
         if self.owns_layout:
@@ -113,6 +115,8 @@ class DistTrainer(Trainer):
         contract = dataclasses.replace(self.args.batch_contract, seq_len=self._mean_sequence_length())
         if self.args.hf_dist_fsdp is not None:
             kind = "FSDP2 FULL_SHARD" if self.args.hf_dist_fsdp.reshard_after_forward else "FSDP2 SHARD_GRAD_OP"
+            if self.dims.dp_replicate > 1:
+                kind += f" HYBRID ({self.dims.dp_replicate} replicas x {self.dims.dp_shard} shards)"
             kind += " (hf_dist fully_shard)"
         elif self.is_deepspeed_enabled:
             stage = self.accelerator.state.deepspeed_plugin.zero_stage
