@@ -32,6 +32,8 @@ def layout_for(kind: str, world: int) -> ParallelDims:
         return ParallelDims(world_size=world, dp_shard=world)
     if kind == "tp":
         return ParallelDims(world_size=world, tp=world, dp_shard=1)
+    if kind == "pp":
+        return ParallelDims(world_size=world, pp=world, dp_shard=1)
     return ParallelDims(world_size=world, dp_replicate=world, dp_shard=1)
 
 
@@ -48,6 +50,12 @@ def build(kind: str, world: int):
         from hf_dist.tensor_parallel import apply_tensor_parallel
 
         model = apply_tensor_parallel(model, layout.get_mesh("tp"))
+    elif kind == "pp":  # this rank's stage, under HF parameter names, as DistTrainer holds it
+        from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM
+        from hf_dist.pipeline_parallel.trainer_glue import PipelineModel
+
+        pipe = PipelinedCausalLM(model, dims=layout, config=PipelineConfig(schedule="gpipe", microbatches=GLOBAL_BATCH))
+        model = PipelineModel(pipe)
     elif kind == "fsdp":
         mesh = layout.get_mesh("dp_shard")
         for block in model.model.layers:
@@ -58,11 +66,16 @@ def build(kind: str, world: int):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
     contract = BatchContract(world_size=world, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                             tp=layout.tp)
+                             tp=layout.tp, pp=layout.pp)
     return model, optimizer, scheduler, layout, contract
 
 
-def full_params(model) -> dict[str, torch.Tensor]:
+def full_params(model) -> dict[str, torch.Tensor] | None:
+    """Every parameter, whole (on rank 0 only for a pipelined model)."""
+    if hasattr(model, "pipeline"):
+        from hf_dist.pipeline_parallel import gather_state_dict
+
+        return gather_state_dict(model.pipeline)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in state.items()}
 
@@ -84,7 +97,11 @@ def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume:
     losses, ids_seen, draws, pending = [], [], [], None
     for step in range(start, steps):
         total = torch.zeros(())
-        for _ in range(accum):
+        if kind == "pp":  # the pipeline runs the step's micro-batches itself
+            ids = [i for _ in range(accum) for i in sampler.next_micro_batch()]
+            ids_seen.append((step, ids))
+            total += model.pipeline.train_step({"input_ids": data[ids], "labels": data[ids]}).detach()
+        for _ in range(accum if kind != "pp" else 0):
             ids = sampler.next_micro_batch()
             ids_seen.append((step, ids))
             loss = model(input_ids=data[ids], labels=data[ids]).loss / accum
@@ -119,7 +136,8 @@ def train(kind: str, *, steps: int, save_at=(), root: str | None = None, resume:
 
 def picklable(result: dict) -> dict:
     """``result`` with tensors as numpy arrays: tensors sent back from a spawned rank share memory that dies with it."""
-    return {**result, "params": {k: v.numpy() for k, v in result["params"].items()}}
+    params = result["params"]
+    return {**result, "params": None if params is None else {k: v.numpy() for k, v in params.items()}}
 
 
 def as_tensors(params: dict) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Exact resume and resharding on 2 gloo ranks against one process: DDP, FSDP2, TP, 2->1, 1->2, DDP<->FSDP2,
-FSDP2<->TP.
+FSDP2<->TP, TP<->PP, PP->1.
 
 One spawn runs every 2-rank case (start-up dominates the cost); the 1-rank cases run in the test process.
 Same layout, same world: losses, final parameters and the RNG stream equal the uninterrupted run (1e-6).
@@ -19,14 +19,15 @@ SAME = dict(atol=1e-6, rtol=0)
 CROSS = dict(atol=1e-5, rtol=0)
 
 
-SAME_LAYOUT = (("ddp", "ddp"), ("fsdp", "fsdp"), ("tp", "tp"))
-CROSS_LAYOUT = (("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "single"), ("tp", "fsdp"), ("fsdp", "tp"))
+SAME_LAYOUT = (("ddp", "ddp"), ("fsdp", "fsdp"), ("tp", "tp"), ("pp", "pp"))
+CROSS_LAYOUT = (("fsdp", "ddp"), ("ddp", "fsdp"), ("fsdp", "single"), ("tp", "fsdp"), ("fsdp", "tp"), ("tp", "pp"),
+                ("pp", "tp"))
 CASES = SAME_LAYOUT + CROSS_LAYOUT
 
 
 def _two_rank_matrix(rank, world, root):
     out = {}
-    for kind in ("ddp", "fsdp", "tp"):
+    for kind in ("ddp", "fsdp", "tp", "pp"):
         out[kind] = picklable(train(kind, steps=STEPS, save_at=(SAVE_AT,), root=f"{root}/{kind}"))
     for kind, source in CASES:
         out[f"{kind}<-{source}"] = picklable(train(kind, steps=STEPS, resume=f"{root}/{source}"))
@@ -61,7 +62,7 @@ def test_exact_resume_and_reshard(tmp_path):
         before = [reference] if source == "single" else [r[source] for r in ranks]
         _assert_ids_continue(before, resumed)
     # 2 -> 1: both 2-rank checkpoints resume in one process with accumulation 4 instead of 2
-    for source in ("ddp", "fsdp", "tp"):
+    for source in ("ddp", "fsdp", "tp", "pp"):
         resumed = train("single", steps=STEPS, resume=str(tmp_path / source))
         torch.testing.assert_close(resumed["losses"], reference["losses"][SAVE_AT:], **CROSS)
         torch.testing.assert_close(resumed["params"], reference["params"], **CROSS)

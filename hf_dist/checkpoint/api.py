@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hf_dist.batch import BatchContract
 from hf_dist.checkpoint import manifest as mf
@@ -138,12 +138,18 @@ class SaveHandle:
         return self._committed
 
 
+# Optimizer state keyed per parameter (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): every entry has one
+# owner, so pipeline stages that hold different parameters save and reload their param groups (unflattened,
+# the one ``param_groups`` list would be kept from a single stage).
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _model_and_optim_state(model, optimizer) -> dict:
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -377,7 +383,8 @@ def load_checkpoint(
 
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=_OPTIONS)
     _load_train_state(ckpt, manifest, lr_scheduler=lr_scheduler, scaler=scaler)
     rng_restored = _maybe_restore_rng(ckpt, manifest, restore_rng)
     contract = manifest.batch_contract
