@@ -238,9 +238,10 @@ class PipelinedCausalLM:
 
     @torch.no_grad()
     def eval_step(
-        self, batch: Mapping[str, torch.Tensor], *, logits_everywhere: bool = False
+        self, batch: Mapping[str, torch.Tensor], *, logits_everywhere: bool = False, reduce_dp: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(global-batch mean loss on every rank, logits)``.
+        """``(mean loss on every rank, logits)``: over the global batch, or this dp rank's batch (``reduce_dp=False``,
+        what the Trainer gathers itself).
 
         Logits are on the last stage's rank only (None elsewhere) unless ``logits_everywhere``: then they are
         broadcast over the pp group (for metrics computed from logits on every rank; costs B x S x V).
@@ -258,8 +259,12 @@ class PipelinedCausalLM:
                 ignore_index=IGNORE_INDEX,
                 reduction="sum",
             )
-        tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
-        return self._broadcast_loss(summed) / tokens.clamp(min=1.0), logits
+        tokens = count_loss_tokens(labels).to(torch.float32)
+        summed = summed.to(self.device)
+        dist.all_reduce(summed, group=self.pp_group)  # the last stage's sum reaches every pp rank
+        if reduce_dp:
+            summed, tokens = self._dp_sum(summed), self._dp_sum(tokens)
+        return summed / tokens.clamp(min=1.0), logits
 
     def _broadcast_logits(self, logits: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
         if logits is None:

@@ -17,12 +17,11 @@ the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch 
 - ``finish_init``: data loaders shard by the dp rank only (ranks of one pipeline read the same batch).
 - ``save``: a normal HF directory (or one PEFT adapter) written by rank 0.
 
-Known limits: when the eval set does not divide into dp x eval batch, the short last batch is weighted by accelerate's
-world-size remainder rule, so eval_loss is then not exactly the single-process figure.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -103,7 +102,9 @@ class PipelineModel(nn.Module):
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if labels is None:
             return CausalLMOutput(logits=self.pipeline.forward_only(batch))
-        loss, logits = self.pipeline.eval_step({**batch, "labels": labels}, logits_everywhere=self.logits_everywhere)
+        loss, logits = self.pipeline.eval_step(
+            {**batch, "labels": labels}, logits_everywhere=self.logits_everywhere, reduce_dp=False
+        )  # this dp rank's batch loss, as under DDP: the Trainer gathers over dp
         return CausalLMOutput(loss=loss, logits=logits)
 
 
@@ -162,11 +163,51 @@ def clip_grad_norm(trainer) -> torch.Tensor:
 
 
 def finish_init(trainer) -> None:
-    """After ``Trainer.__init__``: shard data by dp rank only; logits on every rank when metrics need them."""
+    """After ``Trainer.__init__``: data sharded and eval results gathered by dp rank only; logits on every
+    rank when metrics need them."""
     shard_data_by_dp(trainer)
+    gather = dp_gather_for_metrics(trainer)
+    trainer.accelerator.gather_for_metrics = gather  # the Trainer re-reads it after every evaluation loop
+    trainer.gather_function = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
     trainer.model.logits_everywhere = (
         trainer.compute_metrics is not None or trainer.preprocess_logits_for_metrics is not None
     )
+
+
+def dp_gather_for_metrics(trainer):
+    """``Accelerator.gather_for_metrics`` over the dp group only.
+
+    Ranks of one pipeline hold the same eval results; gathering over the world would repeat them pp x tp
+    times and break accelerate's trimming of the padded last batch, which counts dp ranks (the data loader is
+    sharded by dp). This gathers each dp rank's results once and trims the same way accelerate does.
+    """
+    import torch.distributed as dist
+    from accelerate.utils import recursively_apply
+
+    dims, state = trainer.dims, trainer.accelerator.gradient_state
+    group = dims.get_mesh("dp").get_group() if dims.dp_enabled else None
+
+    def gather_tensor(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous() if t.ndim else t.reshape(1)
+        parts = [torch.empty_like(t) for _ in range(dims.dp)]
+        dist.all_gather(parts, t, group=group)
+        return torch.cat(parts)
+
+    def gather_for_metrics(input_data, use_gather_object: bool = False):
+        if group is None:
+            data = input_data
+        elif use_gather_object:
+            parts = [None] * dims.dp
+            dist.all_gather_object(parts, input_data, group=group)
+            data = [x for part in parts for x in (part if isinstance(part, list) else [part])]
+        else:
+            data = recursively_apply(gather_tensor, input_data, error_on_other_type=True)
+        if state.end_of_dataloader and state.remainder > 0:  # drop the samples padding added to the last batch
+            cut = lambda t: t[: state.remainder]  # noqa: E731
+            return cut(data) if use_gather_object else recursively_apply(cut, data)
+        return data
+
+    return gather_for_metrics
 
 
 def shard_data_by_dp(trainer) -> None:
