@@ -85,12 +85,13 @@ class ModelSpec:
                 "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def layer_param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """Every parameter of one decoder layer as ``(name, shape)`` (PyTorch layout: weight is out x in)."""
-        yield "input_layernorm.weight", (self.hidden_size,)
+        """Every parameter of one decoder layer as ``(name, shape)``, in HF registration order (attention,
+        MLP, then the two norms) and PyTorch layout (a weight is out x in)."""
         for name, (fan_in, fan_out) in self.linear_shapes().items():
             yield f"{name}.weight", (fan_out, fan_in)
             if self.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
                 yield f"{name}.bias", (fan_out,)
+        yield "input_layernorm.weight", (self.hidden_size,)
         yield "post_attention_layernorm.weight", (self.hidden_size,)
 
     def param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:

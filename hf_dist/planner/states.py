@@ -193,10 +193,9 @@ def _deepspeed(model, workload, layout, trainable, frozen, unit, root) -> ModelS
         params = p * (s * part_el + sum(_numel(x) for x in frozen))
     if stage == 1:
         grads = p * sum(_numel(x) for x in trainable)
-    else:  # stage 2 keeps whole gradients of every parameter touching rank 0's partition; stage 3 the partition
+    else:  # stage 2 buffers whole gradients of the parameters touching rank 0's partition; stage 3 the partition
         grads = p * (_ds_partition_overlap(trainable, part_el) if stage == 2 else part_el)
-    # stage 3 uses the partition itself as the master when it is already fp32; stage 1/2 always clone it
-    master, optim = (0 if stage == 3 and p == 4 else 4 * part_el), 8 * part_el + 4
+    master, optim = 4 * part_el, 8 * part_el + 4
     buckets = p * h * h * (2 if stage < 3 else 1)
     at_loss = in_backward = unsharded = 0
     if stage == 3:  # the largest module in use (often lm_head), the prefetch bucket, persistent small params
