@@ -4,13 +4,8 @@ Public API: ``save_checkpoint`` / ``load_checkpoint`` (collective), ``ResumeStat
 ``RetentionPolicy`` / ``apply_retention``, ``ResumableSampler``, ``CheckpointError``.
 """
 
-from hf_dist.checkpoint.api import (
-    ResumeState,
-    SaveHandle,
-    load_checkpoint,
-    resume_batch_contract,
-    save_checkpoint,
-)
+from hf_dist.checkpoint.api import SaveHandle, save_checkpoint
+from hf_dist.checkpoint.load import ResumeState, load_checkpoint, resume_batch_contract
 from hf_dist.checkpoint.manifest import CheckpointError, Manifest, read_manifest, resolve_checkpoint
 from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
 from hf_dist.checkpoint.sampler import ResumableSampler

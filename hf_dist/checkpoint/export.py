@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,12 +85,14 @@ def hf_order(tensors: dict[str, torch.Tensor], fused: dict[str, dict]) -> dict[s
 def read_tensors(ckpt: Path, names: list[str], metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
     """Read just ``names`` (full, unsharded) from the DCP files into CPU tensors."""
     state = {name: torch.empty(tuple(metas[name].size), dtype=metas[name].properties.dtype) for name in names}
-    dcp.load(
-        {"model": state},
-        storage_reader=SafeFileSystemReader(str(ckpt / DCP_DIR)),
-        planner=SafeLoadPlanner(allow_partial_load=False),
-        no_dist=True,
-    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is the intent
+        dcp.load(
+            {"model": state},
+            storage_reader=SafeFileSystemReader(str(ckpt / DCP_DIR)),
+            planner=SafeLoadPlanner(allow_partial_load=False),
+            no_dist=True,
+        )
     return state
 
 

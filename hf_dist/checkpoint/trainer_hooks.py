@@ -20,7 +20,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.api import RNG_DIR, load_checkpoint, save_checkpoint
+from hf_dist.checkpoint.api import RNG_DIR, save_checkpoint
+from hf_dist.checkpoint.load import load_checkpoint
 from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
 from hf_dist.checkpoint.safe_io import restore_rng
 
