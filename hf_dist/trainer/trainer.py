@@ -143,6 +143,12 @@ class DistTrainer(Trainer):
             # evaluate() before train() marks the bare model prepared (inference only): accelerate would then
             # skip the DDP wrap and every rank would train alone, gradients never reduced. Let train() wrap it.
             self.model.__dict__.pop("_is_accelerate_prepared", None)
+        if self.owns_layout:  # an evaluate() forward leaves FSDP2's root unsharded: the optimizer must see shards
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
