@@ -152,6 +152,18 @@ class DistTrainer(Trainer):
         resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def evaluate(self, *args, **kwargs):
+        zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        if zero_stage is not None and zero_stage < 3 and self.deepspeed is None:
+            # Before train() there is no engine, and DeepSpeed refuses inference below ZeRO-3; every rank holds
+            # the full weights under ZeRO-1/2, so evaluate the plain model (batches still sharded over ranks).
+            self.is_deepspeed_enabled = False
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                self.is_deepspeed_enabled = True
+        return super().evaluate(*args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         with self.throughput.step(model, inputs):  # tokens, busy time, DDP all-reduce wait
             if self.dims.pp_enabled:
