@@ -4,9 +4,10 @@ One invocation saves a randomly initialised Llama-class model to a temporary dir
 few steps (forward, backward, AdamW) with each TP implementation on ``--tp`` ranks: hf_dist loads it plainly
 and calls ``apply_tensor_parallel``; transformers loads it with ``from_pretrained(path, tp_plan="auto",
 device_mesh=...)``. Each variant runs in fresh processes so that peak memory is its own (peak RSS growth on
-CPU, ``max_memory_allocated`` on GPU). A third variant, ``hf_dist+vocab``, also vocab-shards embedding and lm_head (transformers' Llama
-plan shards lm_head and gathers its output). The variants alternate for ``--repeats`` rounds; the table shows the
-median step time, peak memory and the hf_dist / transformers ratios. On a GPU, ``--dtype bfloat16``.
+CPU, ``max_memory_allocated`` on GPU). A third variant, ``hf_dist+vocab``, also vocab-shards embedding and
+lm_head (transformers' Llama plan shards lm_head and gathers its output). The variants alternate for
+``--repeats`` rounds; the table shows the median step time, peak memory and the hf_dist / transformers
+ratios. On a GPU, ``--dtype bfloat16``.
 
     python bench/tp.py --tp 2 --steps 8
 

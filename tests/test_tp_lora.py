@@ -38,7 +38,7 @@ def _lora_tp(rank, world_size, save_dir):
     batch = global_batch()
     model = lora_model(seed=100 + rank)  # each rank starts from a different adapter: TP must make them agree
     apply_tensor_parallel(model, dims.get_mesh("tp"))
-    losses = train(model, batch, STEPS)
+    losses, _ = train(model, batch, STEPS, distributed=True)
     trained = adapter(full_state_dict(model))
     save_gathered(model, save_dir)
     with torch.no_grad():
@@ -46,7 +46,7 @@ def _lora_tp(rank, world_size, save_dir):
     out = {"adapter": trained, "losses": losses, "logits": logits}
     if rank == 0:
         reference = lora_model(seed=100)  # rank 0's initial adapter, trained in one process
-        out["ref_losses"] = train(reference, batch, STEPS)
+        out["ref_losses"], _ = train(reference, batch, STEPS)
         out["ref_adapter"] = adapter({k: v.detach() for k, v in reference.state_dict().items()})
         loaded = PeftModel.from_pretrained(build("llama"), save_dir)
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Tensor parallelism against a single process: logits, 5 optimizer steps of losses, parameters after them.
+"""Tensor parallelism against a single process: logits, 5 optimizer steps of losses and clipped gradient
+norms, parameters after them.
 
 Every rank builds the same tiny model twice (same seed): one is the single-process reference fed the whole
 global batch, the other is parallelised and fed its data-parallel share. One spawn runs several cases (a
@@ -17,6 +18,7 @@ from torch.testing import assert_close
 from dist_utils import run_distributed
 
 STEPS = 5
+MAX_NORM = 0.5
 BATCH, SEQ, VOCAB = 4, 16, 512
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -37,6 +39,9 @@ def tiny_config(arch: str, **overrides):
         return transformers.Qwen2Config(use_sliding_window=False, **kwargs)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, use_sliding_window=False, **kwargs)
+    if arch == "gpt_neox":
+        kwargs.pop("num_key_value_heads")
+        return transformers.GPTNeoXConfig(rotary_pct=0.5, **kwargs)
     if arch == "phi3":
         return transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **kwargs)
     raise ValueError(arch)
@@ -60,12 +65,27 @@ def gather_vocab(logits: torch.Tensor, tp_mesh) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def train(model, batch: torch.Tensor, steps: int, *, dp_group=None) -> list[float]:
+def grad_norm(model, max_norm: float, *, distributed: bool) -> float:
+    """Clip and return the global gradient norm, the way the HF Trainer does it for each kind of model.
+
+    For parallelised models that is ``Trainer._mixed_mesh_grad_norm`` (one norm per device mesh, plain
+    tensors included; it reads nothing from the Trainer instance).
+    """
+    if not distributed:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    from transformers import Trainer
+
+    return float(Trainer._mixed_mesh_grad_norm(None, model, max_norm))
+
+
+def train(model, batch: torch.Tensor, steps: int, *, dp_group=None, distributed: bool = False) -> tuple[list, list]:
+    """``steps`` AdamW steps with gradient clipping (active: the norms stay above ``MAX_NORM``)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        norms.append(grad_norm(model, MAX_NORM, distributed=distributed))
         optimizer.step()
         optimizer.zero_grad()
         value = loss.detach().clone()
@@ -73,7 +93,21 @@ def train(model, batch: torch.Tensor, steps: int, *, dp_group=None) -> list[floa
             dist.all_reduce(value, group=dp_group)
             value /= dist.get_world_size(dp_group)
         losses.append(value.item())
-    return losses
+    return losses, norms
+
+
+def _mlp_only_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+USER_PLANS = {"mlp_only": _mlp_only_plan}
+"""Plans passed with ``plan=`` (built in the rank: styles are not sent between processes)."""
 
 
 def run_case(case: dict) -> dict:
@@ -89,7 +123,7 @@ def run_case(case: dict) -> dict:
     batch = global_batch()
     reference, model = build(arch, **overrides), build(arch, **overrides)
     parallelize_causal_lm(
-        model, dims, data_parallel=case.get("dp", "fsdp"),
+        model, dims, data_parallel=case.get("dp", "fsdp"), plan=USER_PLANS[case["plan"]]() if "plan" in case else None,
         sequence_parallel=case.get("sp", False), vocab_parallel=case.get("vp", False),
     )
     dp_rank = dims.get_mesh("dp").get_local_rank()
@@ -100,10 +134,9 @@ def run_case(case: dict) -> dict:
     if case.get("vp"):
         logits = gather_vocab(logits, dims.get_mesh("tp"))
     dp_group = dims.get_mesh("dp").get_group() if dims.dp > 1 else None
-    result = {
-        "ref_logits": ref_logits, "logits": logits,
-        "ref_losses": train(reference, batch, STEPS), "losses": train(model, rows, STEPS, dp_group=dp_group),
-    }
+    result = {"ref_logits": ref_logits, "logits": logits}
+    result["ref_losses"], result["ref_norms"] = train(reference, batch, STEPS)
+    result["losses"], result["norms"] = train(model, rows, STEPS, dp_group=dp_group, distributed=True)
     params = full_state_dict(model)
     result["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     result["params"] = params
@@ -143,8 +176,13 @@ def check_case(per_rank: list[dict], name: str) -> None:
         r = _tensors(by_case[name])
         assert_close(r["logits"], r["ref_logits"], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} logits: {m}")
         assert_close(
-            torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), atol=1e-5, rtol=0,
+            torch.as_tensor(r["losses"]), torch.as_tensor(r["ref_losses"]), atol=1e-5, rtol=0,
             msg=lambda m: f"rank {rank} losses: {m}",
+        )
+        assert min(r["ref_norms"]) > MAX_NORM  # clipping active
+        assert_close(
+            torch.as_tensor(r["norms"]), torch.as_tensor(r["ref_norms"]), atol=0, rtol=1e-5,
+            msg=lambda m: f"rank {rank} grad norms: {m}",
         )
         assert r["params"].keys() == r["ref_params"].keys()
         for key, value in r["params"].items():
@@ -157,6 +195,8 @@ TP2_CASES = {
     "qwen2": {"arch": "qwen2", "tp": 2},
     "qwen3": {"arch": "qwen3", "tp": 2},
     "phi3": {"arch": "phi3", "tp": 2},
+    "gpt_neox": {"arch": "gpt_neox", "tp": 2},
+    "llama_user_plan": {"arch": "llama", "tp": 2, "plan": "mlp_only"},
     "llama_sp_vp": {"arch": "llama", "tp": 2, "sp": True, "vp": True},
     "qwen2_tied_vp": {"arch": "qwen2", "tp": 2, "vp": True, "overrides": (("tie_word_embeddings", True),)},
 }

@@ -50,15 +50,46 @@ def test_unknown_architecture_lists_supported_and_how_to_pass_a_plan():
     assert "plan=" in message
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox"])
 def test_transformers_plan_is_used_where_shipped(arch):
     config = tiny_config(arch)
     names = plan_names(config)
-    expected = {f"model.{k}": v for k, v in type(config).base_model_tp_plan.items()}
+    prefix = "gpt_neox" if arch == "gpt_neox" else "model"
+    expected = {f"{prefix}.{k}": v for k, v in type(config).base_model_tp_plan.items()}
     assert names == expected
     styles = resolve_styles(names, config)
-    assert isinstance(styles["model.layers.*.self_attn.q_proj"], ColwiseParallel)
-    assert isinstance(styles["model.layers.*.mlp.down_proj"], RowwiseParallel)
+    assert all(isinstance(style, (ColwiseParallel, RowwiseParallel)) for name, style in styles.items()
+               if not name.endswith("_norm"))
+
+
+def test_overlays_refused_for_families_they_do_not_fit():
+    with pytest.raises(ValueError, match=r"not for model_type='gpt_neox'"):
+        plan_names(tiny_config("gpt_neox"), sequence_parallel=True)
+
+
+class _FakeMesh:
+    """Enough of a 1-D DeviceMesh for the checks that run before any collective."""
+
+    ndim = 1
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_apply_checks_sizes_before_touching_the_model():
+    from hf_dist.tensor_parallel import apply_tensor_parallel
+    from test_tp_parity import build
+
+    model = build("llama")  # 4 heads, 2 kv heads
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2"):
+        apply_tensor_parallel(model, _FakeMesh(4))
+    with pytest.raises(ValueError, match=r"plan="):
+        apply_tensor_parallel(model, _FakeMesh(2), plan={}, vocab_parallel=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_phi3_uses_hf_dist_plan_that_shards_fused_parts():

@@ -11,6 +11,7 @@ from dist_utils import run_distributed
 from pp_harness import LR, padded_batch, tiny_model
 
 STEPS, GLOBAL_BATCH, MICRO, MAX_NORM = 4, 8, 4, 0.5
+EVAL_BATCH = 3
 
 
 class PaddedDataset(torch.utils.data.Dataset):
@@ -30,7 +31,7 @@ def _common_args(output_dir: str) -> dict:
     return dict(
         output_dir=output_dir, max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
         max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="no", eval_strategy="no",
-        per_device_eval_batch_size=3, report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        per_device_eval_batch_size=EVAL_BATCH, report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
         train_sampling_strategy="sequential",
     )
 

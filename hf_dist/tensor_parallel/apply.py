@@ -108,7 +108,8 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     if plan is None:
         check_tp_sizes(config, tp, vocab_parallel=vocab_parallel)
-        plan = resolve_styles(plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel), config)
+        names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+        plan = resolve_styles(names, config)
     elif sequence_parallel or vocab_parallel:
         raise ValueError(
             "sequence_parallel/vocab_parallel choose entries of hf_dist's family plans; with plan= given, "

@@ -79,6 +79,7 @@ def parallelize_causal_lm(
     dims,
     *,
     data_parallel: Literal["fsdp", "replicate"] = "fsdp",
+    plan: dict | None = None,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     activation_checkpointing: bool = False,
@@ -91,12 +92,13 @@ def parallelize_causal_lm(
         dims: ``hf_dist.ParallelDims`` with ``build_mesh`` called.
         data_parallel: ``"fsdp"`` shards parameters over the dp axis (FSDP2); ``"replicate"`` keeps them whole
             per TP shard and averages gradients. Ignored when ``dims.dp == 1``.
+        plan, sequence_parallel, vocab_parallel: as in ``apply_tensor_parallel``.
     """
     if data_parallel not in ("fsdp", "replicate"):
         raise ValueError(f"data_parallel={data_parallel!r} must be 'fsdp' or 'replicate'")
     if dims.tp_enabled:
         apply_tensor_parallel(
-            model, dims.get_mesh("tp"), sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
+            model, dims.get_mesh("tp"), plan=plan, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
         )
     if activation_checkpointing:
         unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

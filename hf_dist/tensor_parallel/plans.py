@@ -38,8 +38,15 @@ _PHI3_PLAN = {
 HF_DIST_PLANS: dict[str, dict[str, str]] = {"phi3": _PHI3_PLAN}
 """Plans hf_dist owns, by ``config.model_type``; they take precedence over transformers' ones."""
 
-HF_PLAN_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-"""Families whose transformers ``base_model_tp_plan`` is used as is (translated to torch styles)."""
+HF_PLAN_FAMILIES: dict[str, str] = {
+    "llama": "model", "mistral": "model", "qwen2": "model", "qwen3": "model", "gpt_neox": "gpt_neox",
+}
+"""Families whose transformers ``base_model_tp_plan`` is used as is (translated to torch styles), with the
+prefix of the base model inside the ``*ForCausalLM``. GPT-NeoX's fused ``query_key_value`` is laid out head by
+head ([q k v] per head), so a plain column split keeps whole heads together."""
+
+OVERLAY_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+"""Families whose module names the sequence- and vocab-parallel overlays below are written for."""
 
 # Sequence parallelism: norms work on sequence shards; attention and MLP gather the sequence on entry and
 # reduce-scatter it on exit. Applies to every family above (they share these module names).
@@ -78,13 +85,19 @@ def base_plan(config) -> dict[str, str]:
         hf_plan = getattr(config, "base_model_tp_plan", None) or {}
         if not hf_plan:
             raise ValueError(f"transformers ships no base_model_tp_plan for model_type={model_type!r}")
-        return {f"model.{pattern}": style for pattern, style in hf_plan.items()}
+        prefix = HF_PLAN_FAMILIES[model_type]
+        return {f"{prefix}.{pattern}": style for pattern, style in hf_plan.items()}
     raise _unknown_family_error(model_type)
 
 
 def plan_names(config, *, sequence_parallel: bool = False, vocab_parallel: bool = False) -> dict[str, str]:
     """The full plan as names: base plan, then the sequence- and vocab-parallel overlays."""
     plan = base_plan(config)
+    if (sequence_parallel or vocab_parallel) and config.model_type not in OVERLAY_FAMILIES:
+        raise ValueError(
+            f"sequence_parallel/vocab_parallel are available for {', '.join(OVERLAY_FAMILIES)}, not for "
+            f"model_type={config.model_type!r}; leave both False, or pass plan= with your own styles"
+        )
     if sequence_parallel:
         plan = {pattern: _SP_OUTPUT_OVERRIDES.get(style, style) for pattern, style in plan.items()}
         plan.update(SEQUENCE_PARALLEL_OVERLAY)
