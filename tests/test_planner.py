@@ -53,6 +53,19 @@ def test_unknown_names_are_errors_that_list_the_choices():
 
 
 def test_harbor_fsdp_full_shard_lands_within_10_percent_of_41_gb():
+    """The case study: Llama-2-13B, 8 x A100-80GB, FSDP FULL_SHARD wrapping decoder layers, seq 4096, micro 1,
+    activation checkpointing, ``torch.cuda.amp.autocast(bf16)``, SDPA, ``limit_all_gathers=True``.
+
+    What sits in memory at the peak (backward of the last layer), as the planner counts it:
+      * fp32 parameter, gradient and Adam shards (autocast keeps the fp32 parameters as the master): 16 B/8;
+      * fp32 gathered units: FSDP casts nothing under autocast, so the layer in backward, the one prefetched
+        and the root unit (embeddings, norm, lm_head, never resharded after forward) are fp32;
+      * the layer's fp32 unsharded gradient before reduce-scatter and lm_head's, held until the root's
+        reduce-scatter at the end of backward;
+      * 40 checkpointed layer inputs in fp32 (the residual stream stays fp32 under autocast) and the
+        recomputed layer's saved set (bf16 matmul I/O, fp32 norms, the bf16 weight casts autocast saves);
+      * 5 % allocator fragmentation and 1 GiB of CUDA context + NCCL buffers (see ``memory.py``).
+    """
     model, gpu = model_spec("llama-2-13b"), gpu_spec("a100-80gb")
     b = estimate_memory(model, HARBOR, make_layout("fsdp_full_shard", 8))
     # within 10% whether the case study's "41 GB" means 41e9 bytes or 41 GiB
@@ -146,3 +159,37 @@ def test_plan_cli_json_plot_and_out(tmp_path, capsys):
     # 63 is not a multiple of micro 2 x any data-parallel size: every layout is ruled out
     assert main([*args[:-2], "--global-batch", "63", "--micro-batch", "2"]) == 1
     assert main([*args[:2], "no-such-model", *args[3:]]) == 2
+
+
+def test_tensor_and_sequence_parallel_split_what_they_shard():
+    model = model_spec("llama-2-13b")
+    plain = activation_model(model, HARBOR, make_layout("fsdp_full_shard", 8))
+    tp = activation_model(model, HARBOR, make_layout("fsdp_full_shard", 8, tp=4, sequence_parallel=True))
+    assert tp.layer.attention == plain.layer.attention // 4 and tp.layer.mlp == plain.layer.mlp // 4
+    assert tp.layer.norms == plain.layer.norms // 4 and tp.checkpoint_input == plain.checkpoint_input // 4
+    assert tp.layer.linear_inputs == plain.layer.linear_inputs  # column-parallel linears save the gathered input
+
+
+def test_pipeline_first_stage_holds_a_micro_batch_per_stage_in_flight():
+    model, assume = model_spec("llama-2-13b"), MemoryAssumptions(device="cpu")
+    layout = make_layout("fsdp_full_shard", 8, pp=4)
+    b = estimate_memory(model, HARBOR, layout, assume)
+    acts = activation_model(model, HARBOR, layout)
+    assert b.stage == "first" and b.peak_phase == "backward"
+    assert b.activations == 4 * (10 * acts.checkpoint_input + acts.embedding_ids)
+
+
+def test_throughput_counts_six_flops_per_weight_plus_attention():
+    from hf_dist.planner import estimate_throughput
+
+    model = model_spec("llama-2-13b")
+    layout = make_layout("fsdp_full_shard", 8)
+    t = estimate_throughput(model, HARBOR, layout, gpu_spec("a100-80gb"))
+    weights = model.num_hidden_layers * model.layer_linear_weights + model.lm_head_params
+    attention = 12 * model.num_hidden_layers * 4096 * model.q_dim
+    assert t.model_flops_per_token == 6 * weights + attention
+    assert t.executed_flops_per_token == t.model_flops_per_token + 2 * weights + attention / 3
+    tokens = 64 * 4096
+    assert t.tokens_per_s == pytest.approx(tokens / t.step_time_s)
+    assert t.mfu == pytest.approx(t.efficiency * t.model_flops_per_token / t.executed_flops_per_token)
+    assert t.wall_clock_s(1e9) == pytest.approx(1e9 / t.tokens_per_s)

@@ -218,8 +218,6 @@ class GpuSpec:
     """Device memory as ``nvidia-smi`` reports its total (MiB x 2**20)."""
     peak_bf16_flops: float
     """Peak dense bf16 tensor-core FLOP/s (datasheet, no sparsity)."""
-    gpus_per_node: int = 8
-    """GPUs that share a fast intra-node link in the usual server (NVLink / PCIe)."""
 
 
 _MIB = 2**20
@@ -230,7 +228,7 @@ GPU_CATALOGUE: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec(name="h100-pcie", memory_bytes=81559 * _MIB, peak_bf16_flops=756e12),
     GpuSpec(name="h200", memory_bytes=143771 * _MIB, peak_bf16_flops=989e12),
     GpuSpec(name="l4", memory_bytes=23034 * _MIB, peak_bf16_flops=121e12),
-    GpuSpec(name="a10g", memory_bytes=23028 * _MIB, peak_bf16_flops=70e12, gpus_per_node=4),
+    GpuSpec(name="a10g", memory_bytes=23028 * _MIB, peak_bf16_flops=70e12),
     GpuSpec(name="l40s", memory_bytes=46068 * _MIB, peak_bf16_flops=362e12),
 )}
 

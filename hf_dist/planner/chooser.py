@@ -124,7 +124,7 @@ class Plan:
 
 def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     """``(tier, strategy, make_layout kwargs)`` in decision-table order."""
-    nodes, per_node = req.num_nodes, min(req.num_gpus, req.gpu.gpus_per_node)
+    nodes, per_node = req.num_nodes, req.num_gpus
     out = [(0, "ddp", {}), (1, "zero1", {}), (2, "fsdp_shard_grad_op", {}), (2, "zero2", {})]
     if nodes > 1:
         out.append((3, "fsdp_hybrid_shard", {}))
@@ -153,8 +153,7 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
     if req.world_size % (tp * pp):
         return None  # not a layout of this world size at all
-    layout = make_layout(strategy, req.world_size, gpus_per_node=req.gpu.gpus_per_node, lora_rank=lora_rank,
-                         **kwargs)
+    layout = make_layout(strategy, req.world_size, gpus_per_node=req.num_gpus, lora_rank=lora_rank, **kwargs)
     rule = _shape_rule(req.model, tp, pp)
     if rule:
         return Candidate(layout=layout, tier=tier, reason=rule)
@@ -167,7 +166,7 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
                         attention=req.attention, activation_checkpointing=req.activation_checkpointing,
                         gradient_accumulation_steps=batch.gradient_accumulation_steps)
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
-    throughput = estimate_throughput(req.model, workload, layout, req.gpu, num_nodes=req.num_nodes)
+    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus)
     fits = memory.total <= req.memory_limit
     over = memory.total - req.memory_limit
     reason = "" if fits else (

@@ -76,25 +76,25 @@ def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0)
     return float(model_flops), float(executed)
 
 
-def efficiency(layout: Layout, *, gpus_per_node: int, num_nodes: int, accumulation: int) -> float:
+def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int) -> float:
     """The stated efficiency of ``layout`` (see module docstring)."""
     eff = BASE_EFFICIENCY[layout.strategy] * OFFLOAD_FACTOR[layout.offload]
     if layout.dims.tp > 1:
         eff *= TP_FACTOR
     if layout.dims.pp > 1:  # the 1F1B bubble
         eff *= accumulation / (accumulation + layout.dims.pp - 1)
-    if num_nodes > 1 and layout.strategy in ("fsdp_full_shard", "zero3") and layout.shard_degree > gpus_per_node:
+    if layout.strategy in ("fsdp_full_shard", "zero3") and layout.shard_degree > gpus_per_node:
         eff *= CROSS_NODE_SHARD_FACTOR
     return eff
 
 
 def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gpu: GpuSpec, *,
-                        num_nodes: int = 1) -> Throughput:
+                        gpus_per_node: int = 8) -> Throughput:
     """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation."""
     model_flops, executed = flops_per_token(model, workload, lora_rank=layout.lora_rank)
     accumulation = workload.gradient_accumulation_steps
     tokens = workload.tokens * layout.dims.dp * accumulation
-    eff = efficiency(layout, gpus_per_node=gpu.gpus_per_node, num_nodes=num_nodes, accumulation=accumulation)
+    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation)
     world = layout.dims.world_size
     step = executed * tokens / (world * gpu.peak_bf16_flops * eff)
     return Throughput(model_flops_per_token=model_flops, executed_flops_per_token=executed, efficiency=eff,
