@@ -30,7 +30,9 @@ def register(subparsers) -> None:
     parser.add_argument("--lora", action="store_true", help="also consider LoRA on a frozen base, and prefer it")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16_autocast",
-                        help="bf16_autocast (fp32 params, bf16 autocast; default), bf16_mixed or fp32")
+                        help="bf16_autocast (default): fp32 params under torch.autocast, FSDP gathers fp32 (the "
+                        "case study, the Trainer's bf16=True without FSDP); bf16_mixed: bf16 compute params with "
+                        "an fp32 master (what accelerate's FSDP/DeepSpeed bf16 configs run); fp32")
     parser.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     parser.add_argument("--no-activation-checkpointing", action="store_true", help="keep every layer's activations")
     parser.add_argument("--safety-margin", type=float, default=0.10, help="fraction of GPU memory kept free")

@@ -58,7 +58,8 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
                      f"{t.step_time_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
                      f"(assumed efficiency {t.efficiency:.0%})")
         if req.train_tokens:
-            lines.append(f"wall clock for {req.train_tokens:,.0f} tokens: {_duration(t.wall_clock_s(req.train_tokens))}")
+            wall = _duration(t.wall_clock_s(req.train_tokens))
+            lines.append(f"wall clock for {req.train_tokens:,.0f} tokens: {wall}")
     return "\n".join(lines)
 
 

@@ -153,9 +153,8 @@ def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers
 def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelStates:
     s = layout.shard_degree
     sharded = layout.strategy in FSDP_STRATEGIES
-    how = "fsdp2"
-    train_el = shard_elements(trainable, s, how)
-    frozen_bytes = (4 if workload.precision == "fp32" else 2) * shard_elements(frozen, s, how)
+    train_el = shard_elements(trainable, s, "fsdp2")
+    frozen_bytes = (4 if workload.precision == "fp32" else 2) * shard_elements(frozen, s, "fsdp2")
     if layout.strategy == "ddp" and workload.precision == "bf16_mixed" and not frozen:
         params, master, grads = 2 * train_el, 4 * train_el, 2 * train_el
     else:
