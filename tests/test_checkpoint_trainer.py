@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from dist_utils import run_distributed
 from trainer_harness import VOCAB, full_parameters, token_dataset
@@ -32,7 +33,7 @@ def _step_counter():
     return Count()
 
 
-def _run(output_dir: str, *, resume: bool, stop_after: int | None = None):
+def _run(output_dir: str, *, resume: bool, stop_after: int | None = None, load_best: str | None = None):
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -49,14 +50,27 @@ def _run(output_dir: str, *, resume: bool, stop_after: int | None = None):
     trainer.train(resume_from_checkpoint=True if resume else None)
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
     params = {k: v.numpy() for k, v in full_parameters(trainer).items()}
-    return {"losses": losses, "params": params, "steps_run": counter.steps_run}
+    out = {"losses": losses, "params": params, "steps_run": counter.steps_run}
+    if load_best is not None:  # what load_best_model_at_end does, with the best checkpoint named here
+        trainer.state.best_model_checkpoint = f"{output_dir}/{load_best}"
+        trainer._load_best_model()
+        out["best_params"] = {k: v.numpy() for k, v in full_parameters(trainer).items()}
+    return out
 
 
 def _uninterrupted_then_resumed(rank, world, root):
     full = _run(f"{root}/full", resume=False)
-    _run(f"{root}/cut", resume=False, stop_after=SAVE_EVERY + 1)  # stops after step 4: last checkpoint is step 3
+    cut = _run(f"{root}/cut", resume=False, stop_after=SAVE_EVERY + 1,  # stops after step 4: last checkpoint is 3
+               load_best=f"checkpoint-{SAVE_EVERY}")
+    from hf_dist.checkpoint import load_checkpoint
+    from hf_dist.models import build_tiny_model
+
+    step3 = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)  # plain, on every rank
+    load_checkpoint(f"{root}/cut/checkpoint-{SAVE_EVERY}", model=step3, optimizer=None)
+    step3_params = {k: v.detach().clone().numpy() for k, v in step3.state_dict().items()}
     resumed = _run(f"{root}/cut", resume=True)
-    return {"full": full, "resumed": resumed}
+    return {"full": full, "resumed": resumed, "best_params": cut["best_params"], "cut_params": cut["params"],
+            "step3_params": step3_params}
 
 
 def test_fsdp2_trainer_resume_matches_uninterrupted(tmp_path):
@@ -74,3 +88,8 @@ def test_fsdp2_trainer_resume_matches_uninterrupted(tmp_path):
         torch.testing.assert_close(resumed["losses"][step], full["losses"][step], atol=1e-6, rtol=0)
     torch.testing.assert_close({k: torch.as_tensor(v) for k, v in resumed["params"].items()},
                                {k: torch.as_tensor(v) for k, v in full["params"].items()}, atol=1e-6, rtol=0)
+    # load_best_model_at_end brought back the step-3 weights, not the step-4 ones the cut run ended with
+    best = {k: torch.as_tensor(v) for k, v in result["best_params"].items()}
+    torch.testing.assert_close(best, {k: torch.as_tensor(v) for k, v in result["step3_params"].items()}, atol=0, rtol=0)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(best, {k: torch.as_tensor(v) for k, v in result["cut_params"].items()})

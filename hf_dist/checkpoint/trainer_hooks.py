@@ -139,3 +139,8 @@ def sharded_checkpoints_accepted(args, owns_layout: bool):
     finally:
         if lift:
             args.save_only_model = False
+
+
+def load_best_model(trainer) -> None:
+    """``load_best_model_at_end``: the model weights of the best hf_dist checkpoint, in place (collective)."""
+    load_checkpoint(trainer.state.best_model_checkpoint, model=trainer.model, optimizer=None, restore_rng=False)

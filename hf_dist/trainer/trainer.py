@@ -229,6 +229,13 @@ class DistTrainer(Trainer):
             return super()._load_rng_state(checkpoint)
         trainer_hooks.restore_trainer_rng(self, checkpoint)
 
+    def _load_best_model(self) -> None:
+        from hf_dist.checkpoint import trainer_hooks
+
+        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(self.state.best_model_checkpoint)):
+            return super()._load_best_model()
+        trainer_hooks.load_best_model(self)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.dims.pp_enabled:
