@@ -197,6 +197,8 @@ TP2_CASES = {
     "phi3": {"arch": "phi3", "tp": 2},
     "gpt_neox": {"arch": "gpt_neox", "tp": 2},
     "llama_user_plan": {"arch": "llama", "tp": 2, "plan": "mlp_only"},
+    "llama_mqa_sp": {"arch": "llama", "tp": 2, "sp": True, "overrides": (("num_key_value_heads", 1),)},
+    "qwen3_mqa": {"arch": "qwen3", "tp": 2, "overrides": (("num_key_value_heads", 1),)},
     "llama_sp_vp": {"arch": "llama", "tp": 2, "sp": True, "vp": True},
     "qwen2_tied_vp": {"arch": "qwen2", "tp": 2, "vp": True, "overrides": (("tie_word_embeddings", True),)},
 }
@@ -211,6 +213,7 @@ DP_TP_CASES = {
     "llama_fsdp_x_tp": {"arch": "llama", "tp": 2, "dp": "fsdp"},
     "llama_replicate_x_tp": {"arch": "llama", "tp": 2, "dp": "replicate"},
     "phi3_fsdp_x_tp_vp": {"arch": "phi3", "tp": 2, "dp": "fsdp", "vp": True},
+    "qwen2_mqa_fsdp_x_tp": {"arch": "qwen2", "tp": 2, "dp": "fsdp", "overrides": (("num_key_value_heads", 1),)},
 }
 
 

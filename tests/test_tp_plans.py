@@ -12,17 +12,28 @@ from hf_dist.tensor_parallel.styles import FusedColwiseParallel, deinterleave_pa
 from test_tp_parity import tiny_config
 
 
-def test_heads_not_divisible_names_value_and_valid_sizes():
+def test_kv_heads_that_fit_neither_way_name_value_and_valid_sizes():
     config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)
-    with pytest.raises(ValueError, match=r"tp=2 does not divide num_key_value_heads=3.*tp in \{1, 3\}"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3 neither divides nor is divided by tp=2.*\{1, 3, 6\}"):
         check_tp_sizes(config, 2)
 
 
-def test_gqa_checks_kv_heads_too():
+def test_gqa_and_mqa_kv_heads_split_or_replicated():
     config = tiny_config("llama")  # 4 heads, 2 kv heads
-    check_tp_sizes(config, 2)
-    with pytest.raises(ValueError, match=r"num_key_value_heads=2.*tp in \{1, 2\}"):
-        check_tp_sizes(config, 4)
+    check_tp_sizes(config, 2)  # one KV head per rank
+    check_tp_sizes(config, 4)  # KV heads replicated: each rank keeps the one its query heads use
+    check_tp_sizes(tiny_config("llama", num_key_value_heads=1), 4)  # MQA
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4, intermediate_size=128"):
+        check_tp_sizes(config, 3)
+    names = plan_names(config, tp=4, sequence_parallel=True)
+    assert names["model.layers.*.self_attn.k_proj"] == "replicated_kv"
+    assert names["model.layers.*.self_attn"] == "gather_sequence_kwarg+local_head_counts"
+    assert "model.layers.*.self_attn" not in plan_names(config, tp=2)
+
+
+def test_fused_families_refuse_fewer_kv_heads_than_ranks():
+    with pytest.raises(ValueError, match=r"tp=4 is larger than num_key_value_heads=2.*model_type='phi3'"):
+        plan_names(tiny_config("phi3"), tp=4)
 
 
 def test_vocab_checked_only_when_sharded():
@@ -85,8 +96,8 @@ def test_apply_checks_sizes_before_touching_the_model():
 
     model = build("llama")  # 4 heads, 2 kv heads
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2"):
-        apply_tensor_parallel(model, _FakeMesh(4))
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
+        apply_tensor_parallel(model, _FakeMesh(3))
     with pytest.raises(ValueError, match=r"plan="):
         apply_tensor_parallel(model, _FakeMesh(2), plan={}, vocab_parallel=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -108,7 +108,7 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     if plan is None:
         check_tp_sizes(config, tp, vocab_parallel=vocab_parallel)
-        names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+        names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
         plan = resolve_styles(names, config)
     elif sequence_parallel or vocab_parallel:
         raise ValueError(

@@ -24,7 +24,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from hf_dist.tensor_parallel.styles import FusedColwiseParallel, LocalHeadCounts, ReplicatedWithGradReduce
+from hf_dist.tensor_parallel.styles import (
+    CombinedStyle,
+    FusedColwiseParallel,
+    LocalHeadCounts,
+    ReplicatedKVColwise,
+    ReplicatedWithGradReduce,
+)
 
 # hf_dist's own plans, for families whose transformers plan is missing or gathers activations.
 _PHI3_PLAN = {
@@ -60,7 +66,15 @@ SEQUENCE_PARALLEL_OVERLAY = {
 }
 _SP_OUTPUT_OVERRIDES = {"rowwise": "rowwise_to_sequence_shards"}
 
-VOCAB_PARALLEL_OVERLAY = {"model.embed_tokens": "vocab_embedding", "lm_head": "vocab_lm_head"}
+# Fewer KV heads than TP ranks (MQA, narrow GQA): k/v projections replicated, one KV head kept per rank.
+# A leading "+" adds the style to what the plan already has for that module (sequence gathering, say).
+REPLICATED_KV_OVERLAY = {
+    "model.layers.*.self_attn.k_proj": "replicated_kv",
+    "model.layers.*.self_attn.v_proj": "replicated_kv",
+    "model.layers.*.self_attn": "+local_head_counts",
+}
+REPLICATED_KV_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+"""Families with separate k/v projections (fused ones cannot keep one KV head per rank)."""
 
 
 def supported_families() -> tuple[str, ...]:
@@ -90,8 +104,25 @@ def base_plan(config) -> dict[str, str]:
     raise _unknown_family_error(model_type)
 
 
-def plan_names(config, *, sequence_parallel: bool = False, vocab_parallel: bool = False) -> dict[str, str]:
-    """The full plan as names: base plan, then the sequence- and vocab-parallel overlays."""
+def _replicates_kv(config, tp: int | None) -> bool:
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if tp is None or kv >= tp:
+        return False
+    if config.model_type not in REPLICATED_KV_FAMILIES:
+        raise ValueError(
+            f"tp={tp} is larger than num_key_value_heads={kv}; replicating KV heads is available for "
+            f"{', '.join(REPLICATED_KV_FAMILIES)}, not model_type={config.model_type!r}; use tp <= {kv}"
+        )
+    return True
+
+
+def plan_names(
+    config, *, sequence_parallel: bool = False, vocab_parallel: bool = False, tp: int | None = None
+) -> dict[str, str]:
+    """The full plan as names: base plan, then the sequence-, vocab- and (``tp`` > KV heads) KV overlays.
+
+    Two names on one module are joined with ``+`` and applied in that order.
+    """
     plan = base_plan(config)
     if (sequence_parallel or vocab_parallel) and config.model_type not in OVERLAY_FAMILIES:
         raise ValueError(
@@ -105,13 +136,25 @@ def plan_names(config, *, sequence_parallel: bool = False, vocab_parallel: bool 
     if vocab_parallel:
         plan["model.embed_tokens"] = "vocab_embedding_to_sequence_shards" if sequence_parallel else "vocab_embedding"
         plan["lm_head"] = "vocab_lm_head_from_sequence_shards" if sequence_parallel else "vocab_lm_head"
+    if _replicates_kv(config, tp):
+        for pattern, name in REPLICATED_KV_OVERLAY.items():
+            adds = name.startswith("+") and pattern in plan
+            plan[pattern] = f"{plan[pattern]}{name}" if adds else name.lstrip("+")
     return plan
 
 
 def _fused_qkv(config) -> ParallelStyle:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     kv = config.num_key_value_heads * head_dim
     return FusedColwiseParallel((config.num_attention_heads * head_dim, kv, kv))
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _replicated_kv(config) -> ParallelStyle:
+    return ReplicatedKVColwise(kv_heads=config.num_key_value_heads, head_dim=_head_dim(config))
 
 
 def _fused_gate_up(config) -> ParallelStyle:
@@ -126,6 +169,7 @@ STYLE_BUILDERS = {
     "local_head_counts": lambda config: LocalHeadCounts(),
     "fused_colwise_qkv": _fused_qkv,
     "fused_colwise_gate_up": _fused_gate_up,
+    "replicated_kv": _replicated_kv,
     "sequence_parallel": lambda config: SequenceParallel(),
     "rowwise_to_sequence_shards": lambda config: RowwiseParallel(output_layouts=_SEQ, use_local_output=False),
     "embedding_to_sequence_shards": lambda config: PrepareModuleOutput(
@@ -157,11 +201,14 @@ STYLE_BUILDERS = {
 def resolve_styles(names: dict[str, str], config) -> dict[str, ParallelStyle]:
     """Turn ``{pattern: style_name}`` into ``{pattern: ParallelStyle}`` for this config."""
     plan: dict[str, ParallelStyle] = {}
-    for pattern, name in names.items():
-        if name not in STYLE_BUILDERS:
-            raise ValueError(
-                f"plan entry {pattern!r} uses style {name!r}, which hf_dist does not know; known styles: "
-                f"{', '.join(sorted(STYLE_BUILDERS))}. Pass plan= with torch ParallelStyle objects instead"
-            )
-        plan[pattern] = STYLE_BUILDERS[name](config)
+    for pattern, joined in names.items():
+        styles = []
+        for name in joined.split("+"):
+            if name not in STYLE_BUILDERS:
+                raise ValueError(
+                    f"plan entry {pattern!r} uses style {name!r}, which hf_dist does not know; known styles: "
+                    f"{', '.join(sorted(STYLE_BUILDERS))}. Pass plan= with torch ParallelStyle objects instead"
+                )
+            styles.append(STYLE_BUILDERS[name](config))
+        plan[pattern] = styles[0] if len(styles) == 1 else CombinedStyle(*styles)
     return plan

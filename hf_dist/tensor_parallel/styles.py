@@ -6,7 +6,11 @@
 - ``ReplicatedWithGradReduce``: parameters kept whole on every TP rank for a module that sees only this rank's
   heads (Qwen3 ``q_norm``/``k_norm``); the gradient, a partial sum per rank, is summed over the TP ranks.
 - ``LocalHeadCounts``: rewrites the head counts an attention module reads from itself or its config so that
-  slicing by ``config.num_attention_heads * head_dim`` addresses the local shard (Phi-3).
+  slicing by ``config.num_attention_heads * head_dim`` addresses the local shard (Phi-3), or, with fewer KV
+  heads than TP ranks, so that each local KV head serves all local query heads.
+- ``ReplicatedKVColwise``: k/v projections when there are fewer KV heads than TP ranks (MQA, narrow GQA):
+  the whole weight on every rank, each rank keeping the output of the one KV head its query heads use;
+  the weight gradient, partial per rank, is summed over the TP ranks.
 
 Not for: choosing which style goes where (``plans.py``) or validating sizes (``checks.py``).
 """
@@ -17,7 +21,15 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 FUSED_PARTS_ATTR = "_hf_dist_fused_parts"
@@ -123,6 +135,22 @@ class ReplicatedWithGradReduce(ParallelStyle):
         return f"ReplicatedWithGradReduce(input_dim={self.input_dim})"
 
 
+class CombinedStyle(ParallelStyle):
+    """Several styles on one module, applied in order (e.g. sequence gathering and local head counts)."""
+
+    def __init__(self, *styles: ParallelStyle) -> None:
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return f"CombinedStyle{self.styles!r}"
+
+
 class _LocalConfigView:
     """Reads through to the model config, except for the attributes overridden for this TP shard."""
 
@@ -137,21 +165,63 @@ class _LocalConfigView:
         return getattr(object.__getattribute__(self, "_config"), name)
 
 
+class ReplicatedKVColwise(ParallelStyle):
+    """k_proj / v_proj with ``kv_heads < tp`` (``tp % kv_heads == 0``): rank r keeps KV head ``r * kv // tp``."""
+
+    def __init__(self, *, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+
+    def _partition_fn(self, name, module, device_mesh):
+        ReplicatedWithGradReduce._partition_fn(self, name, module, device_mesh)
+
+    @staticmethod
+    def _prepare_input(module, inputs, device_mesh):
+        hidden = inputs[0]
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, device_mesh, [Replicate()], run_check=False)
+        return (hidden, *inputs[1:])
+
+    def _prepare_output(self, module, output, device_mesh):
+        # Only this rank's query heads read its KV head: the gradient arriving here is one rank's share.
+        full = output.to_local(grad_placements=[Partial()])
+        head = device_mesh.get_local_rank() * self.kv_heads // device_mesh.size()
+        return full[..., head * self.head_dim : (head + 1) * self.head_dim]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.size() % self.kv_heads != 0:
+            raise ValueError(f"tp={device_mesh.size()} is not a multiple of num_key_value_heads={self.kv_heads}")
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_fn,
+            self._prepare_input,
+            self._prepare_output,
+        )
+
+    def __repr__(self) -> str:
+        return f"ReplicatedKVColwise(kv_heads={self.kv_heads}, head_dim={self.head_dim})"
+
+
 class LocalHeadCounts(ParallelStyle):
-    """Make an attention module see ``heads / tp`` and ``kv_heads / tp`` (it has no parameters of its own)."""
+    """Make an attention module see ``heads / tp`` query heads and its local KV heads (no parameters of its own).
+
+    Local KV heads are ``kv_heads / tp``, or 1 when ``kv_heads < tp`` (each rank keeps one replicated KV head).
+    """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         config = module.config
-        module.config = _LocalConfigView(
-            config,
-            num_attention_heads=config.num_attention_heads // tp,
-            num_key_value_heads=config.num_key_value_heads // tp,
-        )
+        heads = config.num_attention_heads // tp
+        kv_heads = max(config.num_key_value_heads // tp, 1)
+        module.config = _LocalConfigView(config, num_attention_heads=heads, num_key_value_heads=kv_heads)
         if hasattr(module, "num_key_value_heads"):
-            module.num_key_value_heads = module.num_key_value_heads // tp
+            module.num_key_value_heads = kv_heads
         if hasattr(module, "num_heads"):
-            module.num_heads = module.num_heads // tp
+            module.num_heads = heads
+        if hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = heads // kv_heads
         return module
 
     def __repr__(self) -> str:
