@@ -32,7 +32,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def fully_shard_tp_model(model: nn.Module, dp_mesh, *, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2 over ``dp_mesh`` on every decoder layer, then on the root; TP parameters become 2-D DTensors."""
+    """FSDP2 over ``dp_mesh`` on every decoder layer, then on the root; TP parameters become 2-D DTensors.
+
+    The root reshards after forward too (FSDP2's default keeps it gathered): on torch 2.13 CPU, a first
+    forward under ``no_grad`` with a gathered root made the following optimizer steps train wrong values.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
