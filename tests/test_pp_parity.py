@@ -33,9 +33,30 @@ def _lora_model():
 
 
 def _two_ranks(rank, world_size, out_dir):
-    """Every schedule, then LoRA, in one 2-rank group (pp=2)."""
+    """Every schedule, then tied embeddings, then LoRA, in one 2-rank group (pp=2)."""
     results = _schedules(out_dir)
+    results["tied"] = _tied(os.path.join(out_dir, "tied"))
     results["lora"] = _lora(os.path.join(out_dir, "adapter"))
+    return results
+
+
+TIED_SCHEDULES = {"1f1b": 4, "zbv": 8}  # copies on two ranks (gradients summed); both on rank 0 (shared)
+
+
+def _tied(out_dir):
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict, save_pretrained
+
+    dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
+    dims.build_mesh("cpu")
+    results = {}
+    for schedule, microbatches in TIED_SCHEDULES.items():
+        config = PipelineConfig(schedule=schedule, microbatches=microbatches)
+        pipe = PipelinedCausalLM(tiny_model(tie_word_embeddings=True), dims=dims, config=config)
+        losses, norms = pipelined_run(pipe, batches(GLOBAL_BATCH), dp_rank=0, dp=1)
+        results[schedule] = {"losses": losses, "norms": norms, "state": portable(gather_state_dict(pipe))}
+        if schedule == "1f1b":
+            save_pretrained(pipe, out_dir)
     return results
 
 
@@ -105,6 +126,24 @@ def test_every_schedule_matches_one_process(two_rank_run):
         assert_close(results[0]["eval"], float(saved(**eval_batch).loss), atol=1e-5, rtol=0)
 
 
+def test_tied_embeddings_match_one_process(two_rank_run):
+    from transformers import AutoModelForCausalLM
+
+    results, tmp_path = two_rank_run
+    ref_losses, ref_norms, ref_state = reference_run(tiny_model(tie_word_embeddings=True), batches(GLOBAL_BATCH))
+    for schedule in TIED_SCHEDULES:
+        for rank in (0, 1):
+            got = results[rank]["tied"][schedule]
+            assert_close(got["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"tied {schedule} rank {rank}")
+            assert_close(got["norms"], ref_norms, atol=1e-5, rtol=1e-5, msg=f"tied {schedule} norm")
+        state = results[0]["tied"][schedule]["state"]
+        for key, value in ref_state.items():
+            assert_close(torch.from_numpy(state[key]), value, atol=1e-4, rtol=0, msg=f"tied {schedule} {key}")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
+    assert saved.lm_head.weight is saved.model.embed_tokens.weight
+    assert_close(saved.lm_head.weight, ref_state["lm_head.weight"], atol=1e-4, rtol=0)
+
+
 def test_lora_adapter_from_stages_loads_on_a_plain_model(two_rank_run):
     from peft import PeftModel
 
@@ -123,26 +162,27 @@ def test_lora_adapter_from_stages_loads_on_a_plain_model(two_rank_run):
         assert_close(got_lora[key], value, atol=1e-4, rtol=0)
 
 
-FOUR_RANK_LAYOUTS = {
-    "fsdp": dict(dp_shard=2),  # PP2 x FSDP2
-    "ddp": dict(dp_replicate=2, dp_shard=1),  # PP2 x replicated data parallel (gradient all-reduce)
-    "tp": dict(tp=2, dp_shard=1),  # PP2 x TP2 (hf_dist.tensor_parallel inside each stage)
+FOUR_RANK_LAYOUTS = {  # name: (ParallelDims sizes besides pp=2, schedule, tiny_model overrides)
+    "fsdp": (dict(dp_shard=2), "1f1b", {}),  # PP2 x FSDP2
+    "ddp": (dict(dp_replicate=2, dp_shard=1), "interleaved_1f1b", {}),  # PP2 x replicated DP (grad all-reduce)
+    "tp": (dict(tp=2, dp_shard=1), "1f1b", {}),  # PP2 x TP2 (hf_dist.tensor_parallel inside each stage)
+    "tied_fsdp": (dict(dp_shard=2), "1f1b", dict(tie_word_embeddings=True)),  # tied copies, sharded grads summed
 }
 
 
 def _pp_times_dp_four_ranks(rank, world_size):
+    from torch.distributed.tensor import DTensor
+
     from hf_dist import ParallelDims
     from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict
 
     results = {}
-    for name, sizes in FOUR_RANK_LAYOUTS.items():
+    for name, (sizes, schedule, model_kwargs) in FOUR_RANK_LAYOUTS.items():
         dims = ParallelDims(world_size=4, pp=2, **sizes)
         dims.build_mesh("cpu")
-        schedule = "interleaved_1f1b" if name == "ddp" else "1f1b"
-        pipe = PipelinedCausalLM(tiny_model(), dims=dims, config=PipelineConfig(schedule=schedule, microbatches=4))
+        config = PipelineConfig(schedule=schedule, microbatches=4)
+        pipe = PipelinedCausalLM(tiny_model(**model_kwargs), dims=dims, config=config)
         losses, norms = pipelined_run(pipe, batches(GLOBAL_BATCH), dp_rank=dims.dp_rank(rank), dp=dims.dp)
-        from torch.distributed.tensor import DTensor
-
         sharded = {tuple(p.device_mesh.mesh_dim_names) for p in pipe.parameters() if isinstance(p, DTensor)}
         state = portable(gather_state_dict(pipe))
         results[name] = {"losses": losses, "norms": norms, "state": state, "sharded_on": sharded}
@@ -151,11 +191,11 @@ def _pp_times_dp_four_ranks(rank, world_size):
 
 def test_pp_times_dp_and_tp_on_four_ranks():
     results = run_distributed(_pp_times_dp_four_ranks, 4)
-    ref_losses, ref_norms, ref_state = reference_run(tiny_model(), batches(GLOBAL_BATCH))
     assert results[0]["fsdp"]["sharded_on"] == {("dp_shard",)}
     assert results[0]["tp"]["sharded_on"] == {("tp",)}
     assert results[0]["ddp"]["sharded_on"] == set()
-    for name in FOUR_RANK_LAYOUTS:
+    for name, (_, _, model_kwargs) in FOUR_RANK_LAYOUTS.items():
+        ref_losses, ref_norms, ref_state = reference_run(tiny_model(**model_kwargs), batches(GLOBAL_BATCH))
         for rank in range(4):
             assert_close(results[rank][name]["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
             assert_close(results[rank][name]["norms"], ref_norms, atol=1e-5, rtol=1e-5)

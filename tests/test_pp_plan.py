@@ -19,7 +19,7 @@ from hf_dist.pipeline_parallel import (
     theoretical_utilisation,
 )
 from hf_dist.pipeline_parallel import schedules as schedules_module
-from hf_dist.pipeline_parallel.stage_module import check_untied, count_loss_tokens
+from hf_dist.pipeline_parallel.stage_module import count_loss_tokens
 from pp_harness import padded_batch, tiny_model
 
 
@@ -135,11 +135,17 @@ def test_stage_keys_are_hf_keys():
     assert keys == set(model.state_dict())
 
 
-def test_tied_embeddings_are_refused_with_the_fix():
-    model = tiny_model(tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="tie_word_embeddings=True with pp_size=2"):
-        check_untied(model, 2)
-    check_untied(model, 1)
+def test_tied_embeddings_refused_where_one_copy_cannot_be_kept():
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel.tied import TiedEmbeddingSync, is_tied
+
+    assert is_tied(tiny_model(tie_word_embeddings=True)) and not is_tied(tiny_model())
+    loop = plan_stages(_layers([1] * 4), pp_size=2)
+    with pytest.raises(ValueError, match="tied embeddings with tp=2 and pp=2"):
+        TiedEmbeddingSync(ParallelDims(world_size=4, pp=2, tp=2), loop, 0)
+    v = plan_stages(_layers([1] * 4), pp_size=2, virtual_stages=2, placement="v")
+    with pytest.raises(ValueError, match="FSDP .dp_shard=2. would shard one weight in two FSDP units"):
+        TiedEmbeddingSync(ParallelDims(world_size=4, pp=2, dp_shard=2), v, 0)
 
 
 def test_models_without_the_llama_layout_are_refused():

@@ -28,12 +28,12 @@ from torch import nn
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
 from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
+from hf_dist.pipeline_parallel.tied import TiedEmbeddingSync, is_tied
 from hf_dist.pipeline_parallel.stage_module import (
     IGNORE_INDEX,
     CausalLMStage,
     TokenWeightedLoss,
     causal_lm_of,
-    check_untied,
     count_loss_tokens,
     stage_units,
 )
@@ -72,7 +72,7 @@ class PipelinedCausalLM:
         """
         if not dims.pp_enabled:
             raise ValueError(f"PipelinedCausalLM needs pp > 1, got {dims}; train without it when pp=1")
-        check_untied(model, dims.pp)
+        tied = is_tied(model)
         self.dims, self.config, self.device = dims, config, torch.device(device)
         self.source_model = model  # kept for its config (and PEFT config) when saving
         self.pp_group = dims.get_mesh("pp").get_group()
@@ -88,6 +88,7 @@ class PipelinedCausalLM:
             placement=config.spec.placement,
         )
         self.stage_ids = self.plan.local_stages(self.pp_rank)
+        self.tied_sync = TiedEmbeddingSync(dims, self.plan, self.pp_rank) if tied else None
         self.modules = [CausalLMStage(model, self.plan.stages[i]).to(self.device) for i in self.stage_ids]
         if release_unowned:
             _release_unowned(model, self.plan, {n for i in self.stage_ids for n in self.plan.stages[i]})
@@ -150,12 +151,17 @@ class PipelinedCausalLM:
         return self.plan.num_stages - 1 in self.stage_ids
 
     def parameters(self):
-        for module in self.modules:
-            yield from module.parameters()
+        """This rank's parameters, each once (stages on one rank may share the tied embedding)."""
+        for _, param in self.named_parameters():
+            yield param
 
     def named_parameters(self):
+        seen: set[int] = set()
         for module in self.modules:
-            yield from module.named_parameters()
+            for name, param in module.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
@@ -189,6 +195,8 @@ class PipelinedCausalLM:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        if self.tied_sync is not None:
+            self.tied_sync.sync_grads(self.modules)
         self._allreduce_grads()
         local = torch.stack([l.detach() for l in losses]).sum() if self.has_last else torch.zeros(())
         return self._broadcast_loss(local.to(torch.float32))
@@ -277,7 +285,8 @@ class PipelinedCausalLM:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over *all* stages' gradients (all pp ranks, dp/tp shards included); returns it."""
         params = [p for p in self.parameters() if p.grad is not None]
-        total = _local_norm_power([p.grad for p in params], norm_type, self.device)
+        skip = self.tied_sync.skip_in_norm(self.modules) if self.tied_sync is not None else set()
+        total = _local_norm_power([p.grad for p in params if id(p) not in skip], norm_type, self.device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(total, op=op, group=self.pp_group)
         total = total if math.isinf(norm_type) else total ** (1.0 / norm_type)

@@ -52,22 +52,6 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return model
 
 
-def check_untied(model: nn.Module, pp_size: int) -> None:
-    """Tied embeddings are refused when the first and last stage are on different ranks.
-
-    The embedding and lm_head would be two copies on two ranks whose gradients must be summed every step;
-    hf_dist does not do that sync, so it refuses instead of training two diverging copies.
-    """
-    lm = causal_lm_of(model)
-    tied = lm.lm_head.weight is lm.model.embed_tokens.weight or getattr(lm.config, "tie_word_embeddings", False)
-    if tied and pp_size > 1:
-        raise ValueError(
-            f"tie_word_embeddings=True with pp_size={pp_size}: the first stage owns the embeddings and the last "
-            f"the lm_head, on different ranks; build the model with tie_word_embeddings=False (untie and copy the "
-            f"weights) or train with pp_size=1"
-        )
-
-
 def stage_units(model: nn.Module) -> tuple[list[tuple[str, int]], int, int]:
     """``(decoder layers as (fqn, params), embedding params, norm + lm_head params)`` for ``plan_stages``."""
     lm = causal_lm_of(model)
