@@ -73,7 +73,8 @@ def _title(run_dir: Path) -> str:
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         if summary.get("layout"):
-            title += f"\n{' '.join(summary['layout'].split())}"
+            words = summary["layout"].split()  # train.py keeps the table's row label: "layout  DDP (...)"
+            title += "\n" + " ".join(words[1:] if words[0] == "layout" else words)
         if summary.get("perplexity_after") is not None:
             title += f" | eval perplexity {summary['perplexity_before']:.2f} -> {summary['perplexity_after']:.2f}"
     return title
