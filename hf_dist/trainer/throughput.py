@@ -132,7 +132,10 @@ def _attach_comm_timer(model) -> DdpCommTimer | None:
     if dist.get_backend(model.process_group) != "gloo":
         return None
     timer = DdpCommTimer()
-    model.register_comm_hook(model.process_group, timer.hook)
+    try:
+        model.register_comm_hook(model.process_group, timer.hook)
+    except RuntimeError:  # the user registered a hook (e.g. fp16 compression): theirs stays, the wait is untimed
+        return None
     if callable(getattr(model, "_sync_buffers", None)):  # private DDP method; untimed if a torch renames it
         model._sync_buffers = timer.time_buffer_sync(model._sync_buffers)
     return timer
