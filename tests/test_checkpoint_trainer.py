@@ -1,4 +1,5 @@
-"""DistTrainer with FSDP2 on 2 gloo ranks: save_steps writes hf_dist checkpoints; a resumed run continues exactly."""
+"""DistTrainer on 2 gloo ranks with FSDP2, TP and PP: save_steps writes hf_dist checkpoints, a resumed run
+continues the uninterrupted one exactly, and load_best_model_at_end reloads from them."""
 
 from __future__ import annotations
 
@@ -33,7 +34,16 @@ def _step_counter():
     return Count()
 
 
-def _run(output_dir: str, *, resume: bool, stop_after: int | None = None, load_best: str | None = None):
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    return root, run_distributed(_uninterrupted_then_resumed, 2, str(root))[0]
+
+
+LAYOUTS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "tp": dict(tp_size=2), "pp": dict(pp_size=2)}
+
+
+def _run(output_dir: str, *, layout: str, resume: bool, stop_after: int | None = None, load_best: str | None = None):
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -41,7 +51,7 @@ def _run(output_dir: str, *, resume: bool, stop_after: int | None = None, load_b
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8,
         learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_strategy="steps",
         save_steps=SAVE_EVERY, save_total_limit=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, max_grad_norm=1.0, fsdp="full_shard", fsdp_config={"version": 2},
+        dataloader_num_workers=0, max_grad_norm=1.0, **LAYOUTS[layout],
     )
     model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
     counter = _step_counter()
@@ -59,35 +69,45 @@ def _run(output_dir: str, *, resume: bool, stop_after: int | None = None, load_b
 
 
 def _uninterrupted_then_resumed(rank, world, root):
-    full = _run(f"{root}/full", resume=False)
-    cut = _run(f"{root}/cut", resume=False, stop_after=SAVE_EVERY + 1,  # stops after step 4: last checkpoint is 3
-               load_best=f"checkpoint-{SAVE_EVERY}")
     from hf_dist.checkpoint import load_checkpoint
     from hf_dist.models import build_tiny_model
 
-    step3 = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)  # plain, on every rank
-    load_checkpoint(f"{root}/cut/checkpoint-{SAVE_EVERY}", model=step3, optimizer=None)
-    step3_params = {k: v.detach().clone().numpy() for k, v in step3.state_dict().items()}
-    resumed = _run(f"{root}/cut", resume=True)
-    return {"full": full, "resumed": resumed, "best_params": cut["best_params"], "cut_params": cut["params"],
-            "step3_params": step3_params}
+    out = {}
+    for layout in LAYOUTS:
+        full = _run(f"{root}/{layout}/full", layout=layout, resume=False)
+        cut = _run(f"{root}/{layout}/cut", layout=layout, resume=False, stop_after=SAVE_EVERY + 1,  # last ckpt: 3
+                   load_best=f"checkpoint-{SAVE_EVERY}" if layout == "fsdp2" else None)
+        if layout == "fsdp2":
+            step3 = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)  # plain, every rank
+            load_checkpoint(f"{root}/{layout}/cut/checkpoint-{SAVE_EVERY}", model=step3, optimizer=None)
+            out["step3_params"] = {k: v.detach().clone().numpy() for k, v in step3.state_dict().items()}
+            out["best_params"], out["cut_params"] = cut["best_params"], cut["params"]
+        out[layout] = {"full": full, "resumed": _run(f"{root}/{layout}/cut", layout=layout, resume=True)}
+    return out
 
 
-def test_fsdp2_trainer_resume_matches_uninterrupted(tmp_path):
-    from hf_dist.checkpoint import read_manifest
-
-    result = run_distributed(_uninterrupted_then_resumed, 2, str(tmp_path))[0]
-    full, resumed = result["full"], result["resumed"]
-    manifest = read_manifest(tmp_path / "full" / "checkpoint-6")
-    assert manifest.layout["dp_shard"] == 2 and manifest.samples_consumed == 6 * 8
-    assert (tmp_path / "full" / "checkpoint-6" / "trainer_state.json").is_file()
-    assert not (tmp_path / "full" / "checkpoint-3").exists()  # save_total_limit=1
-    assert (tmp_path / "cut" / "latest").read_text().strip() == "checkpoint-6"
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trainer_resume_matches_uninterrupted(two_rank_runs, layout):
+    tmp_path, result = two_rank_runs
+    full, resumed = result[layout]["full"], result[layout]["resumed"]
+    assert (tmp_path / layout / "full" / "checkpoint-6" / "trainer_state.json").is_file()
+    assert not (tmp_path / layout / "full" / "checkpoint-3").exists()  # save_total_limit=1
+    assert (tmp_path / layout / "cut" / "latest").read_text().strip() == "checkpoint-6"
     assert resumed["steps_run"] == STEPS - SAVE_EVERY  # it resumed, not retrained from step 0
     for step in range(SAVE_EVERY + 1, STEPS + 1):
         torch.testing.assert_close(resumed["losses"][step], full["losses"][step], atol=1e-6, rtol=0)
+    # (under PP these are rank 0's stage only: each rank's parameters are its stage's)
     torch.testing.assert_close({k: torch.as_tensor(v) for k, v in resumed["params"].items()},
                                {k: torch.as_tensor(v) for k, v in full["params"].items()}, atol=1e-6, rtol=0)
+
+
+def test_trainer_manifest_and_best_model(two_rank_runs):
+    from hf_dist.checkpoint import read_manifest
+
+    tmp_path, result = two_rank_runs
+    for layout, factor in (("fsdp2", "dp_shard"), ("tp", "tp"), ("pp", "pp")):
+        manifest = read_manifest(tmp_path / layout / "full" / "checkpoint-6")
+        assert manifest.layout[factor] == 2 and manifest.samples_consumed == 6 * 8, layout
     # load_best_model_at_end brought back the step-3 weights, not the step-4 ones the cut run ended with
     best = {k: torch.as_tensor(v) for k, v in result["best_params"].items()}
     torch.testing.assert_close(best, {k: torch.as_tensor(v) for k, v in result["step3_params"].items()}, atol=0, rtol=0)
