@@ -88,8 +88,11 @@ def test_crash_before_marker_keeps_latest_on_complete(saved, monkeypatch):
         _load_fresh(saved / "step_6")
     assert _load_fresh(saved)[0].step == 4
     monkeypatch.undo()
-    _save(saved, 6, model, optimizer, scheduler, layout, contract)  # a retry replaces the incomplete directory
-    assert mf.is_complete(saved / "step_6") and (saved / "latest").read_text().strip() == "step_6"
+    _save(saved, 8, model, optimizer, scheduler, layout, contract, retention=RetentionPolicy(keep_last=2))
+    assert not (saved / "step_6").exists()  # the dead save is cleared once a later one completed
+    assert [p.name for p in mf.complete_checkpoints(saved)] == ["step_4", "step_8"]
+    _save(saved, 8, model, optimizer, scheduler, layout, contract)  # saving the same step again replaces it
+    assert mf.is_complete(saved / "step_8") and (saved / "latest").read_text().strip() == "step_8"
 
 
 def test_crash_before_rename_leaves_no_checkpoint(saved, monkeypatch):

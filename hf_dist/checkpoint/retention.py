@@ -9,6 +9,7 @@ Not here: writing checkpoints (``hf_dist.checkpoint.api``).
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,24 @@ def apply_retention(root: str | Path, policy: RetentionPolicy, *, protect: tuple
         manifest = mf.read_manifest(path)
         entries.append((path.name, manifest.step, manifest.metrics))
     doomed = [name for name in select_to_delete(entries, policy, latest=latest) if name not in protect]
+    if entries:
+        doomed += _dead_saves(root, newest_step=max(step for _, step, _ in entries), latest=latest)
     for name in doomed:
         shutil.rmtree(root / name)
     return doomed
+
+
+def _dead_saves(root: Path, *, newest_step: int, latest: str | None) -> list[str]:
+    """Checkpoint folders whose save died between the rename and the marker, older than a complete one."""
+    dead = []
+    for child in sorted(root.iterdir()):
+        manifest = child / mf.MANIFEST_NAME
+        if child.name.startswith(".") or child.name == latest or not manifest.is_file() or mf.is_complete(child):
+            continue
+        try:
+            step = json.loads(manifest.read_text(encoding="utf-8"))["step"]
+        except (ValueError, KeyError):
+            continue  # not a manifest we wrote: leave it alone
+        if step < newest_step:
+            dead.append(child.name)
+    return dead
