@@ -167,6 +167,7 @@ FOUR_RANK_LAYOUTS = {  # name: (ParallelDims sizes besides pp=2, schedule, tiny_
     "ddp": (dict(dp_replicate=2, dp_shard=1), "interleaved_1f1b", {}),  # PP2 x replicated DP (grad all-reduce)
     "tp": (dict(tp=2, dp_shard=1), "1f1b", {}),  # PP2 x TP2 (hf_dist.tensor_parallel inside each stage)
     "tied_fsdp": (dict(dp_shard=2), "1f1b", dict(tie_word_embeddings=True)),  # tied copies, sharded grads summed
+    "zbv_fsdp": (dict(dp_shard=2), "zbv", {}),  # zero bubble (split backward) x FSDP2, two stages per rank
 }
 
 
