@@ -27,7 +27,9 @@ Read: hf_dist writes each rank's shards from where they live (almost no extra me
 fsync of every file); async blocks for the staging copy only (one CPU copy of the rank's shard, 740 MiB);
 torch.save gathers the full state to rank 0 first. accelerate runs DDP here (every rank already holds the
 full model and optimizer, and rank 0 writes it without gathering), so its save is fast but its layout
-holds 2x the memory per rank to begin with and it cannot resume into another layout.
+holds 2x the memory per rank to begin with and it cannot resume into another layout. The hf_dist rows run
+with ``hash_files=False``; the default (SHA-256 of every file, each rank its own) hashed at ~400 MB/s per
+rank on this machine, about 1.5 s more for the ~600 MB each rank writes here.
 """
 
 from __future__ import annotations
