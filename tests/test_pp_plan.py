@@ -51,6 +51,12 @@ def test_balancing_minimises_the_largest_stage():
         assert max(plan_stages(_layers(sizes), pp_size=parts).stage_sizes) == best
 
 
+def test_among_equally_good_splits_the_most_even_one_wins():
+    # The embedding stage is the largest whatever the split (5 + 100): the other stages still share evenly.
+    plan = plan_stages(_layers([5] * 9), pp_size=4, embed_size=100)
+    assert plan.stage_sizes[0] == 105 and sorted(plan.stage_sizes[1:]) == [10, 15, 15]
+
+
 def test_explicit_split_points():
     plan = plan_stages(_layers([1] * 4), pp_size=2, split_points=["model.layers.1"])
     assert plan.stages == (("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"))
@@ -151,3 +157,15 @@ def test_tied_embeddings_refused_where_one_copy_cannot_be_kept():
 def test_models_without_the_llama_layout_are_refused():
     with pytest.raises(ValueError, match="Llama layout"):
         stage_units(torch.nn.Linear(2, 2))
+
+
+def test_cli_prints_the_13b_split(capsys):
+    from hf_dist.cli import main
+
+    assert main(["pp", "--model", "llama-2-13b", "--pp", "2", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "13,015,864,320 parameters in 2 stages" in out
+    assert "model.embed_tokens .. model.layers.19" in out and "model.layers.20 .. lm_head" in out
+    assert "= 0.89 (bubble 11%)" in out
+    assert main(["pp", "--model", "llama-2-13b", "--pp", "2", "--split-points", "model.layers.99"]) == 2
+    assert "are not decoder layers" in capsys.readouterr().out

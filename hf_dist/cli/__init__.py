@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # Each name is a module hf_dist.cli.<name> with register(subparsers).
-SUBCOMMANDS: tuple[str, ...] = ("batch", "checkpoint", "plan", "config", "doctor", "report")
+SUBCOMMANDS: tuple[str, ...] = ("batch", "checkpoint", "plan", "config", "doctor", "report", "pp")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,10 +69,11 @@ class StagePlan:
 
 
 def _balanced_cuts(costs: Sequence[int], parts: int, first_extra: int, last_extra: int) -> list[int]:
-    """Start indices of ``parts`` contiguous non-empty groups of ``costs`` minimising the largest group.
+    """Start indices of ``parts`` contiguous non-empty groups of ``costs``: the smallest possible largest group,
+    and among the splits that reach it, the most even one (least sum of squared group sizes).
 
-    ``first_extra``/``last_extra`` are added to the first/last group (embeddings, head). Exact dynamic
-    programme, O(parts x n^2): n is the number of decoder layers (at most a few hundred).
+    ``first_extra``/``last_extra`` are added to the first/last group (embeddings, head). Two exact dynamic
+    programmes, O(parts x n^2) each: n is the number of decoder layers (at most a few hundred).
     """
     n = len(costs)
     prefix = [0]
@@ -83,23 +84,33 @@ def _balanced_cuts(costs: Sequence[int], parts: int, first_extra: int, last_extr
         extra = (first_extra if k == 0 else 0) + (last_extra if k == parts - 1 else 0)
         return prefix[j] - prefix[i] + extra
 
-    inf = float("inf")
-    # best[k][j]: the smallest possible largest group when layers [0, j) form groups 0..k
-    best = [[inf] * (n + 1) for _ in range(parts)]
-    cut = [[0] * (n + 1) for _ in range(parts)]
-    for j in range(1, n + 1):
-        best[0][j] = group(0, j, 0)
-    for k in range(1, parts):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], group(i, j, k))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    starts, j = [], n
-    for k in range(parts - 1, 0, -1):
-        j = cut[k][j]
-        starts.append(j)
-    return [0, *reversed(starts)]
+    def solve(combine, feasible) -> list[int]:
+        """best[k][j]: the best value when layers [0, j) form groups 0..k; returns the group starts."""
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(parts)]
+        cut = [[0] * (n + 1) for _ in range(parts)]
+        for j in range(1, n + 1):
+            if feasible(group(0, j, 0)):
+                best[0][j] = combine(0, group(0, j, 0))
+        for k in range(1, parts):
+            for j in range(k + 1, n + 1):
+                for i in range(k, j):
+                    g = group(i, j, k)
+                    if best[k - 1][i] == inf or not feasible(g):
+                        continue
+                    value = combine(best[k - 1][i], g)
+                    if value < best[k][j]:
+                        best[k][j], cut[k][j] = value, i
+        starts, j = [], n
+        for k in range(parts - 1, 0, -1):
+            j = cut[k][j]
+            starts.append(j)
+        return [0, *reversed(starts)]
+
+    starts = solve(lambda acc, g: max(acc, g), lambda g: True)
+    bounds = [*starts, n]
+    largest = max(group(bounds[k], bounds[k + 1], k) for k in range(parts))
+    return solve(lambda acc, g: acc + g * g, lambda g: g <= largest)
 
 
 def _cuts_from_split_points(layer_names: Sequence[str], split_points: Sequence[str], parts: int) -> list[int]:
