@@ -193,3 +193,12 @@ def test_throughput_counts_six_flops_per_weight_plus_attention():
     assert t.tokens_per_s == pytest.approx(tokens / t.step_time_s)
     assert t.mfu == pytest.approx(t.efficiency * t.model_flops_per_token / t.executed_flops_per_token)
     assert t.wall_clock_s(1e9) == pytest.approx(1e9 / t.tokens_per_s)
+
+
+@pytest.mark.parametrize("name", ["llama-2-13b", "qwen2.5-7b", "mistral-7b", "llama-3.2-1b"])
+def test_catalogue_entries_round_trip_through_pretrained_config(name):
+    from hf_dist.planner.catalogue import get_model_config
+
+    config = get_model_config(name)
+    assert config.model_type == model_spec(name).model_type
+    assert model_spec(config).num_params == model_spec(name).num_params
