@@ -66,11 +66,12 @@ def _pp_trainer(rank, world_size, output_dir, schedule):
         pp_schedule=schedule,
         gradient_checkpointing=True,  # recomputation inside stages changes nothing numerically
     )
-    assert (args.gradient_accumulation_steps, args.pp_microbatches, args.per_device_train_batch_size) == (1, 4, 8)
+    assert (args.gradient_accumulation_steps, args.pp_microbatches, args.per_device_train_batch_size) == (1, 4, MICRO)
     trainer = DistTrainer(
         model=tiny_model(), args=args, train_dataset=PaddedDataset(TRAIN_ROWS, seed=1), eval_dataset=PaddedDataset(8, seed=2),
         **_metrics(),
     )
+    assert trainer._train_batch_size == GLOBAL_BATCH  # one data-loader batch = all micro-batches of a step
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(f"{output_dir}/final")
@@ -136,11 +137,17 @@ def test_accumulation_becomes_pipeline_microbatches():
 
     args = _fake_args(global_batch_size=8)
     fold_accumulation_into_pipeline(args)
-    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8, 1)
+    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2, 1)
+    again = _fake_args(global_batch_size=8, pp_microbatches=4)  # re-created from the folded values: same contract
+    fold_accumulation_into_pipeline(again)
+    assert (again.pp_microbatches, again.gradient_accumulation_steps) == (4, 1)
     args = _fake_args(pp_microbatches=4)  # no global batch: pp_microbatches defines it
     fold_accumulation_into_pipeline(args)
     assert args.batch_contract.global_batch_size == 8
-    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8, 1)
+    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2, 1)
+    again = _fake_args(pp_microbatches=4)
+    fold_accumulation_into_pipeline(again)
+    assert again.batch_contract.global_batch_size == 8
     with pytest.raises(ValueError, match="pp_microbatches=3 contradicts the batch contract.*global_batch_size=6"):
         fold_accumulation_into_pipeline(_fake_args(global_batch_size=8, pp_microbatches=3))
     with pytest.raises(ValueError, match="pp_schedule='nope' is not known"):

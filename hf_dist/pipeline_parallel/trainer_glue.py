@@ -6,7 +6,7 @@ Gradient accumulation becomes the pipeline's micro-batches. The batch contract d
 from the global batch; with PP one optimizer step is one pipeline step over the data-parallel rank's whole
 share of the global batch (``per_device_train_batch_size x a`` sequences) cut into ``a`` micro-batches, so
 the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch of ``micro x a``
-(``fold_accumulation_into_pipeline``). ``pp_microbatches`` states ``a`` directly when no global batch is given.
+(``fold_accumulation_into_pipeline``; ``per_device_train_batch_size`` keeps meaning the micro-batch). ``pp_microbatches`` states ``a`` directly when no global batch is given.
 
 - ``apply_pipeline``: split the model into this rank's stages (after activation checkpointing, before FSDP);
   the Trainer holds a ``PipelineModel`` (local parameters under HF names).
@@ -51,8 +51,9 @@ def fold_accumulation_into_pipeline(args) -> None:
                 f"{contract.micro_batch_size * contract.dp * m}"
             )
     PipelineConfig(schedule=args.pp_schedule, microbatches=contract.gradient_accumulation_steps)  # validate early
+    # Idempotent: re-creating the arguments from these values (to_dict, resume) resolves the same contract.
+    # The data loader's batch (micro x micro-batches) is set on the Trainer in finish_init.
     args.pp_microbatches = contract.gradient_accumulation_steps
-    args.per_device_train_batch_size = contract.micro_batch_size * contract.gradient_accumulation_steps
     args.gradient_accumulation_steps = 1
 
 
@@ -151,9 +152,8 @@ def training_step(trainer, model: PipelineModel, inputs) -> torch.Tensor:
 def _microbatches_for(trainer, inputs) -> int:
     """The configured count, or fewer micro-batches of the same size for an epoch's short last batch."""
     args = trainer.args
-    micro = args.per_device_train_batch_size // args.pp_microbatches
-    rows = inputs["input_ids"].shape[0]
-    if rows == args.per_device_train_batch_size or rows % micro != 0:
+    micro, rows = args.per_device_train_batch_size, inputs["input_ids"].shape[0]
+    if rows == micro * args.pp_microbatches or rows % micro != 0:
         return args.pp_microbatches  # a full batch, or one train_step refuses with the reason
     return rows // micro
 
@@ -166,6 +166,7 @@ def finish_init(trainer) -> None:
     """After ``Trainer.__init__``: data sharded and eval results gathered by dp rank only; logits on every
     rank when metrics need them."""
     shard_data_by_dp(trainer)
+    trainer._train_batch_size = trainer.args.per_device_train_batch_size * trainer.args.pp_microbatches
     gather = dp_gather_for_metrics(trainer)
     trainer.accelerator.gather_for_metrics = gather  # the Trainer re-reads it after every evaluation loop
     trainer.gather_function = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
