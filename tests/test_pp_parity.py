@@ -69,7 +69,8 @@ def _schedules(out_dir):
     steps = batches(GLOBAL_BATCH)
     results = {}
     for schedule, microbatches in SCHEDULE_MICROBATCHES.items():
-        pipe = PipelinedCausalLM(tiny_model(), dims=dims, config=PipelineConfig(schedule=schedule, microbatches=microbatches))
+        config = PipelineConfig(schedule=schedule, microbatches=microbatches)
+        pipe = PipelinedCausalLM(tiny_model(), dims=dims, config=config)
         losses, norms = pipelined_run(pipe, steps, dp_rank=0, dp=1)
         state = portable(gather_state_dict(pipe))
         results[schedule] = {"losses": losses, "norms": norms, "state": state, "stages": pipe.stage_ids}

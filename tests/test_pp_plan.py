@@ -59,7 +59,10 @@ def test_among_equally_good_splits_the_most_even_one_wins():
 
 def test_explicit_split_points():
     plan = plan_stages(_layers([1] * 4), pp_size=2, split_points=["model.layers.1"])
-    assert plan.stages == (("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"))
+    assert plan.stages == (
+        ("model.embed_tokens", "model.layers.0"),
+        ("model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"),
+    )
     with pytest.raises(ValueError, match="exactly 1"):
         plan_stages(_layers([1] * 4), pp_size=2, split_points=[])
     with pytest.raises(ValueError, match="not decoder layers"):
@@ -96,7 +99,7 @@ def test_schedule_config_checks():
 
 
 def test_microbatch_split_error_and_warning_once(caplog):
-    with pytest.raises(ValueError, match=r"does not split into pp_microbatches=3 .* use pp_microbatches in \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"does not split into pp_microbatches=3 .* in \[1, 2, 4, 8\]"):
         check_microbatches(8, 3, num_stages=2)
     schedules_module._warned.clear()
     with caplog.at_level(logging.WARNING, logger=schedules_module.__name__):

@@ -68,7 +68,10 @@ def _pp_trainer(rank, world_size, output_dir, schedule):
     )
     assert (args.gradient_accumulation_steps, args.pp_microbatches, args.per_device_train_batch_size) == (1, 4, MICRO)
     trainer = DistTrainer(
-        model=tiny_model(), args=args, train_dataset=PaddedDataset(TRAIN_ROWS, seed=1), eval_dataset=PaddedDataset(8, seed=2),
+        model=tiny_model(),
+        args=args,
+        train_dataset=PaddedDataset(TRAIN_ROWS, seed=1),
+        eval_dataset=PaddedDataset(8, seed=2),
         **_metrics(),
     )
     assert trainer._train_batch_size == GLOBAL_BATCH  # one data-loader batch = all micro-batches of a step
@@ -83,7 +86,10 @@ def _reference(output_dir: str):
 
     args = TrainingArguments(**_common_args(output_dir), per_device_train_batch_size=GLOBAL_BATCH, use_cpu=True)
     trainer = Trainer(
-        model=tiny_model(), args=args, train_dataset=PaddedDataset(TRAIN_ROWS, seed=1), eval_dataset=PaddedDataset(8, seed=2),
+        model=tiny_model(),
+        args=args,
+        train_dataset=PaddedDataset(TRAIN_ROWS, seed=1),
+        eval_dataset=PaddedDataset(8, seed=2),
         **_metrics(),
     )
     trainer.train()

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{i:>5} {plan.rank_of(i):>4} {size:>16,} {size / total:>6.1%}  {names[0]} .. {names[-1]}")
     if args.microbatches:
         busy = theoretical_utilisation(args.microbatches, plan.pp_size)
-        print(f"micro-batches {args.microbatches}: fill-drain utilisation m/(m+p-1) = {busy:.2f} (bubble {1 - busy:.0%})")
+        m = args.microbatches
+        print(f"micro-batches {m}: fill-drain utilisation m/(m+p-1) = {busy:.2f} (bubble {1 - busy:.0%})")
         if args.microbatches < 2 * plan.num_stages:
             print(f"warning: fewer than 2 x {plan.num_stages} stages micro-batches; the bubble dominates")
     return 0

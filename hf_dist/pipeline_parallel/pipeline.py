@@ -113,7 +113,8 @@ class PipelinedCausalLM:
         if self.dims.dp_shard > 1:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = self.dims.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.dims.mesh["dp_shard"]
+            axes = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)  # HSDP or FSDP
+            mesh = self.dims.mesh[axes]
             for module in self.modules:
                 units = [*module.model.layers.values(), module]  # each decoder layer, then the rest of the stage
                 for unit in units:

@@ -6,7 +6,8 @@ Gradient accumulation becomes the pipeline's micro-batches. The batch contract d
 from the global batch; with PP one optimizer step is one pipeline step over the data-parallel rank's whole
 share of the global batch (``per_device_train_batch_size x a`` sequences) cut into ``a`` micro-batches, so
 the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch of ``micro x a``
-(``fold_accumulation_into_pipeline``; ``per_device_train_batch_size`` keeps meaning the micro-batch). ``pp_microbatches`` states ``a`` directly when no global batch is given.
+(``fold_accumulation_into_pipeline``; ``per_device_train_batch_size`` keeps meaning the micro-batch).
+``pp_microbatches`` states ``a`` directly when no global batch is given.
 
 - ``apply_pipeline``: split the model into this rank's stages (after activation checkpointing, before FSDP);
   the Trainer holds a ``PipelineModel`` (local parameters under HF names).
