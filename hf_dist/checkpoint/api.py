@@ -105,8 +105,15 @@ class SaveHandle:
     def result(self) -> mf.Manifest:
         """Block until the shards are written, then commit (every rank must call this)."""
         if self._committed is None:
+            error = None
             if self._future is not None:
-                self._future.result()
+                try:
+                    self._future.result()
+                except Exception as err:  # every rank must learn it, or the others wait in the commit forever
+                    error = f"background write of {self.target} failed on rank {_rank_world()[0]}: {err!r}"
+            errors = [e for e in _all_gather(error) if e]
+            if errors:
+                raise mf.CheckpointError(f"{errors[0]}; the checkpoint was not committed ({self._partial} is left)")
             self._committed = _commit(self.target, self._partial, self._manifest, self._hash_files, self._retention)
         return self._committed
 
