@@ -87,8 +87,10 @@ def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
     """Tokenizer and datasets. The main process writes shared files first; the others then read them."""
     out = Path(args.output_dir) / "data"
     with args.main_process_first(desc="prepare data"):
-        if script.data_path is None:
+        if script.data_path is None and args.local_process_index == 0:
             jsonl, tokenizer = data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
+        elif script.data_path is None:  # written by this node's main process, which went first
+            jsonl, tokenizer = out / "transcripts.jsonl", AutoTokenizer.from_pretrained(out / "tokenizer")
         else:
             jsonl = Path(script.data_path)
             tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
@@ -171,7 +173,7 @@ def main(argv: list[str]) -> int:
     if trainer.is_world_process_zero():
         losses = [round(log["loss"], 4) for log in trainer.state.log_history if "loss" in log]
         summary = {
-            "preset": script.preset, "lora": script.lora, "layout": trainer.describe().splitlines()[-1].strip(),
+            "preset": script.preset, "lora": script.lora, "layout": next(l for l in trainer.describe().splitlines() if l.startswith("layout")),
             "losses": losses, "train_loss": result.training_loss,
             "perplexity_before": before.get("before_perplexity"), "perplexity_after": after.get("after_perplexity"),
             "final_dir": str(final_dir), "reload": reload_check(final_dir, script.lora),

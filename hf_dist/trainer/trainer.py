@@ -121,7 +121,7 @@ class DistTrainer(Trainer):
         elif self.is_deepspeed_enabled:
             stage = self.accelerator.state.deepspeed_plugin.zero_stage
             kind = f"DeepSpeed ZeRO-{stage}"
-        elif self.dims.tp_enabled:  # DDP never wraps a TP model (hf_dist.tensor_parallel.compose averages over dp)
+        elif self.dims.tp_enabled or self.dims.pp_enabled:  # never DDP-wrapped: hf_dist averages over dp itself
             kind = f"DP{self.dims.dp} (hf_dist gradient averaging)" if self.dims.dp_enabled else "no data parallelism"
         elif contract.world_size > 1:
             kind = f"DDP ({self.accelerator.distributed_type.value})"
@@ -131,7 +131,10 @@ class DistTrainer(Trainer):
             kind += f" x TP{self.dims.tp}"
         if self.dims.pp_enabled:
             kind += f" x PP{self.dims.pp}"
-        return f"{contract.table()}\n{'layout':<22}  {kind}\n"
+        note = ""
+        if self.dims.pp_enabled:
+            note = f"{'':<22}  (under PP the accumulation steps run as the pipeline's micro-batches)\n"
+        return f"{contract.table()}\n{'layout':<22}  {kind}\n{note}"
 
     # -- training -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
