@@ -154,6 +154,10 @@ def reload_check(final_dir: Path, lora: bool) -> str:
     return f"AutoModelForCausalLM.from_pretrained: ok ({model.num_parameters():,} parameters)"
 
 
+def layout_line(trainer) -> str:
+    return next(line for line in trainer.describe().splitlines() if line.startswith("layout"))
+
+
 def main(argv: list[str]) -> int:
     script, args = parse(argv)
     tokenizer, train, eval_ = prepare_data(script, args)
@@ -173,7 +177,7 @@ def main(argv: list[str]) -> int:
     if trainer.is_world_process_zero():
         losses = [round(log["loss"], 4) for log in trainer.state.log_history if "loss" in log]
         summary = {
-            "preset": script.preset, "lora": script.lora, "layout": next(l for l in trainer.describe().splitlines() if l.startswith("layout")),
+            "preset": script.preset, "lora": script.lora, "layout": layout_line(trainer),
             "losses": losses, "train_loss": result.training_loss,
             "perplexity_before": before.get("before_perplexity"), "perplexity_after": after.get("after_perplexity"),
             "final_dir": str(final_dir), "reload": reload_check(final_dir, script.lora),
