@@ -3,6 +3,8 @@ continues the uninterrupted one exactly, and load_best_model_at_end reloads from
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from dist_utils import run_distributed
@@ -41,9 +43,12 @@ def two_rank_runs(tmp_path_factory):
 
 
 LAYOUTS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "tp": dict(tp_size=2), "pp": dict(pp_size=2)}
+TWO_RANK = ("fsdp2", "tp", "pp")
+LAYOUTS["one process"] = {}  # plain model, not a layout hf_dist owns: loading still goes through hf_dist
 
 
-def _run(output_dir: str, *, layout: str, resume: bool, stop_after: int | None = None, load_best: str | None = None):
+def _run(output_dir: str, *, layout: str, resume: bool | str, stop_after: int | None = None,
+         load_best: str | None = None):
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -51,13 +56,13 @@ def _run(output_dir: str, *, layout: str, resume: bool, stop_after: int | None =
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8,
         learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_strategy="steps",
         save_steps=SAVE_EVERY, save_total_limit=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, max_grad_norm=1.0, **LAYOUTS[layout],
+        dataloader_num_workers=0, max_grad_norm=1.0, use_cpu=layout == "one process", **LAYOUTS[layout],
     )
     model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
     counter = _step_counter()
     callbacks = [counter] + ([_stop_after(stop_after)] if stop_after else [])
     trainer = DistTrainer(model=model, args=args, train_dataset=token_dataset(), callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=resume or None)
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
     params = {k: v.numpy() for k, v in full_parameters(trainer).items()}
     out = {"losses": losses, "params": params, "steps_run": counter.steps_run}
@@ -73,7 +78,7 @@ def _uninterrupted_then_resumed(rank, world, root):
     from hf_dist.models import build_tiny_model
 
     out = {}
-    for layout in LAYOUTS:
+    for layout in TWO_RANK:
         full = _run(f"{root}/{layout}/full", layout=layout, resume=False)
         cut = _run(f"{root}/{layout}/cut", layout=layout, resume=False, stop_after=SAVE_EVERY + 1,  # last ckpt: 3
                    load_best=f"checkpoint-{SAVE_EVERY}" if layout == "fsdp2" else None)
@@ -82,11 +87,14 @@ def _uninterrupted_then_resumed(rank, world, root):
             load_checkpoint(f"{root}/{layout}/cut/checkpoint-{SAVE_EVERY}", model=step3, optimizer=None)
             out["step3_params"] = {k: v.detach().clone().numpy() for k, v in step3.state_dict().items()}
             out["best_params"], out["cut_params"] = cut["best_params"], cut["params"]
+            if rank == 0:  # kept for the one-process resume below (retention deletes it after step 6)
+                shutil.copytree(f"{root}/{layout}/cut/checkpoint-{SAVE_EVERY}", f"{root}/{layout}/kept")
+            torch.distributed.barrier()
         out[layout] = {"full": full, "resumed": _run(f"{root}/{layout}/cut", layout=layout, resume=True)}
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", TWO_RANK)
 def test_trainer_resume_matches_uninterrupted(two_rank_runs, layout):
     tmp_path, result = two_rank_runs
     full, resumed = result[layout]["full"], result[layout]["resumed"]
@@ -113,3 +121,15 @@ def test_trainer_manifest_and_best_model(two_rank_runs):
     torch.testing.assert_close(best, {k: torch.as_tensor(v) for k, v in result["step3_params"].items()}, atol=0, rtol=0)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(best, {k: torch.as_tensor(v) for k, v in result["cut_params"].items()})
+
+
+def test_fsdp2_checkpoint_resumes_in_one_process(two_rank_runs):
+    """2 ranks (FSDP2, accumulation 2) -> 1 process (plain model, accumulation 4): same global batch and losses."""
+    tmp_path, result = two_rank_runs
+    resumed = _run(str(tmp_path / "one"), layout="one process", resume=str(tmp_path / "fsdp2" / "kept"))
+    assert resumed["steps_run"] == STEPS - SAVE_EVERY
+    full = result["fsdp2"]["full"]
+    for step in range(SAVE_EVERY + 1, STEPS + 1):
+        torch.testing.assert_close(resumed["losses"][step], full["losses"][step], atol=1e-5, rtol=0)
+    torch.testing.assert_close({k: torch.as_tensor(v) for k, v in resumed["params"].items()},
+                               {k: torch.as_tensor(v) for k, v in full["params"].items()}, atol=1e-5, rtol=0)

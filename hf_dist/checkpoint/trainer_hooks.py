@@ -116,7 +116,7 @@ def resolve_resume_arg(trainer, resume_from_checkpoint):
     The plain Trainer would take the highest ``checkpoint-N`` folder, which may be a save that died before
     its completion marker.
     """
-    if resume_from_checkpoint is True and trainer.owns_layout:
+    if resume_from_checkpoint is True and not trainer.is_deepspeed_enabled:
         latest = Path(trainer.args.output_dir) / mf.LATEST_NAME
         if latest.is_file():
             return str(mf.resolve_checkpoint(trainer.args.output_dir))
@@ -144,3 +144,11 @@ def sharded_checkpoints_accepted(args, owns_layout: bool):
 def load_best_model(trainer) -> None:
     """``load_best_model_at_end``: the model weights of the best hf_dist checkpoint, in place (collective)."""
     load_checkpoint(trainer.state.best_model_checkpoint, model=trainer.model, optimizer=None, restore_rng=False)
+
+
+def loads_with_hf_dist(trainer, checkpoint) -> bool:
+    """Whether ``checkpoint`` is loaded by hf_dist: any hf_dist checkpoint, into any layout but DeepSpeed's.
+
+    A checkpoint written under FSDP2/TP/PP thus resumes under DDP or in one process too (resharded by DCP).
+    """
+    return is_hf_dist_checkpoint(checkpoint) and not trainer.is_deepspeed_enabled

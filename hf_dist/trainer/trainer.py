@@ -215,27 +215,27 @@ class DistTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         from hf_dist.checkpoint import trainer_hooks
 
-        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(resume_from_checkpoint)):
+        if not trainer_hooks.loads_with_hf_dist(self, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # else: loaded with the optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         from hf_dist.checkpoint import trainer_hooks
 
-        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(checkpoint)):
+        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         trainer_hooks.load_trainer_checkpoint(self, checkpoint)
 
     def _load_rng_state(self, checkpoint) -> None:
         from hf_dist.checkpoint import trainer_hooks
 
-        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(checkpoint)):
+        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
             return super()._load_rng_state(checkpoint)
         trainer_hooks.restore_trainer_rng(self, checkpoint)
 
     def _load_best_model(self) -> None:
         from hf_dist.checkpoint import trainer_hooks
 
-        if not (self.owns_layout and trainer_hooks.is_hf_dist_checkpoint(self.state.best_model_checkpoint)):
+        if not trainer_hooks.loads_with_hf_dist(self, self.state.best_model_checkpoint):
             return super()._load_best_model()
         trainer_hooks.load_best_model(self)
 
