@@ -6,7 +6,9 @@ batch contract, and the Trainer's ``trainer_state.json`` — committed atomicall
 Resuming loads model and optimizer after the optimizer exists and restores RNG where the Trainer restores it
 (after skipping the batches already trained), so a resumed run continues the uninterrupted one.
 
-DDP and DeepSpeed keep the Trainer's own checkpoints (accelerate / the DeepSpeed engine write them).
+DDP and DeepSpeed keep the Trainer's own checkpoints (accelerate / the DeepSpeed engine write them), but an
+hf_dist checkpoint loads into any layout except DeepSpeed (``loads_with_hf_dist``): a run saved under FSDP2
+resumes under DDP or in one process, resharded by DCP, with the same global batch.
 Not here: the checkpoint format (``api``), retention policy (``retention``).
 """
 
