@@ -96,19 +96,24 @@ def test_main_process_writes_the_log_history_jsonl(slow_rank_results):
     assert all("tokens_per_second" in r and "peak_memory_gb/rank1" in r for r in main["jsonl"] if "loss" in r)
 
 
-def test_log_history_starts_fresh_and_a_resume_keeps_earlier_steps(tmp_path):
+def test_log_history_keeps_this_runs_lines_and_a_resumes_earlier_steps(tmp_path):
     args = SimpleNamespace(output_dir=str(tmp_path))
-    (tmp_path / LOG_FILE).write_text('{"loss": 9.0, "step": 1}\n{"loss": 8.0, "step": 2}\n{"loss": 7.0, "step": 3}\n')
+    path = tmp_path / LOG_FILE
 
-    def log(callback, step, loss):
-        state = SimpleNamespace(is_world_process_zero=True, global_step=step)
-        callback.on_log(args, state, None, logs={"loss": loss})
+    def state(step):
+        return SimpleNamespace(is_world_process_zero=True, global_step=step)
 
-    log(LogHistoryCallback(), 2, 1.5)  # resumed at step 2: steps 2 and 3 of the old run are replaced
-    assert [json.loads(l) for l in (tmp_path / LOG_FILE).read_text().splitlines()] == [
-        {"loss": 9.0, "step": 1}, {"loss": 1.5, "step": 2}
-    ]
+    def lines():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    path.write_text('{"loss": 9.0, "step": 1}\n{"loss": 8.0, "step": 2}\n{"loss": 7.0, "step": 3}\n')
+    resumed = LogHistoryCallback()
+    resumed.on_log(args, state(0), None, logs={"before_loss": 5.0})  # evaluate() before train()
+    resumed.on_train_begin(args, state(2), None)  # resumed at step 2: the old run's steps 2 and 3 go
+    resumed.on_log(args, state(3), None, logs={"loss": 1.5})
+    assert lines() == [{"loss": 9.0, "step": 1}, {"before_loss": 5.0, "step": 0}, {"loss": 1.5, "step": 3}]
+
     fresh = LogHistoryCallback()
-    log(fresh, 0, 3.0)
-    log(fresh, 1, 2.0)
-    assert [json.loads(l)["loss"] for l in (tmp_path / LOG_FILE).read_text().splitlines()] == [3.0, 2.0]
+    fresh.on_train_begin(args, state(0), None)  # a new run in the same directory starts the file anew
+    fresh.on_log(args, state(1), None, logs={"loss": 3.0})
+    assert lines() == [{"loss": 3.0, "step": 1}]

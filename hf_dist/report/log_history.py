@@ -21,25 +21,34 @@ LOG_FILE = "log_history.jsonl"
 class LogHistoryCallback(TrainerCallback):
     """Append every ``Trainer.log`` dict (with its ``step``) to ``args.output_dir/log_history.jsonl``.
 
-    A fresh run (global step 0 at its first log) starts the file anew; a resumed run keeps the lines from
-    before the step it resumed at and drops the rest, so the file reads as one history.
+    When training begins, lines an earlier run left behind are dropped unless they come before the step this
+    run starts at (a resume keeps the history up to its checkpoint); lines this run already wrote (an
+    ``evaluate()`` before ``train()``) stay. Logs outside any ``train()`` call are appended.
     """
 
     def __init__(self) -> None:
-        self._started = False
+        self._written = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        path = Path(args.output_dir) / LOG_FILE
+        records = _read_jsonl(path)
+        split = len(records) - self._written
+        kept = [r for r in records[:split] if r.get("step", 0) < state.global_step] + records[split:]
+        if path.is_file():
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._written = len(kept)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
         path = Path(args.output_dir) / LOG_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not self._started:
-            self._started = True
-            kept = [r for r in _read_jsonl(path) if r.get("step", 0) < state.global_step] if state.global_step else []
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         record = {**{k: _plain(v) for k, v in logs.items()}, "step": state.global_step}
         with path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        self._written += 1
 
 
 def _plain(value):
