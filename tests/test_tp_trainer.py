@@ -1,5 +1,6 @@
-"""DistTrainer with tp_size=2 on 2 gloo ranks against the single-process HF Trainer: losses, grad norms
-(clipping active), eval loss, predictions (one copy per example, not one per TP rank) and the saved model."""
+"""DistTrainer with tp_size=2 (with and without sequence parallelism) on 2 gloo ranks against the
+single-process HF Trainer: losses, grad norms (clipping active), eval loss, predictions (one copy per example,
+not one per TP rank) and the saved model."""
 
 from __future__ import annotations
 
@@ -54,14 +55,24 @@ def _run(trainer, output_dir: str) -> dict:
 def _tp_trainer(rank, world_size, output_dir):
     from hf_dist import DistTrainer, DistTrainingArguments
 
-    args = DistTrainingArguments(
-        **_common_args(output_dir), per_device_train_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, tp_size=2
-    )
-    assert args.gradient_accumulation_steps == 2  # 8 = dp 1 x micro 4 x accumulation 2: TP ranks are not dp
-    trainer = DistTrainer(
-        model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1), eval_dataset=PaddedDataset(8, seed=2)
-    )
-    return _run(trainer, output_dir)
+    results = {}
+    for name, sequence_parallel in (("tp", False), ("tp_sp", True)):
+        out = f"{output_dir}/{name}"
+        args = DistTrainingArguments(
+            **_common_args(out), per_device_train_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, tp_size=2,
+            tp_sequence_parallel=sequence_parallel,
+        )
+        assert args.gradient_accumulation_steps == 2  # 8 = dp 1 x micro 4 x accumulation 2: TP ranks are not dp
+        trainer = DistTrainer(
+            model=tiny_model(), args=args, train_dataset=PaddedDataset(32, seed=1),
+            eval_dataset=PaddedDataset(8, seed=2),
+        )
+        from torch.distributed.tensor import DTensor
+
+        norm = trainer.model.model.layers[0].input_layernorm.weight
+        assert isinstance(norm, DTensor) == sequence_parallel  # the norms run on sequence shards only with SP
+        results[name] = _run(trainer, out)
+    return results
 
 
 def _reference(output_dir: str) -> dict:
@@ -80,10 +91,11 @@ def runs(tmp_path_factory):
     return root, run_distributed(_tp_trainer, 2, str(root / "tp")), _reference(str(root / "ref"))
 
 
-def test_dist_trainer_tp2_matches_single_process_trainer(runs):
-    _, results, ref = runs
+@pytest.mark.parametrize("variant", ["tp", "tp_sp"])
+def test_dist_trainer_tp2_matches_single_process_trainer(runs, variant):
+    _, per_rank, ref = runs
     assert len(ref["losses"]) == STEPS and min(ref["norms"]) > MAX_NORM  # clipping active: the global norm matters
-    for result in results:
+    for result in (by_variant[variant] for by_variant in per_rank):
         assert_close(result["losses"], ref["losses"], atol=1e-4, rtol=0)  # the Trainer logs 4 significant digits
         assert_close(result["norms"], ref["norms"], atol=1e-5, rtol=1e-5)
         assert_close(result["eval_loss"], ref["eval_loss"], atol=1e-5, rtol=0)
@@ -91,11 +103,21 @@ def test_dist_trainer_tp2_matches_single_process_trainer(runs):
         assert_close(torch.as_tensor(result["predictions"]), torch.as_tensor(ref["predictions"]), atol=1e-4, rtol=0)
 
 
-def test_dist_trainer_tp2_saves_a_normal_hf_directory(runs):
+def test_sequence_parallel_needs_tp():
+    from types import SimpleNamespace
+
+    from hf_dist.tensor_parallel.trainer_glue import check_tp_arguments
+
+    with pytest.raises(ValueError, match="tp_sequence_parallel=True needs tp_size > 1"):
+        check_tp_arguments(SimpleNamespace(tp_sequence_parallel=True, tp_size=1, pp_size=1))
+
+
+@pytest.mark.parametrize("variant", ["tp", "tp_sp"])
+def test_dist_trainer_tp2_saves_a_normal_hf_directory(runs, variant):
     from transformers import AutoModelForCausalLM
 
     root, _, _ = runs
-    saved = AutoModelForCausalLM.from_pretrained(root / "tp" / "final").state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(root / "tp" / variant / "final").state_dict()
     reference = AutoModelForCausalLM.from_pretrained(root / "ref" / "final").state_dict()
     assert saved.keys() == reference.keys()
     for key, value in saved.items():

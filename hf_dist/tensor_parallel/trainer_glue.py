@@ -18,6 +18,17 @@ import torch.distributed as dist
 from hf_dist.tensor_parallel.state import full_state_dict
 
 
+def check_tp_arguments(args) -> None:
+    """``DistTrainingArguments`` rules for the TP options (a ``ValueError`` naming the fix)."""
+    if args.tp_sequence_parallel and args.tp_size == 1:
+        raise ValueError("tp_sequence_parallel=True needs tp_size > 1 (it shards activations over the TP ranks)")
+    if args.tp_sequence_parallel and args.pp_size > 1:
+        raise ValueError(
+            "tp_sequence_parallel=True is not available with pp_size > 1 (pipeline stages apply TP without it); "
+            "set tp_sequence_parallel=False"
+        )
+
+
 def prepare_trainer(trainer) -> None:
     """Data by dp rank, metrics over dp ranks; call once after ``Trainer.__init__``."""
     from hf_dist.pipeline_parallel.trainer_glue import shard_data_by_dp

@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
+from hf_dist.tensor_parallel.trainer_glue import check_tp_arguments
 from hf_dist.trainer import launch_env
 
 
@@ -43,6 +44,10 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "How the LR follows the global batch when base_learning_rate is set.", "choices": LR_SCALINGS},
     )
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel degree (ranks that share a batch)."})
+    tp_sequence_parallel: bool = field(
+        default=False,
+        metadata={"help": "With tp_size > 1: norms and residuals on sequence shards (less activation memory)."},
+    )
     pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel degree (number of stages)."})
     pp_schedule: str = field(
         default="1f1b",
@@ -74,6 +79,7 @@ class DistTrainingArguments(TrainingArguments):
         if self.batch_contract.learning_rate is not None:
             self.learning_rate = self.batch_contract.learning_rate
         pipeline_trainer.fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
+        check_tp_arguments(self)
 
     def _resolve_contract(self) -> BatchContract:
         return resolve_contract(

@@ -90,6 +90,7 @@ class DistTrainer(Trainer):
             fsdp=args.hf_dist_fsdp,
             activation_checkpointing=args.gradient_checkpointing,
             param_dtype=param_dtype,
+            sequence_parallel=args.tp_sequence_parallel,
         )
         mark_distribution_owned(model)
         return model
@@ -128,7 +129,7 @@ class DistTrainer(Trainer):
         else:
             kind = "single process"
         if self.dims.tp_enabled:
-            kind += f" x TP{self.dims.tp}"
+            kind += f" x TP{self.dims.tp}" + (" (sequence parallel)" if self.args.tp_sequence_parallel else "")
         if self.dims.pp_enabled:
             kind += f" x PP{self.dims.pp}"
         note = ""
