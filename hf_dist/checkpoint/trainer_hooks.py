@@ -54,6 +54,8 @@ def _trainer_state_json(trainer) -> str:
 
 def save_trainer_checkpoint(trainer, trial) -> Path:
     """``Trainer._save_checkpoint`` for an hf_dist-owned layout (collective)."""
+    if trainer.hp_search_backend is None and trial is None:
+        trainer.store_flos()  # as the Trainer does: total_flos in trainer_state.json stays right
     run_dir = Path(trainer._get_output_dir(trial=trial))
     step = trainer.state.global_step
     output_dir = run_dir / f"checkpoint-{step}"
