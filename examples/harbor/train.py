@@ -86,10 +86,12 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
 def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
     """Tokenizer and datasets. The main process writes shared files first; the others then read them."""
     out = Path(args.output_dir) / "data"
-    with args.main_process_first(desc="prepare data"):
-        if script.data_path is None and args.local_process_index == 0:
+    # One writer per filesystem: the job's main process, or each node's with --save_on_each_node (local disks).
+    writer = args.local_process_index == 0 if args.save_on_each_node else args.process_index == 0
+    with args.main_process_first(local=args.save_on_each_node, desc="prepare data"):
+        if script.data_path is None and writer:
             jsonl, tokenizer = data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
-        elif script.data_path is None:  # written by this node's main process, which went first
+        elif script.data_path is None:  # written by the main process, which went first
             jsonl, tokenizer = out / "transcripts.jsonl", AutoTokenizer.from_pretrained(out / "tokenizer")
         else:
             jsonl = Path(script.data_path)
@@ -107,7 +109,9 @@ def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer)
     if script.model_name_or_path is not None:
         import torch
 
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        # Full fine-tune: fp32 master weights, bf16 compute (FSDP2 param_dtype / autocast), as the Harbor run did.
+        # LoRA: the frozen base may stay bf16; PEFT keeps the adapters in fp32.
+        dtype = torch.bfloat16 if args.bf16 and script.lora else torch.float32
         model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=dtype)
     else:
         from hf_dist.models import build_tiny_model
