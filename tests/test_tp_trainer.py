@@ -1,4 +1,4 @@
-"""DistTrainer with tp_size=2 (with and without sequence parallelism) on 2 gloo ranks against the
+"""DistTrainer with tp_size=2 (plain, and with sequence + vocab parallelism) on 2 gloo ranks against the
 single-process HF Trainer: losses, grad norms (clipping active), eval loss, predictions (one copy per example,
 not one per TP rank) and the saved model."""
 
@@ -13,6 +13,8 @@ from pp_harness import LR, padded_batch, tiny_model
 
 STEPS, GLOBAL_BATCH, MICRO, MAX_NORM = 4, 8, 4, 0.5
 EVAL_BATCH = 3
+VARIANTS = (("tp", False, False), ("tp_sp_vp", True, True))
+"""(name, tp_sequence_parallel, tp_vocab_parallel)"""
 
 
 class PaddedDataset(torch.utils.data.Dataset):
@@ -56,11 +58,11 @@ def _tp_trainer(rank, world_size, output_dir):
     from hf_dist import DistTrainer, DistTrainingArguments
 
     results = {}
-    for name, sequence_parallel in (("tp", False), ("tp_sp", True)):
+    for name, sequence_parallel, vocab_parallel in VARIANTS:
         out = f"{output_dir}/{name}"
         args = DistTrainingArguments(
             **_common_args(out), per_device_train_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, tp_size=2,
-            tp_sequence_parallel=sequence_parallel,
+            tp_sequence_parallel=sequence_parallel, tp_vocab_parallel=vocab_parallel,
         )
         assert args.gradient_accumulation_steps == 2  # 8 = dp 1 x micro 4 x accumulation 2: TP ranks are not dp
         trainer = DistTrainer(
@@ -71,6 +73,7 @@ def _tp_trainer(rank, world_size, output_dir):
 
         norm = trainer.model.model.layers[0].input_layernorm.weight
         assert isinstance(norm, DTensor) == sequence_parallel  # the norms run on sequence shards only with SP
+        assert isinstance(trainer.model.lm_head.weight, DTensor) == vocab_parallel
         results[name] = _run(trainer, out)
     return results
 
@@ -91,7 +94,7 @@ def runs(tmp_path_factory):
     return root, run_distributed(_tp_trainer, 2, str(root / "tp")), _reference(str(root / "ref"))
 
 
-@pytest.mark.parametrize("variant", ["tp", "tp_sp"])
+@pytest.mark.parametrize("variant", [name for name, _, _ in VARIANTS])
 def test_dist_trainer_tp2_matches_single_process_trainer(runs, variant):
     _, per_rank, ref = runs
     assert len(ref["losses"]) == STEPS and min(ref["norms"]) > MAX_NORM  # clipping active: the global norm matters
@@ -112,7 +115,7 @@ def test_sequence_parallel_needs_tp():
         check_tp_arguments(SimpleNamespace(tp_sequence_parallel=True, tp_size=1, pp_size=1))
 
 
-@pytest.mark.parametrize("variant", ["tp", "tp_sp"])
+@pytest.mark.parametrize("variant", [name for name, _, _ in VARIANTS])
 def test_dist_trainer_tp2_saves_a_normal_hf_directory(runs, variant):
     from transformers import AutoModelForCausalLM
 

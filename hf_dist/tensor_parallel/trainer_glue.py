@@ -4,13 +4,16 @@
 - metrics: evaluation and prediction gather over data-parallel ranks only (TP ranks hold copies of the same
   outputs; gathering them all would repeat every prediction ``tp`` times);
 - TP degree: the Trainer divides ``num_items_in_batch`` and the global batch by ``get_tp_size()``;
-- saving: the gathered state dict in HF layout (fused projections back in HF row order).
+- saving: the gathered state dict in HF layout (fused projections back in HF row order);
+- vocab parallelism: prediction logits gathered to the whole vocabulary (the loss never needs them).
 
 Loss scaling, gradient clipping (``Trainer._mixed_mesh_grad_norm`` spans plain and DTensor gradients) and
 the optimizer need nothing here. Not for: applying TP to the model (``hf_dist.trainer.layout``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -20,13 +23,31 @@ from hf_dist.tensor_parallel.state import full_state_dict
 
 def check_tp_arguments(args) -> None:
     """``DistTrainingArguments`` rules for the TP options (a ``ValueError`` naming the fix)."""
-    if args.tp_sequence_parallel and args.tp_size == 1:
-        raise ValueError("tp_sequence_parallel=True needs tp_size > 1 (it shards activations over the TP ranks)")
-    if args.tp_sequence_parallel and args.pp_size > 1:
-        raise ValueError(
-            "tp_sequence_parallel=True is not available with pp_size > 1 (pipeline stages apply TP without it); "
-            "set tp_sequence_parallel=False"
-        )
+    for name in ("tp_sequence_parallel", "tp_vocab_parallel"):
+        if getattr(args, name) and args.tp_size == 1:
+            raise ValueError(f"{name}=True needs tp_size > 1 (it shards over the TP ranks); set tp_size or drop it")
+        if getattr(args, name) and args.pp_size > 1:
+            raise ValueError(
+                f"{name}=True is not available with pp_size > 1 (pipeline stages apply TP without it); "
+                f"set {name}=False"
+            )
+
+
+def whole_logits(model, logits):
+    """Prediction logits with the whole vocabulary: vocab-sharded ones are gathered over the TP ranks.
+
+    Only for ``Trainer.prediction_step``, whose caller needs whole predictions; the loss was already computed
+    without them (``VocabParallelCausalLMLoss``).
+    """
+    from hf_dist.tensor_parallel.apply import tensor_parallel_info
+
+    info = tensor_parallel_info(model)
+    if logits is None or info is None or not info.vocab_parallel or not isinstance(logits, torch.Tensor):
+        return logits
+    group = info.tp_mesh.get_group()
+    parts = [torch.empty_like(logits) for _ in range(info.tp)]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def prepare_trainer(trainer) -> None:
@@ -35,8 +56,8 @@ def prepare_trainer(trainer) -> None:
 
     shard_data_by_dp(trainer)
     gather = _gather_for_metrics_over_dp(trainer.accelerator, trainer.dims.tp)
-    trainer.accelerator.gather_for_metrics = gather
-    trainer.gather_function = gather
+    trainer.accelerator.gather_for_metrics = gather  # the Trainer re-reads it after every evaluation loop
+    trainer.gather_function = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
 
 
 def _gather_for_metrics_over_dp(accelerator, tp: int):

@@ -48,6 +48,11 @@ class DistTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "With tp_size > 1: norms and residuals on sequence shards (less activation memory)."},
     )
+    tp_vocab_parallel: bool = field(
+        default=False,
+        metadata={"help": "With tp_size > 1: embedding and lm_head sharded on the vocabulary; the loss never "
+                  "builds whole logits (predictions still gather them)."},
+    )
     pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel degree (number of stages)."})
     pp_schedule: str = field(
         default="1f1b",

@@ -76,12 +76,15 @@ def apply_layout(
     activation_checkpointing: bool,
     param_dtype: torch.dtype | None = None,
     sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
 ) -> nn.Module:
     """Apply TP, then activation checkpointing, then FSDP2 to ``model`` for ``dims`` (mesh already built)."""
     if dims.tp_enabled:
         from hf_dist.tensor_parallel import apply_tensor_parallel
 
-        model = apply_tensor_parallel(model, dims.get_mesh("tp"), sequence_parallel=sequence_parallel)
+        model = apply_tensor_parallel(
+            model, dims.get_mesh("tp"), sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
+        )
     if activation_checkpointing or (fsdp is not None and fsdp.activation_checkpointing):
         apply_activation_checkpointing(model)
     if fsdp is not None:

@@ -91,6 +91,7 @@ class DistTrainer(Trainer):
             activation_checkpointing=args.gradient_checkpointing,
             param_dtype=param_dtype,
             sequence_parallel=args.tp_sequence_parallel,
+            vocab_parallel=args.tp_vocab_parallel,
         )
         mark_distribution_owned(model)
         return model
@@ -129,7 +130,9 @@ class DistTrainer(Trainer):
         else:
             kind = "single process"
         if self.dims.tp_enabled:
-            kind += f" x TP{self.dims.tp}" + (" (sequence parallel)" if self.args.tp_sequence_parallel else "")
+            options = [n for n, on in (("sequence", self.args.tp_sequence_parallel),
+                                       ("vocab", self.args.tp_vocab_parallel)) if on]
+            kind += f" x TP{self.dims.tp}" + (f" ({' + '.join(options)} parallel)" if options else "")
         if self.dims.pp_enabled:
             kind += f" x PP{self.dims.pp}"
         note = ""
@@ -173,6 +176,10 @@ class DistTrainer(Trainer):
             if self.dims.pp_enabled:
                 return pipeline_trainer.training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return loss, tensor_parallel_trainer.whole_logits(model, logits), labels  # vocab-sharded under TP
 
     def get_tp_size(self) -> int:
         return self.dims.tp  # the Trainer divides num_items_in_batch and the global batch by it
