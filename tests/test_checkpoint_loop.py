@@ -1,4 +1,5 @@
-"""A manual training loop on a tiny Llama for the checkpoint tests: DDP, FSDP2 or one process, save/resume.
+"""A manual training loop on a tiny Llama for the checkpoint tests: DDP, FSDP2, TP, PP, FSDP2 x TP or one
+process, save/resume.
 
 Imported by the other ``test_checkpoint_*`` modules (and by spawned ranks, by module name). The loop draws one
 random number per step after the optimizer step, so a resumed run matches the uninterrupted one only if the
@@ -34,6 +35,8 @@ def layout_for(kind: str, world: int) -> ParallelDims:
         return ParallelDims(world_size=world, tp=world, dp_shard=1)
     if kind == "pp":
         return ParallelDims(world_size=world, pp=world, dp_shard=1)
+    if kind == "fsdp_tp":  # FSDP2 over half the ranks x TP over pairs (2 x 2 on 4 ranks)
+        return ParallelDims(world_size=world, tp=2, dp_shard=world // 2)
     return ParallelDims(world_size=world, dp_replicate=world, dp_shard=1)
 
 
@@ -46,7 +49,11 @@ def build(kind: str, world: int):
     layout = layout_for(kind, world)
     if world > 1:
         layout.build_mesh("cpu")
-    if kind == "tp":
+    if kind == "fsdp_tp":
+        from hf_dist.tensor_parallel import parallelize_causal_lm
+
+        model = parallelize_causal_lm(model, layout, data_parallel="fsdp")
+    elif kind == "tp":
         from hf_dist.tensor_parallel import apply_tensor_parallel
 
         model = apply_tensor_parallel(model, layout.get_mesh("tp"))

@@ -1,7 +1,7 @@
 """Exact resume and resharding on 2 gloo ranks against one process: DDP, FSDP2, TP, 2->1, 1->2, DDP<->FSDP2,
-FSDP2<->TP, TP<->PP, PP->1.
+FSDP2<->TP, TP<->PP, PP->1; and on 4 ranks, FSDP2 x TP (2 x 2) exact resume and FSDP2 x TP -> one process.
 
-One spawn runs every 2-rank case (start-up dominates the cost); the 1-rank cases run in the test process.
+One spawn per world size runs every case (start-up dominates the cost); the 1-rank cases run in the test process.
 Same layout, same world: losses, final parameters and the RNG stream equal the uninterrupted run (1e-6).
 Across layouts the reduction order changes, so the comparison is against the one-process reference at 1e-5.
 """
@@ -73,3 +73,29 @@ def test_exact_resume_and_reshard(tmp_path):
     torch.testing.assert_close(resumed["losses"], reference["losses"][SAVE_AT:], **SAME)
     torch.testing.assert_close(resumed["params"], reference["params"], **SAME)
     assert resumed["draws"] == reference["draws"][SAVE_AT:]
+
+
+def _fsdp_tp_save_and_resume(rank, world, root):
+    full = picklable(train("fsdp_tp", steps=STEPS, save_at=(SAVE_AT,), root=f"{root}/fsdp_tp"))
+    return {"full": full, "resumed": picklable(train("fsdp_tp", steps=STEPS, resume=f"{root}/fsdp_tp"))}
+
+
+def test_fsdp_tp_exact_resume_and_reshard_to_one_process(tmp_path):
+    """FSDP2 x TP on a (dp_shard=2, tp=2) mesh: resumed = uninterrupted (1e-6); its checkpoint resumes in one process."""
+    from hf_dist.checkpoint import read_manifest
+
+    reference = train("single", steps=STEPS)
+    ranks = run_distributed(_fsdp_tp_save_and_resume, 4, str(tmp_path))
+    manifest = read_manifest(tmp_path / "fsdp_tp" / f"step_{SAVE_AT}")
+    assert (manifest.layout["dp_shard"], manifest.layout["tp"], manifest.world_size) == (2, 2, 4)
+    full, resumed = ranks[0]["full"], ranks[0]["resumed"]
+    torch.testing.assert_close(full["losses"], reference["losses"], **CROSS)
+    torch.testing.assert_close(resumed["losses"], full["losses"][SAVE_AT:], **SAME)
+    torch.testing.assert_close(as_tensors(resumed["params"]), as_tensors(full["params"]), **SAME)
+    for r in range(4):
+        assert ranks[r]["resumed"]["draws"] == ranks[r]["full"]["draws"][SAVE_AT:]
+    _assert_ids_continue([r["full"] for r in ranks], [r["resumed"] for r in ranks])
+    one = train("single", steps=STEPS, resume=str(tmp_path / "fsdp_tp"))  # 4 ranks, accumulation 2 -> 1, 4
+    torch.testing.assert_close(one["losses"], reference["losses"][SAVE_AT:], **CROSS)
+    torch.testing.assert_close(one["params"], reference["params"], **CROSS)
+    _assert_ids_continue([r["full"] for r in ranks], [one])
