@@ -83,8 +83,8 @@ def _node(tmp_path: Path, rank: int, port: int) -> subprocess.Popen:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GPUS_PER_NODE="1", CONFIG="accelerate_configs/ddp.yaml",
         PRESET="tiny", REPO=str(ROOT),
     )
-    # each "node" has its own disk, as nodes without a shared filesystem do
-    cmd = ["bash", str(SBATCH), *TINY, "--output_dir", str(tmp_path / f"node{rank}")]
+    # each "node" has its own disk, as nodes without a shared filesystem do: --save_on_each_node says so
+    cmd = ["bash", str(SBATCH), *TINY, "--save_on_each_node", "true", "--output_dir", str(tmp_path / f"node{rank}")]
     log = open(tmp_path / f"node{rank}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
 

@@ -135,3 +135,10 @@ def test_accelerate_tp_size_must_match_tp_size(monkeypatch):
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
     with pytest.raises(ValueError, match="--tp_size 2"):
         launch_env.prepare_environment(_launch_args(tp_size=1))
+
+
+def test_deepspeed_argument_on_cpu_with_several_processes_names_the_launch_fix(monkeypatch):
+    monkeypatch.setattr(launch_env, "has_gpu", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="accelerate launch --config_file accelerate_configs/zero2.yaml"):
+        launch_env.prepare_environment(_launch_args(deepspeed="ds_configs/zero2.json"))

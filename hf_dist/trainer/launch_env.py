@@ -136,6 +136,14 @@ def prepare_environment(args) -> None:
                 f"fully_shard on CPU and GPU alike"
             )
     if deepspeed_requested(args):
+        if getattr(args, "deepspeed", None) and not has_gpu() and world_size_from_env() > 1:
+            raise ValueError(
+                f"deepspeed={args.deepspeed!r} in TrainingArguments with {world_size_from_env()} processes on a machine "
+                f"without GPUs: transformers then builds accelerate's state without a backend, so accelerate counts "
+                f"1 process while DeepSpeed's group has {world_size_from_env()} and every rank would read the same "
+                f"batches. Launch with `accelerate launch --config_file accelerate_configs/zero2.yaml` (or zero3.yaml) "
+                f"and drop deepspeed= from the arguments"
+            )
         if args.hf_dist_fsdp is not None:
             raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
         # accelerate runs DeepSpeed; use_cpu would silently turn it off. Without a GPU accelerate picks no backend
