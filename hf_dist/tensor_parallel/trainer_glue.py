@@ -52,37 +52,12 @@ def whole_logits(model, logits):
 
 def prepare_trainer(trainer) -> None:
     """Data by dp rank, metrics over dp ranks; call once after ``Trainer.__init__``."""
-    from hf_dist.pipeline_parallel.trainer_glue import shard_data_by_dp
+    from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
 
     shard_data_by_dp(trainer)
-    gather = _gather_for_metrics_over_dp(trainer.accelerator, trainer.dims.tp)
+    gather = dp_gather_for_metrics(trainer)
     trainer.accelerator.gather_for_metrics = gather  # the Trainer re-reads it after every evaluation loop
     trainer.gather_function = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
-
-
-def _gather_for_metrics_over_dp(accelerator, tp: int):
-    """``accelerator.gather_for_metrics`` that keeps one copy per TP group (the tp-rank-0 process's)."""
-    from accelerate.utils import gather_object, recursively_apply
-
-    def drop_tp_copies(tensor: torch.Tensor) -> torch.Tensor:
-        world = dist.get_world_size()
-        per_rank = tensor.reshape(world, -1, *tensor.shape[1:])[::tp]
-        return per_rank.reshape(-1, *tensor.shape[1:])
-
-    def gather(input_data, use_gather_object: bool = False):
-        if use_gather_object:
-            objects = gather_object([input_data])[::tp]  # one entry per process, in rank order
-            data = [item for chunk in objects for item in chunk]
-        else:
-            data = recursively_apply(drop_tp_copies, accelerator.gather(input_data))
-        remainder = accelerator.gradient_state.remainder
-        if accelerator.gradient_state.end_of_dataloader and remainder > 0:
-            if use_gather_object:
-                return data[:remainder]
-            return recursively_apply(lambda t: t[:remainder], data)
-        return data
-
-    return gather
 
 
 def gathered_state_dict(model) -> dict[str, torch.Tensor]:
