@@ -6,6 +6,16 @@ Both trainers train the same tiny Llama on the same data with the same arguments
 contract, layout checks and throughput logging). Rounds alternate plain/dist to share machine noise; the
 table gives median optimizer-step times and their ratio (target <= 1.03). With --world-size 2 both run as DDP
 on 2 gloo ranks (the plain Trainer with use_cpu=True, which it needs on CPU).
+
+Measured 2026-11-21 on the 2-core x86_64 CPU machine (no GPU, otherwise idle), default sizes:
+
+    layout              rounds  Trainer (ms)  DistTrainer (ms)  ratio
+    single process         5        29.9           30.6         1.024
+    single process         3        29.4           30.5         1.037
+    DDP x2 (gloo)          3        44.8           46.0         1.028
+
+The spread between runs (about +-1.5%) is as large as the overhead itself; what DistTrainer adds per micro
+step is token counting and two clock reads (CUDA: two events, read at the next log).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ term, so it reads a little low at long context.
 
 What the step-time figures measure (per rank, mean per micro step over the log interval):
 
-- ``busy_seconds/rank{r}``: wall time inside ``training_step`` (forward, loss, backward; on CUDA after a device
-  synchronize) minus the *exposed* DDP gradient all-reduce wait measured below. Under DDP on gloo that is the
+- ``busy_seconds/rank{r}``: time inside ``training_step`` (forward, loss, backward; on CUDA between two events on
+  the current stream, read at the next log so no micro step waits for the device) minus the *exposed* DDP
+  gradient all-reduce wait measured below (CPU/gloo only). Under DDP on gloo that is the
   rank's own work, so a slow rank stands out. Under FSDP2, DeepSpeed, TP and PP the collectives inside
   forward/backward cannot be separated without a profiler, so busy time includes them: a fast rank waiting
   for a slow one reads busy too, and stragglers look milder than they are.
@@ -171,16 +172,28 @@ class ThroughputMeter:
             self._hooked_model_id = id(model)
             self._comm_timer = _attach_comm_timer(model)
         self.count(inputs)
+        self._micro_steps += 1
+        if torch.cuda.is_available():  # events, read at the next log: no host sync per micro step
+            start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            yield
+            end_event.record()
+            self._cuda_events.append((start_event, end_event))
+            return
         start = time.perf_counter()
         yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         wait = self._comm_timer.take_exposed_wait() if self._comm_timer is not None else 0.0
         self._busy += time.perf_counter() - start - wait
         self._comm_wait += wait
-        self._micro_steps += 1
+
+    def _collect_cuda_busy(self) -> None:
+        if self._cuda_events:
+            torch.cuda.synchronize()
+            self._busy += sum(start.elapsed_time(end) for start, end in self._cuda_events) / 1e3
+            self._cuda_events = []
 
     def reset(self) -> None:
+        self._cuda_events: list = []
         self._tokens = 0
         self._busy = 0.0
         self._comm_wait = 0.0
@@ -188,6 +201,7 @@ class ThroughputMeter:
         self._since = time.perf_counter()
 
     def report(self) -> dict[str, float]:
+        self._collect_cuda_busy()
         elapsed = time.perf_counter() - self._since
         steps = max(self._micro_steps, 1)
         local = torch.tensor(
