@@ -28,6 +28,19 @@ def padded_batch(batch: int, seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+class PaddedDataset(torch.utils.data.Dataset):
+    """``padded_batch`` rows as a dataset, the same on every rank: token counts differ per micro-batch."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.rows = padded_batch(n, seed)
+
+    def __len__(self) -> int:
+        return self.rows["input_ids"].shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.rows.items()}
+
+
 def batches(global_batch: int, steps: int = STEPS, seed: int = 100) -> list[dict[str, torch.Tensor]]:
     return [padded_batch(global_batch, seed + i) for i in range(steps)]
 

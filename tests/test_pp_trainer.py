@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from pp_harness import LR, MAX_NORM, padded_batch, tiny_model
+from pp_harness import LR, MAX_NORM, PaddedDataset, tiny_model
 
 STEPS, GLOBAL_BATCH, MICRO = 4, 8, 2
 TRAIN_ROWS = 28  # the 4th step's batch is short (4 rows): the pipeline runs 2 micro-batches instead of 4
-
-
-class PaddedDataset(torch.utils.data.Dataset):
-    """Right-padded sequences (labels -100 on padding), the same on every rank."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.rows = padded_batch(n, seed)
-
-    def __len__(self) -> int:
-        return self.rows["input_ids"].shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.rows.items()}
 
 
 def _metrics() -> dict:

@@ -9,25 +9,12 @@ import torch
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from pp_harness import LR, padded_batch, tiny_model
+from pp_harness import LR, PaddedDataset, tiny_model
 
 STEPS, GLOBAL_BATCH, MICRO, MAX_NORM = 4, 8, 4, 0.5
 EVAL_BATCH = 3
 VARIANTS = (("tp", False, False), ("tp_sp_vp", True, True))
 """(name, tp_sequence_parallel, tp_vocab_parallel)"""
-
-
-class PaddedDataset(torch.utils.data.Dataset):
-    """Right-padded sequences (labels -100 on padding): token counts differ per micro-batch."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.rows = padded_batch(n, seed)
-
-    def __len__(self) -> int:
-        return self.rows["input_ids"].shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.rows.items()}
 
 
 def _common_args(output_dir: str) -> dict:
