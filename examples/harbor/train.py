@@ -17,7 +17,6 @@ Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 3
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

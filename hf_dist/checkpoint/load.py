@@ -10,6 +10,7 @@ Not here: writing (``api``), Hub export (``export``).
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
 from dataclasses import dataclass, field
