@@ -8,10 +8,8 @@ padding-aware causal mask from the attention mask (both are passed to every stag
 arguments, so nothing but the hidden states travels between stages). The first stage embeds token ids,
 the last returns logits.
 
-Supported: Llama-layout models (``model.embed_tokens``, ``model.layers``, ``model.norm``,
-``model.rotary_emb``, ``lm_head``: Llama, Mistral, Qwen2/3), full or sliding-window attention per layer.
-Not for: models that scale embeddings inside the base model's forward (Gemma) or need extra per-layer
-inputs; ``stage_units`` refuses models without the layout.
+Supported: the model types ``support.check_pipeline_support`` accepts (Llama, full attention, no logit or
+embedding scaling); everything else is refused by name before the stages are built.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dist.pipeline_parallel.splitter import EMBED_FQNS, HEAD_FQNS
+from hf_dist.pipeline_parallel.support import check_pipeline_support
 
 IGNORE_INDEX = -100
 _LAYER_PREFIX = "model.layers."
@@ -47,8 +46,9 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
         raise ValueError(
             f"{type(model).__name__} lacks {missing}: pipeline stages need the Llama layout "
             f"(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head); "
-            f"use a Llama/Mistral/Qwen2-style causal LM"
+            f"use a Llama-style causal LM"
         )
+    check_pipeline_support(model.config)
     return model
 
 

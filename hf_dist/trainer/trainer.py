@@ -21,6 +21,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
+from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
 from hf_dist.trainer import launch_env
@@ -48,6 +49,8 @@ class DistTrainer(Trainer):
         args = as_dist_args(args)
         if model is None:
             raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
+        if args.pp_size > 1:
+            check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
         num_parameters = sum(p.numel() for p in model.parameters())
