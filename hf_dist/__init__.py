@@ -1,8 +1,9 @@
 """hf_dist: take Hugging Face causal LMs from one GPU to many.
 
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
-``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes).
-The Trainer classes are imported on first use, so the CLI and the pure planners start without transformers.
+``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
+``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``).
+These are imported on first use, so the CLI and the pure planners start without transformers.
 """
 
 from hf_dist.batch import BatchContract, scale_learning_rate
@@ -14,7 +15,9 @@ __all__ = [
     "BatchContract",
     "DistTrainer",
     "DistTrainingArguments",
+    "FsdpRequest",
     "ParallelDims",
+    "parallelize",
     "scale_learning_rate",
     "__version__",
 ]
@@ -25,4 +28,8 @@ def __getattr__(name: str):
         from hf_dist import trainer
 
         return getattr(trainer, name)
+    if name in ("parallelize", "FsdpRequest"):
+        from hf_dist import parallelism
+
+        return getattr(parallelism, name)
     raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

@@ -8,7 +8,7 @@ The traps this module closes (each measured on a machine without GPUs, see ENVIR
   name the gloo backend instead (without it accelerate counts 1 process while DeepSpeed's group has N, so every
   rank reads the same batches);
 - an accelerate FSDP config on such a machine silently trains as DDP: hf_dist takes an FSDP **v2** request
-  over and applies ``fully_shard`` itself (``hf_dist.trainer.layout``) on CPU and GPU alike; an FSDP **v1**
+  over and applies ``fully_shard`` itself (``hf_dist.parallelize``) on CPU and GPU alike; an FSDP **v1**
   request without GPUs is refused with the fix.
 
 One writer (accelerate's launcher, or the user's ``TrainingArguments.fsdp``), one reader (``read_fsdp_request``).
@@ -18,29 +18,12 @@ After the Trainer is built, ``verify_backend`` checks that the accelerator reall
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
+from hf_dist.parallelism import FsdpRequest
+
 _TRUE = ("1", "true", "yes")
-
-
-@dataclass(kw_only=True, frozen=True)
-class FsdpRequest:
-    """FSDP settings hf_dist applies itself with ``fully_shard``."""
-
-    reshard_after_forward: bool = True
-    """True: FULL_SHARD (ZeRO-3). False: SHARD_GRAD_OP (ZeRO-2-like: parameters stay gathered after forward)."""
-    activation_checkpointing: bool = False
-    """Checkpoint each wrapped block (recompute in backward)."""
-    wrap_classes: tuple[str, ...] | None = None
-    """Module class names sharded as units; None: the model's ``_no_split_modules``."""
-    cpu_offload: bool = False
-    """Keep sharded parameters on CPU (``CPUOffloadPolicy``)."""
-    dp_replicate: int = 1
-    """Replica groups (HYBRID_SHARD / HSDP): shard inside a group of world / dp_replicate ranks, all-reduce across."""
-    source: str = "TrainingArguments.fsdp"
-    """Where the request came from, for messages."""
 
 
 def has_gpu() -> bool:

@@ -5,7 +5,7 @@ What changes:
 
 - the global-batch contract decides accumulation and the learning rate (``DistTrainingArguments``), and its
   table is printed once at start by the main process;
-- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, in ``apply_layout``'s order, and the
+- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, by ``hf_dist.parallelize``, and the
   Trainer is told not to wrap the model again; DDP and DeepSpeed stay with accelerate;
 - a launch that would silently run as something else stops with an error (``launch_env``);
 - each training log carries tokens/s, MFU (when the device peak is known) and per-rank peak memory.
@@ -20,13 +20,15 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
+from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.report.log_history import LogHistoryCallback
-from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env
+from hf_dist.state_dict import full_state_dict
+from hf_dist.trainer import checkpoint_glue, launch_env
+from hf_dist.trainer import pipeline_glue as pipeline_trainer
+from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
 from hf_dist.trainer.args import DistTrainingArguments
-from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.trainer.layout import layout_dims, mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -66,9 +68,7 @@ class DistTrainer(Trainer):
         self.throughput = ThroughputMeter(
             num_parameters=num_parameters, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak
         )
-        from hf_dist.checkpoint import trainer_hooks
-
-        with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
+        with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
         self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
@@ -87,7 +87,7 @@ class DistTrainer(Trainer):
         if self.dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
             return pipeline_trainer.apply_pipeline(self, model, args)
         param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        model = apply_layout(
+        model = parallelize(
             model,
             self.dims,
             fsdp=args.hf_dist_fsdp,
@@ -145,21 +145,13 @@ class DistTrainer(Trainer):
 
     # -- training -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        from hf_dist.checkpoint import trainer_hooks
-
         self.throughput.reset()  # time set-up (data loader, optimizer) is not throughput
         wrapped_elsewhere = self.owns_layout or self.is_deepspeed_enabled or self.is_fsdp_enabled
         if self.model is self.model_wrapped and not wrapped_elsewhere:
             # evaluate() before train() marks the bare model prepared (inference only): accelerate would then
             # skip the DDP wrap and every rank would train alone, gradients never reduced. Let train() wrap it.
             self.model.__dict__.pop("_is_accelerate_prepared", None)
-        if self.owns_layout:  # an evaluate() forward leaves FSDP2's root unsharded: the optimizer must see shards
-            from torch.distributed.fsdp import FSDPModule
-
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-        resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
+        resume_from_checkpoint = checkpoint_glue.resolve_resume_arg(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -217,49 +209,33 @@ class DistTrainer(Trainer):
     # -- saving ---------------------------------------------------------------------------------
     # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
     def _save_checkpoint(self, model, trial) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
         if not self.owns_layout:
             return super()._save_checkpoint(model, trial)
-        trainer_hooks.save_trainer_checkpoint(self, trial)
+        checkpoint_glue.save_trainer_checkpoint(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, resume_from_checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # else: loaded with the optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        trainer_hooks.load_trainer_checkpoint(self, checkpoint)
+        checkpoint_glue.load_trainer_checkpoint(self, checkpoint)
 
     def _load_rng_state(self, checkpoint) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, checkpoint):
             return super()._load_rng_state(checkpoint)
-        trainer_hooks.restore_trainer_rng(self, checkpoint)
+        checkpoint_glue.restore_trainer_rng(self, checkpoint)
 
     def _load_best_model(self) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, self.state.best_model_checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, self.state.best_model_checkpoint):
             return super()._load_best_model()
-        trainer_hooks.load_best_model(self)
+        checkpoint_glue.load_best_model(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
-        if self.dims.tp_enabled and state_dict is None:  # fused projections back in HF row order
-            state_dict = tensor_parallel_trainer.gathered_state_dict(self.model)
-        if self.owns_layout and state_dict is None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state_dict = get_model_state_dict(self.model, options=options)
-            state_dict = {k: v.clone() for k, v in state_dict.items()}  # cpu_offload may alias live tensors
+        if self.owns_layout and state_dict is None:  # DTensors gathered, fused projections in HF row order
+            state_dict = full_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
