@@ -80,6 +80,10 @@ class DistTrainer(Trainer):
         if self.args.should_log:
             print(self.describe(), flush=True)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
+            super().create_accelerator_and_postprocess()
+
     def _apply_owned_layout(self, model, args: DistTrainingArguments):
         device = args.device
         self.dims.build_mesh(device.type)
