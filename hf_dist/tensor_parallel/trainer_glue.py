@@ -25,8 +25,8 @@ def check_tp_arguments(args) -> None:
     """``DistTrainingArguments`` rules for the TP options (``hf_dist.strategy.check_tp_options``, the one rule)."""
     from hf_dist.strategy import check_tp_options
 
-    check_tp_options(tp=args.tp_size, pp=args.pp_size, sequence_parallel=args.tp_sequence_parallel,
-                     vocab_parallel=args.tp_vocab_parallel, prefix="tp_", suffix="_size")
+    check_tp_options(tp=args.tp_size, pp=args.pp_size, sequence_parallel=getattr(args, "tp_sequence_parallel", False),
+                     vocab_parallel=getattr(args, "tp_vocab_parallel", False), prefix="tp_", suffix="_size")
 
 
 def whole_logits(model, logits):
