@@ -11,6 +11,9 @@ CPU twin (2 processes, a random-init Llama-class model built from a config, synt
     accelerate launch --config_file accelerate_configs/fsdp.yaml examples/harbor/train.py --preset tiny
 
 Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 32``, ``--tp_size 2``, ...).
+``--resume_from_checkpoint true`` continues from the newest complete checkpoint in ``--output_dir`` (``auto``: the
+same, or a fresh start when there is none); an output dir holding checkpoints is refused without it (or
+``--overwrite_output_dir``).
 ``--lora`` trains a LoRA adapter on a frozen base instead of the full model.
 """
 
@@ -25,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_dist import DistTrainer, DistTrainingArguments, data
 from hf_dist.models import tiny_llama_config
+from hf_dist.trainer import resume
 
 # Each preset is a list of command-line defaults; flags given by the user come later and win.
 PRESETS: dict[str, list[str]] = {
@@ -88,9 +92,11 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
     script, args = parser.parse_args_into_dataclasses(args=PRESETS[preset] + list(argv))
     if script.data_path is not None and script.model_name_or_path is None:
         raise ValueError(
-            f"--data_path {script.data_path} needs --model_name_or_path (its tokenizer reads the data); without "
-            "--data_path the tiny preset trains a random-init model on synthetic transcripts"
+            f"--data_path {script.data_path} needs --model_name_or_path (a local model folder or Hub id) whose "
+            f"tokenizer encodes it; the random-init tiny model only trains on the synthetic transcripts"
         )
+    # Before any process group or data: never train over a previous run's checkpoints without being told.
+    resume.check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     return script, args
 
 
@@ -223,7 +229,7 @@ def main(argv: list[str]) -> int:
     in_memory = trainer.accelerator.unwrap_model(trainer.model)
     answers_before = answers(in_memory, tokenizer, prompts, script.answer_tokens)
     before = trainer.evaluate(metric_key_prefix="before") if eval_ is not None else {}
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # true | auto | PATH
     after = trainer.evaluate(metric_key_prefix="after") if eval_ is not None else {}
     answers_after = answers(in_memory, tokenizer, prompts, script.answer_tokens)
     final_dir = Path(args.output_dir) / "final"

@@ -34,7 +34,7 @@ TP_FACTOR = 0.90
 """Per-layer TP all-reduces inside a node."""
 CROSS_NODE_SHARD_FACTOR = 0.85
 """FULL_SHARD / ZeRO-3 gathering parameters across nodes every layer."""
-OFFLOAD_FACTOR = {"none": 1.0, "cpu": 0.40, "nvme": 0.25}
+OFFLOAD_FACTOR = {"none": 1.0, "cpu_optimizer": 0.50, "cpu": 0.40, "nvme": 0.25}
 """Optimizer step on the CPU and PCIe traffic."""
 
 
@@ -47,7 +47,9 @@ class Throughput:
     executed_flops_per_token: float
     """Including activation-checkpointing recompute."""
     efficiency: float
-    """Assumed fraction of peak achieved on executed FLOPs."""
+    """Fraction of peak achieved on executed FLOPs."""
+    efficiency_source: str = "assumed (planner BASE_EFFICIENCY table), not measured"
+    """Where the efficiency comes from: the stated table, a calibration run, or the caller."""
     step_time_s: float
     """Seconds per optimizer step (global batch)."""
     tokens_per_s: float

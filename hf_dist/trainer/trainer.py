@@ -24,7 +24,7 @@ from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env
+from hf_dist.trainer import launch_env, resume
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
@@ -79,6 +79,10 @@ class DistTrainer(Trainer):
             tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
         if self.args.should_log:
             print(self.describe(), flush=True)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
+            super().create_accelerator_and_postprocess()
 
     def _apply_owned_layout(self, model, args: DistTrainingArguments):
         device = args.device
@@ -145,8 +149,6 @@ class DistTrainer(Trainer):
 
     # -- training -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        from hf_dist.checkpoint import trainer_hooks
-
         self.throughput.reset()  # time set-up (data loader, optimizer) is not throughput
         wrapped_elsewhere = self.owns_layout or self.is_deepspeed_enabled or self.is_fsdp_enabled
         if self.model is self.model_wrapped and not wrapped_elsewhere:
@@ -159,7 +161,7 @@ class DistTrainer(Trainer):
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
+        resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -219,8 +221,8 @@ class DistTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         from hf_dist.checkpoint import trainer_hooks
 
-        if not self.owns_layout:
-            return super()._save_checkpoint(model, trial)
+        if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else
+            return resume.save_native_checkpoint(self, model, trial, super()._save_checkpoint)
         trainer_hooks.save_trainer_checkpoint(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
