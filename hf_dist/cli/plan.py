@@ -40,6 +40,15 @@ def register(subparsers) -> None:
     parser.add_argument("--loading", choices=LOADINGS, default="every_rank",
                         help="every_rank (default: from_pretrained on each rank) or streaming (meta init, each rank "
                         "reads its slices): the host-RAM peak while loading")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the compute efficiency on this machine: a few training steps of the model "
+                        "scaled down to --calibrate-layers layers, in the chosen layout's precision; the forecast "
+                        "then uses it instead of the assumed table")
+    parser.add_argument("--calibrate-layers", type=int, default=2, help="layers of the scaled-down model (2)")
+    parser.add_argument("--calibrate-steps", type=int, default=3, help="measured steps after one warm-up (3)")
+    parser.add_argument("--lengths", default=None, metavar="FILE",
+                        help="the dataset's sequence lengths (JSON list or one per line): useful tokens/s "
+                        "discounts the padding")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="forecast reserved memory with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     parser.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
@@ -57,7 +66,13 @@ def _request(args: argparse.Namespace):
 
     if args.host_ram_gb is not None and args.host_ram_gb <= 0:
         raise ValueError(f"--host-ram-gb={args.host_ram_gb} must be positive")
+    useful = 1.0
+    if args.lengths:
+        from hf_dist.planner.calibrate import read_lengths, useful_fraction
+
+        useful = useful_fraction(read_lengths(args.lengths), args.seq_len)
     return PlanRequest(
+        useful_fraction=useful,
         host_ram_bytes=int(args.host_ram_gb * 1e9) if args.host_ram_gb else None, loading=args.loading,
         assumptions=MemoryAssumptions(expandable_segments=args.expandable_segments),
         model=model_spec(args.model), gpu=gpu_spec(args.gpu), num_gpus=args.gpus, num_nodes=args.nodes,
@@ -81,12 +96,30 @@ def write_chosen_configs(plan, out_dir: str) -> list:
     )
 
 
+def _calibrated(plan, args: argparse.Namespace):
+    """Measure the chosen layout's compute efficiency here and plan again with it."""
+    import dataclasses
+
+    from hf_dist.planner import Workload, choose_layout
+    from hf_dist.planner.calibrate import calibrate
+
+    chosen, req = plan.chosen, plan.request
+    workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch, precision=chosen.workload_precision,
+                        attention=req.attention, activation_checkpointing=req.activation_checkpointing)
+    result = calibrate(req.model, workload, layers=args.calibrate_layers, steps=args.calibrate_steps)
+    print(f"{result.source}: {result.step_time_s:.3f} s/step, efficiency {result.efficiency:.1%}", file=sys.stderr)
+    return choose_layout(dataclasses.replace(req, base_efficiency=result.efficiency,
+                                             efficiency_source=result.source))
+
+
 def run(args: argparse.Namespace) -> int:
     from hf_dist.planner import choose_layout
     from hf_dist.planner.report import plan_json, plan_table, plot_plan
 
     try:
         plan = choose_layout(_request(args))
+        if args.calibrate and plan.chosen is not None:
+            plan = _calibrated(plan, args)
     except ValueError as err:
         print(f"hf-dist plan: error: {err}", file=sys.stderr)
         return 2

@@ -75,6 +75,12 @@ class PlanRequest:
     """Host RAM per node; None: the GPU kind's typical node (``GpuSpec.host_ram_per_gpu_bytes`` x GPUs)."""
     loading: Loading = "every_rank"
     """How the weights are loaded (``host.py``)."""
+    base_efficiency: float | None = None
+    """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
+    efficiency_source: str | None = None
+    """Where ``base_efficiency`` comes from, for the report."""
+    useful_fraction: float = 1.0
+    """Share of non-padding tokens (from the dataset's lengths), for useful tokens/s and MFU."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "num_nodes", "seq_len", "global_batch", "micro_batch", "lora_rank"):
@@ -202,7 +208,9 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
                         gradient_accumulation_steps=batch.gradient_accumulation_steps)
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
     host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
-    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus)
+    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus,
+                                     base_efficiency=req.base_efficiency, efficiency_source=req.efficiency_source,
+                                     useful_fraction=req.useful_fraction)
     gpu_fits, host_fits = memory.fit_bytes <= req.memory_limit, host.offload <= req.host_ram
     reasons = [] if gpu_fits else [
         f"does not fit: needs {gib(memory.fit_bytes):.1f} GiB per GPU (in use {gib(memory.total):.1f} + largest "

@@ -52,9 +52,11 @@ class Throughput:
     step_time_s: float
     """Seconds per optimizer step (global batch)."""
     tokens_per_s: float
-    """Cluster-wide training tokens per second."""
+    """Cluster-wide training tokens per second (padding included)."""
+    useful_tokens_per_s: float = 0.0
+    """Cluster-wide non-padding tokens per second."""
     mfu: float
-    """Model FLOPs utilisation."""
+    """Model FLOPs utilisation (of the useful tokens)."""
 
     def wall_clock_s(self, tokens: float) -> float:
         """Seconds to train on ``tokens`` tokens."""
@@ -75,9 +77,10 @@ def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0)
                                                              recompute=workload.activation_checkpointing)
 
 
-def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int) -> float:
-    """The stated efficiency of ``layout`` (see module docstring)."""
-    eff = BASE_EFFICIENCY[layout.strategy] * OFFLOAD_FACTOR[layout.offload]
+def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int, base: float | None = None) -> float:
+    """The efficiency of ``layout``: ``base`` (a calibrated or stated compute efficiency; default the
+    ``BASE_EFFICIENCY`` of its strategy) times its offload, TP, pipeline-bubble and cross-node factors."""
+    eff = (BASE_EFFICIENCY[layout.strategy] if base is None else base) * OFFLOAD_FACTOR[layout.offload]
     if layout.dims.tp > 1:
         eff *= TP_FACTOR
     if layout.dims.pp > 1:  # the 1F1B bubble
@@ -88,14 +91,24 @@ def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int) -> floa
 
 
 def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gpu: GpuSpec, *,
-                        gpus_per_node: int = 8) -> Throughput:
-    """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation."""
+                        gpus_per_node: int = 8, base_efficiency: float | None = None,
+                        efficiency_source: str | None = None, useful_fraction: float = 1.0) -> Throughput:
+    """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation.
+
+    ``base_efficiency`` replaces the strategy's assumed one (``hf-dist plan --calibrate`` measures it);
+    ``useful_fraction`` is the share of non-padding tokens (from a dataset's lengths), for useful tokens/s.
+    """
+    if not 0 < useful_fraction <= 1:
+        raise ValueError(f"useful_fraction={useful_fraction} must be in (0, 1]")
     model_flops, executed = flops_per_token(model, workload, lora_rank=layout.lora_rank)
     accumulation = workload.gradient_accumulation_steps
     tokens = workload.tokens * layout.dims.dp * accumulation
-    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation)
+    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation, base=base_efficiency)
     world = layout.dims.world_size
     step = executed * tokens / (world * gpu.peak_bf16_flops * eff)
+    source = efficiency_source or ("assumed: BASE_EFFICIENCY table (typical published runs), not measured"
+                                   if base_efficiency is None else "given")
     return Throughput(model_flops_per_token=model_flops, executed_flops_per_token=executed, efficiency=eff,
-                      step_time_s=step, tokens_per_s=tokens / step,
-                      mfu=model_flops * tokens / (step * world * gpu.peak_bf16_flops))
+                      efficiency_source=source, step_time_s=step, tokens_per_s=tokens / step,
+                      useful_tokens_per_s=useful_fraction * tokens / step,
+                      mfu=useful_fraction * model_flops * tokens / (step * world * gpu.peak_bf16_flops))
