@@ -1,10 +1,8 @@
 """Step time, tokens/s and wall-clock time from FLOPs, the device peak and a stated efficiency per layout.
 
-FLOPs per token (forward + backward, dense, causal masking not discounted):
-  * matmuls: ``2·P`` forward and ``4·P`` backward for the ``P`` weights in linears (``6·P``, the usual
-    ``6 x params``); a frozen base (LoRA) skips the weight gradients, ``4·P``, plus ``6·P_adapter``;
-  * attention scores and values: ``4·L·s·q_dim`` forward, twice that backward (``12·L·s·q_dim``);
-  * activation checkpointing recomputes the forward: ``+(2·P + 4·L·s·q_dim)``, executed but not counted in MFU.
+FLOPs per token: ``flops.py`` (the one formula, shared with the trainer's runtime MFU): ``6·P`` per trainable
+and ``4·P`` per frozen matmul weight, ``12·L·s·q_dim`` for attention, and the forward again under activation
+checkpointing, executed but not counted in MFU.
 
 ``step_time = executed FLOPs per step per GPU / (peak x efficiency)``. The efficiency is an assumption, stated
 in ``BASE_EFFICIENCY`` and the factors below (typical of published HF/FSDP/DeepSpeed runs on NVLink nodes);
@@ -18,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_dist.planner.catalogue import GpuSpec, ModelSpec
+from hf_dist.planner.flops import FlopCounts
 from hf_dist.planner.layout import Layout, Workload
 
 BASE_EFFICIENCY: dict[str, float] = {
@@ -34,7 +33,7 @@ TP_FACTOR = 0.90
 """Per-layer TP all-reduces inside a node."""
 CROSS_NODE_SHARD_FACTOR = 0.85
 """FULL_SHARD / ZeRO-3 gathering parameters across nodes every layer."""
-OFFLOAD_FACTOR = {"none": 1.0, "cpu": 0.40, "nvme": 0.25}
+OFFLOAD_FACTOR = {"none": 1.0, "cpu_optimizer": 0.50, "cpu": 0.40, "nvme": 0.25}
 """Optimizer step on the CPU and PCIe traffic."""
 
 
@@ -47,7 +46,9 @@ class Throughput:
     executed_flops_per_token: float
     """Including activation-checkpointing recompute."""
     efficiency: float
-    """Assumed fraction of peak achieved on executed FLOPs."""
+    """Fraction of peak achieved on executed FLOPs."""
+    efficiency_source: str = "assumed (planner BASE_EFFICIENCY table), not measured"
+    """Where the efficiency comes from: the stated table, a calibration run, or the caller."""
     step_time_s: float
     """Seconds per optimizer step (global batch)."""
     tokens_per_s: float
@@ -60,20 +61,18 @@ class Throughput:
         return tokens / self.tokens_per_s
 
 
+def flop_counts(model: ModelSpec, *, lora_rank: int = 0) -> FlopCounts:
+    """``FlopCounts`` of ``model`` (the formula in ``flops.py``, shared with the trainer's runtime MFU)."""
+    weights = model.num_hidden_layers * model.layer_linear_weights + model.vocab_size * model.hidden_size
+    adapters = model.num_hidden_layers * model.lora_params_per_layer(lora_rank) if lora_rank else 0
+    return FlopCounts(trainable_matmul=adapters or weights, frozen_matmul=weights if lora_rank else 0,
+                      layers=model.num_hidden_layers, q_dim=model.q_dim)
+
+
 def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0) -> tuple[float, float]:
     """``(model FLOPs, executed FLOPs)`` per token."""
-    layers = model.num_hidden_layers
-    weights = layers * model.layer_linear_weights + model.vocab_size * model.hidden_size  # lm_head matmul
-    attention_fwd = 4 * layers * workload.seq_len * model.q_dim
-    if lora_rank:
-        adapters = layers * model.lora_params_per_layer(lora_rank)
-        model_flops = 4 * weights + 6 * adapters + 3 * attention_fwd
-        recompute = 2 * (weights + adapters) + attention_fwd
-    else:
-        model_flops = 6 * weights + 3 * attention_fwd
-        recompute = 2 * weights + attention_fwd
-    executed = model_flops + (recompute if workload.activation_checkpointing else 0)
-    return float(model_flops), float(executed)
+    return flop_counts(model, lora_rank=lora_rank).per_token(workload.seq_len,
+                                                             recompute=workload.activation_checkpointing)
 
 
 def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int) -> float:
