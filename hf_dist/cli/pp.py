@@ -34,6 +34,7 @@ def plan_for(args: argparse.Namespace):
 
     from hf_dist.configs.model_info import load_config
     from hf_dist.pipeline_parallel import plan_stages, stage_units
+    from hf_dist.pipeline_parallel.stage_module import stage_fqns
 
     config = PipelineConfig(
         schedule=args.schedule, microbatches=args.microbatches or 1, virtual_stages=args.virtual_stages,
@@ -42,9 +43,10 @@ def plan_for(args: argparse.Namespace):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(args.model))
     layers, embed, head = stage_units(model)
+    embed_fqns, head_fqns = stage_fqns(model)
     return plan_stages(
         layers, pp_size=args.pp, virtual_stages=config.virtual_stages, embed_size=embed, head_size=head,
-        split_points=config.split_points, placement=config.spec.placement,
+        split_points=config.split_points, placement=config.spec.placement, embed_fqns=embed_fqns, head_fqns=head_fqns,
     )
 
 

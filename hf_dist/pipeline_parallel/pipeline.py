@@ -35,6 +35,7 @@ from hf_dist.pipeline_parallel.stage_module import (
     TokenWeightedLoss,
     causal_lm_of,
     count_loss_tokens,
+    stage_fqns,
     stage_units,
 )
 
@@ -42,13 +43,8 @@ from hf_dist.pipeline_parallel.stage_module import (
 def _release_unowned(model: nn.Module, plan: StagePlan, owned: set[str]) -> None:
     """Drop the modules no local stage owns, so a rank holds only its stages' weights."""
     lm = causal_lm_of(model)
-    all_layers = {n for stage in plan.stages for n in stage if n.startswith("model.layers.")}
-    for name in all_layers - owned:
-        lm.model.layers[int(name.rsplit(".", 1)[1])] = nn.Module()
-    if "model.embed_tokens" not in owned:
-        lm.model.embed_tokens = nn.Module()
-    if "lm_head" not in owned:
-        lm.model.norm, lm.lm_head = nn.Module(), nn.Module()
+    for name in {n for stage in plan.stages for n in stage} - owned:
+        lm.set_submodule(name, nn.Module())
 
 
 class PipelinedCausalLM:
@@ -78,6 +74,7 @@ class PipelinedCausalLM:
         self.pp_group = dims.get_mesh("pp").get_group()
         self.pp_rank = dist.get_rank(self.pp_group)
         layers, embed_size, head_size = stage_units(model)
+        embed_fqns, head_fqns = stage_fqns(model)
         self.plan = plan_stages(
             layers,
             pp_size=dims.pp,
@@ -86,6 +83,8 @@ class PipelinedCausalLM:
             head_size=head_size,
             split_points=config.split_points,
             placement=config.spec.placement,
+            embed_fqns=embed_fqns,
+            head_fqns=head_fqns,
         )
         self.stage_ids = self.plan.local_stages(self.pp_rank)
         self.tied_sync = TiedEmbeddingSync(dims, self.plan, self.pp_rank) if tied else None
@@ -116,7 +115,7 @@ class PipelinedCausalLM:
             axes = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)  # HSDP or FSDP
             mesh = self.dims.mesh[axes]
             for module in self.modules:
-                units = [*module.model.layers.values(), module]  # each decoder layer, then the rest of the stage
+                units = [*module.owned_layers(), module]  # each decoder layer, then the rest of the stage
                 for unit in units:
                     fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and unit is not module)
                 for unit in units:  # per FSDP unit: a unit's settings do not reach the units inside it
