@@ -126,7 +126,10 @@ def apply_tensor_parallel(
         return model
     plan = expand_plan_for_lora(target, plan, sequence_parallel=sequence_parallel)
     for name, style in match_plan(target, plan, optional=optional):
-        parallelize_module(target.get_submodule(name), tp_mesh, style)
+        module = target.get_submodule(name)
+        if name in optional and not isinstance(module, nn.Linear):
+            continue  # a pipeline stage's stand-in for a head another stage owns
+        parallelize_module(module, tp_mesh, style)
     _sync_whole_parameters(target, tp_mesh)
     if vocab_parallel:
         _retie_embeddings(target)
