@@ -140,3 +140,18 @@ def test_host_ram_flags_offload_past_the_node_and_names_it():
     bigger = choose_layout(PlanRequest(model=model_spec("llama-2-70b"), gpu=gpu_spec("l4"), num_gpus=1,
                                        seq_len=2048, global_batch=8, host_ram_bytes=2 * 2**40))
     assert next(c for c in bigger.candidates if c.name == "zero3+offload_cpu").host.offload <= 2 * 2**40
+
+
+def test_published_anchors_are_within_target():
+    """bench/planner_anchors.py: every row (Harbor, torchtitan 7B memory, MPT-13B and torchtitan 13B throughput)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "planner_anchors.py"
+    spec = importlib.util.spec_from_file_location("planner_anchors", path)
+    anchors = importlib.util.module_from_spec(spec)
+    sys.modules["planner_anchors"] = anchors  # dataclasses look their module up
+    spec.loader.exec_module(anchors)
+    rows = anchors.memory_rows() + [row for row, _ in anchors.throughput_rows()]
+    assert len(rows) == 5 and all(abs(row.error) <= row.target for row in rows), rows

@@ -4,9 +4,13 @@ FLOPs per token: ``flops.py`` (the one formula, shared with the trainer's runtim
 and ``4·P`` per frozen matmul weight, ``12·L·s·q_dim`` for attention, and the forward again under activation
 checkpointing, executed but not counted in MFU.
 
-``step_time = executed FLOPs per step per GPU / (peak x efficiency)``. The efficiency is an assumption, stated
-in ``BASE_EFFICIENCY`` and the factors below (typical of published HF/FSDP/DeepSpeed runs on NVLink nodes);
-it is not measured here. MFU reported = model FLOPs (without recompute) / (time x peak).
+``step_time = executed FLOPs per step per GPU / (peak x efficiency)``. The efficiency is a base compute
+efficiency times the layout's factors below (offload, TP, pipeline bubble, cross-node gathers). The base is
+either measured (``calibrate.py``, ``hf-dist plan --calibrate``) or, without calibration, the assumption in
+``BASE_EFFICIENCY`` (typical of published HF/FSDP/DeepSpeed runs on NVLink nodes), and ``Throughput.
+efficiency_source`` says which. One constant cannot describe both an unoptimised Trainer run (a few % MFU) and
+a tuned stack (55-73 %, ``bench/planner_anchors.py``). MFU = model FLOPs (without recompute) of the useful
+(non-padding) tokens / (time x peak).
 
 Not here: memory (``memory.py``).
 """
