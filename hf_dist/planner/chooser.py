@@ -146,6 +146,11 @@ def _shape_rule(model: ModelSpec, tp: int, pp: int) -> str | None:
                 f"num_key_value_heads={model.num_key_value_heads}")
     if pp > model.num_hidden_layers:
         return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
+    if pp > 1:
+        from hf_dist.pipeline_parallel.support import model_type_refusal  # the one PP support decision
+
+        refusal = model_type_refusal(model.model_type)
+        return f"rule: {refusal}" if refusal else None
     return None
 
 
