@@ -16,6 +16,8 @@ Not for: splitting layers (``splitter``) or running stages (``stage_module``).
 
 from __future__ import annotations
 
+import functools
+
 # Model types whose PP=2 training equals one process in tests/test_pp_sweep.py (fp32, 1e-5, non-default
 # configs). test_pp_sweep.py asserts this set is exactly the set of its passing cases.
 PIPELINE_PROVEN_MODEL_TYPES = frozenset({
@@ -58,6 +60,7 @@ def pipeline_refusal(config) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def model_type_refusal(model_type: str) -> str | None:
     """``pipeline_refusal`` for the default config of ``model_type`` (what the planner knows of a model)."""
     from transformers import AutoConfig
