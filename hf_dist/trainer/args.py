@@ -112,6 +112,32 @@ class DistTrainingArguments(TrainingArguments):
             "Default: the accumulation derived from global_batch_size."
         },
     )
+    fsdp2: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard the model with FSDP2 (torch fully_shard), applied by hf_dist on CPU and GPU. Filled from an "
+            "accelerate FSDP version-2 launch config or from fsdp=/fsdp_config={'version': 2}; may be set directly."
+        },
+    )
+    fsdp2_reshard_after_forward: bool = field(
+        default=True,
+        metadata={"help": "With fsdp2: True is FULL_SHARD (ZeRO-3); False is SHARD_GRAD_OP (gathered after forward)."},
+    )
+    fsdp2_activation_checkpointing: bool = field(
+        default=False, metadata={"help": "With fsdp2: recompute each sharded block in backward."}
+    )
+    fsdp2_wrap_classes: list[str] | None = field(
+        default=None,
+        metadata={"help": "With fsdp2: module class names sharded as units. Default: the model's _no_split_modules."},
+    )
+    fsdp2_cpu_offload: bool = field(
+        default=False, metadata={"help": "With fsdp2: keep the sharded parameters in CPU memory."}
+    )
+    fsdp2_dp_replicate: int = field(
+        default=1,
+        metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
+                  "all-reduce across groups."},
+    )
     layout_canary: bool = field(
         default=True,
         metadata={"help": "With pp_size > 1: before training, run the requested pipeline layout on a tiny twin of "
@@ -137,12 +163,18 @@ class DistTrainingArguments(TrainingArguments):
         if self.learning_rate is None:  # None: not given (kept apart from an explicit 5e-5, the Trainer's default)
             self.learning_rate = DEFAULT_LEARNING_RATE if self.base_learning_rate is None else float("nan")
         super().__post_init__()
-        self.batch_contract = self._resolve_contract()
+        # derived from the fields above and WORLD_SIZE on every construction (so dataclasses.replace re-derives it)
+        self.batch_contract: BatchContract = self._resolve_contract()
         self.gradient_accumulation_steps = self.batch_contract.gradient_accumulation_steps
         if self.batch_contract.learning_rate is not None:
             self.learning_rate = self.batch_contract.learning_rate
         pipeline_trainer.fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
         check_tp_arguments(self)
+
+    @property
+    def hf_dist_fsdp(self) -> launch_env.FsdpRequest | None:
+        """The FSDP2 request hf_dist applies, read from the ``fsdp2*`` fields; None without ``fsdp2``."""
+        return launch_env.FsdpRequest.from_fields(self)
 
     def _resolve_contract(self) -> BatchContract:
         return resolve_contract(

@@ -27,6 +27,7 @@ from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
 from hf_dist.trainer import launch_env, resume
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.planner.flops import module_flop_counts
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class DistTrainer(Trainer):
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
-        num_parameters = sum(p.numel() for p in model.parameters())
+        flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
         fsdp = args.hf_dist_fsdp
         self.dims = layout_dims(
             world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
@@ -63,8 +64,9 @@ class DistTrainer(Trainer):
         if self.owns_layout:
             model = self._apply_owned_layout(model, args)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
-            num_parameters=num_parameters, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak
+            flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
         )
         from hf_dist.checkpoint import trainer_hooks
 
@@ -79,6 +81,10 @@ class DistTrainer(Trainer):
             tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
         if self.args.should_log:
             print(self.describe(), flush=True)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
+            super().create_accelerator_and_postprocess()
 
     def _apply_owned_layout(self, model, args: DistTrainingArguments):
         device = args.device
