@@ -51,13 +51,17 @@ def test_unproven_type_is_refused_naming_the_missing_test():
 
 
 def test_cli_and_planner_use_the_same_decision(capsys):
+    from hf_dist.cli import main
     from hf_dist.planner.catalogue import ModelSpec
     from hf_dist.planner.chooser import _shape_rule
+    from hf_dist.planner.layout import make_layout
 
     mixtral = ModelSpec(name="m", model_type="mixtral", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=128, vocab_size=256)
-    assert "mixture-of-experts" in _shape_rule(mixtral, tp=1, pp=2)
-    assert _shape_rule(mixtral, tp=1, pp=1) is None
+    assert "mixture-of-experts" in _shape_rule(mixtral, make_layout("fsdp_full_shard", 2, pp=2))
+    assert _shape_rule(mixtral, make_layout("fsdp_full_shard", 2)) is None
+    assert main(["pp", "--model", "llama-2-13b", "--pp", "2"]) == 0  # proven type: the split is printed
+    capsys.readouterr()
 
 
 def test_dist_trainer_refuses_before_the_process_group(tmp_path):
