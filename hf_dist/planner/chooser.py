@@ -184,6 +184,11 @@ def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
             return f"rule: {err}"
     if pp > model.num_hidden_layers:
         return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
+    if pp > 1:
+        from hf_dist.pipeline_parallel.support import model_type_refusal  # the one PP support decision
+
+        refusal = model_type_refusal(model.model_type)
+        return f"rule: {refusal}" if refusal else None
     return None
 
 
