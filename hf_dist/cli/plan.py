@@ -58,6 +58,7 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write a stacked bar chart of the breakdowns")
     parser.add_argument("--out", default=None, metavar="DIR", help="write the chosen layout's configs to DIR")
+    parser.add_argument("--overwrite", action="store_true", help="replace configs an earlier --out wrote to DIR")
     parser.set_defaults(func=run)
 
 
@@ -83,16 +84,34 @@ def _request(args: argparse.Namespace):
     )
 
 
-def write_chosen_configs(plan, out_dir: str) -> list:
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Where the plot and configs go, checked before planning (a bad path is an error, not a traceback)."""
+    from pathlib import Path
+
+    if args.plot:
+        parent = Path(args.plot).resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"--plot {args.plot}: folder {parent} does not exist; create it or pick another path")
+        if Path(args.plot).is_dir():
+            raise ValueError(f"--plot {args.plot} is a folder; pass a file name such as {Path(args.plot) / 'plan.png'}")
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {args.out} is not empty; choose a new folder, or pass --overwrite to replace the "
+                         f"configs in it")
+
+
+def write_chosen_configs(plan, out_dir: str, overwrite: bool = True) -> list:
     """Write the chosen layout's DeepSpeed/accelerate/hf_dist files through ``hf_dist.configs``."""
+    import dataclasses
+
     from hf_dist.configs import write_layout_configs  # owned by the configs generators
 
     chosen, req = plan.chosen, plan.request
     return write_layout_configs(
-        out_dir, layout=chosen.layout, micro_batch_size=chosen.batch.micro_batch_size,
+        out_dir, layout=dataclasses.replace(chosen.layout, lora_rank=0),  # LoRA is the training script's (PEFT)
+        micro_batch_size=chosen.batch.micro_batch_size,
         gradient_accumulation_steps=chosen.batch.gradient_accumulation_steps,
         mixed_precision="no" if req.precision == "fp32" else "bf16", no_split_modules=[req.model.decoder_layer_class],
-        gradient_checkpointing=req.activation_checkpointing,
+        gradient_checkpointing=req.activation_checkpointing, overwrite=overwrite,
     )
 
 
@@ -117,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_dist.planner.report import plan_json, plan_table, plot_plan
 
     try:
+        _check_outputs(args)
         plan = choose_layout(_request(args))
         if args.calibrate and plan.chosen is not None:
             plan = _calibrated(plan, args)
@@ -131,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         plot_plan(plan, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.out and plan.chosen is not None:
-        for path in write_chosen_configs(plan, args.out):
+        for path in write_chosen_configs(plan, args.out, overwrite=args.overwrite):
             print(f"wrote {path}", file=sys.stderr)
         if plan.chosen.layout.lora_rank:
             print(f"note: LoRA rank {plan.chosen.layout.lora_rank} is not part of the launch configs; "

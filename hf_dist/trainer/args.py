@@ -138,6 +138,12 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
                   "all-reduce across groups."},
     )
+    layout_canary: bool = field(
+        default=True,
+        metadata={"help": "With pp_size > 1: before training, run the requested pipeline layout on a tiny twin of "
+                  "the model's config on the real ranks and refuse to start unless loss and gradients equal the "
+                  "unsplit twin's (about a second). --layout_canary false skips it."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Start fresh in an output_dir that holds checkpoints, deleting them (without it, and "
