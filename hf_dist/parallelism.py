@@ -20,6 +20,7 @@ into pipeline stages (``hf_dist.pipeline_parallel``), or Trainer glue (``hf_dist
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,31 @@ class FsdpRequest:
     source: str = "TrainingArguments.fsdp"
     """Where the request came from, for messages."""
 
+    def as_fields(self) -> dict[str, object]:
+        """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
+        return {
+            "fsdp2": True,
+            "fsdp2_reshard_after_forward": self.reshard_after_forward,
+            "fsdp2_activation_checkpointing": self.activation_checkpointing,
+            "fsdp2_wrap_classes": list(self.wrap_classes) if self.wrap_classes else None,
+            "fsdp2_cpu_offload": self.cpu_offload,
+            "fsdp2_dp_replicate": self.dp_replicate,
+        }
+
+    @classmethod
+    def from_fields(cls, args) -> FsdpRequest | None:
+        """The request carried by ``args``' ``fsdp2*`` fields (the only reader of them); None without ``fsdp2``."""
+        if not getattr(args, "fsdp2", False):
+            return None
+        return cls(
+            reshard_after_forward=args.fsdp2_reshard_after_forward,
+            activation_checkpointing=args.fsdp2_activation_checkpointing,
+            wrap_classes=tuple(args.fsdp2_wrap_classes) if args.fsdp2_wrap_classes else None,
+            cpu_offload=args.fsdp2_cpu_offload,
+            dp_replicate=args.fsdp2_dp_replicate,
+            source="DistTrainingArguments.fsdp2",
+        )
+
 
 def parallelize(
     model: nn.Module,
@@ -60,6 +86,7 @@ def parallelize(
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     tp_plan: dict | None = None,
+    fsdp_units: Sequence[nn.Module] | None = None,
     grad_reduction: Literal["mean", "sum"] = "mean",
     replicate_gradients: bool = True,
 ) -> nn.Module:
@@ -73,6 +100,8 @@ def parallelize(
         activation_checkpointing: recompute each decoder layer in backward (also when ``fsdp`` asks for it).
         param_dtype: FSDP mixed precision: compute in this dtype, reduce gradients in fp32.
         sequence_parallel, vocab_parallel, tp_plan: as in ``hf_dist.tensor_parallel.apply_tensor_parallel``.
+        fsdp_units: the modules FSDP shards one by one before the root (a pipeline stage's own decoder layers);
+            default: those of the request's ``wrap_classes`` or the model's ``_no_split_modules``.
         grad_reduction: ``"sum"`` sums FSDP gradients over dp instead of averaging them (a pipeline divides its loss
             by the tokens of the whole global batch already).
         replicate_gradients: False leaves gradient reduction of replicated (non-FSDP) dp to the caller (the pipeline
@@ -89,7 +118,9 @@ def parallelize(
     if activation_checkpointing or (request is not None and request.activation_checkpointing):
         apply_activation_checkpointing(model)
     if request is not None:
-        model = apply_fsdp(model, dims, request, param_dtype=param_dtype, grad_reduction=grad_reduction)
+        model = apply_fsdp(
+            model, dims, request, units=fsdp_units, param_dtype=param_dtype, grad_reduction=grad_reduction
+        )
     elif dims.dp_enabled and replicate_gradients:
         if grad_reduction != "mean":
             raise ValueError("grad_reduction='sum' with replicated data parallelism: reduce the gradients yourself "
@@ -123,6 +154,7 @@ def apply_fsdp(
     dims: ParallelDims,
     request: FsdpRequest,
     *,
+    units: Sequence[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     grad_reduction: Literal["mean", "sum"] = "mean",
 ) -> nn.Module:
@@ -134,7 +166,7 @@ def apply_fsdp(
     )
     offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
-    units = find_blocks(model, request.wrap_classes)
+    units = list(units) if units is not None else find_blocks(model, request.wrap_classes)
     for block in units:
         fully_shard(block, reshard_after_forward=request.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

@@ -31,21 +31,21 @@ class PipelineModel(nn.Module):
     def __init__(self, pipe: PipelinedCausalLM) -> None:
         super().__init__()
         object.__setattr__(self, "pipeline", pipe)  # not a submodule: its stages share the modules below
-        body = nn.Module()
-        body.layers = nn.ModuleDict({k: v for stage in pipe.modules for k, v in stage.model.layers.items()})
         for stage in pipe.modules:
-            if stage.is_first:
-                body.embed_tokens = stage.model.embed_tokens
-            if stage.is_last:
-                body.norm = stage.model.norm
-        self.model = body
-        last = [stage for stage in pipe.modules if stage.is_last]
-        self.lm_head = last[0].lm_head if last else None
+            for fqn, module in stage.owned_modules().items():
+                parent = self
+                *path, leaf = fqn.split(".")
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, nn.Module())
+                    parent = getattr(parent, part)
+                parent.add_module(leaf, module)
         self.config = pipe.modules[0].config
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **_ignored) -> None:
         """Called by ``Trainer.train``; ``apply_pipeline`` already enabled it per layer before the split."""
-        if not all(getattr(layer, "gradient_checkpointing", False) for layer in self.model.layers.values()):
+        layers = [layer for stage in self.pipeline.modules for layer in stage.owned_layers()]
+        if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
             raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):

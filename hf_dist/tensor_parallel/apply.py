@@ -1,6 +1,6 @@
 """Apply a tensor-parallel plan to an already-built HF causal LM, in place, on a 1-D ``tp`` mesh.
 
-``apply_tensor_parallel`` checks sizes, picks the family plan (or takes the caller's), expands it over PEFT
+``apply_tensor_parallel`` checks support and sizes, translates the model's own plan (or takes the caller's), expands it over PEFT
 LoRA layers, calls torch's ``parallelize_module`` on every module a pattern names, makes the parameters that
 stay whole identical on every TP rank, and installs the vocab-parallel loss when the lm_head is sharded.
 
@@ -20,7 +20,7 @@ from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_dist.tensor_parallel.match import match_plan, unwrap_peft
-from hf_dist.tensor_parallel.plans import plan_names, resolve_styles
+from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, plan_names, resolve_styles
 
 TP_INFO_ATTR = "_hf_dist_tp"
 
@@ -70,7 +70,7 @@ def apply_tensor_parallel(
         model: the built model, on its device, every rank holding the same architecture.
         tp_mesh: a 1-D ``DeviceMesh`` (``ParallelDims.get_mesh("tp")``).
         plan: ``{module_pattern: ParallelStyle}``, patterns relative to the ``*ForCausalLM`` module, ``*`` for
-            one path component. Default: the family's plan (see ``plans.py``).
+            one path component. Default: the model's own plan with hf_dist's overlays (see ``plans.py``).
         sequence_parallel: run the norms on sequence shards (activations between layers are sequence-sharded).
         vocab_parallel: shard the embedding and lm_head on the vocabulary; the model then returns vocab-sharded
             logits and computes its loss with ``VocabParallelCausalLMLoss``.
@@ -80,8 +80,12 @@ def apply_tensor_parallel(
     target = unwrap_peft(model)
     config = target.config
     tp = tp_mesh.size()
+    optional: frozenset[str] = frozenset()
     if plan is None:
+        optional = HEAD_PATTERNS
         check_tp_sizes(config, tp, vocab_parallel=vocab_parallel)
+        if tp == 1:
+            return model
         names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
         plan = resolve_styles(names, config)
     elif sequence_parallel or vocab_parallel:
@@ -92,8 +96,11 @@ def apply_tensor_parallel(
     if tp == 1:
         return model
     plan = expand_plan_for_lora(target, plan, sequence_parallel=sequence_parallel)
-    for name, style in match_plan(target, plan):
-        parallelize_module(target.get_submodule(name), tp_mesh, style)
+    for name, style in match_plan(target, plan, optional=optional):
+        module = target.get_submodule(name)
+        if name in optional and not isinstance(module, nn.Linear):
+            continue  # a pipeline stage's stand-in for a head another stage owns
+        parallelize_module(module, tp_mesh, style)
     _sync_whole_parameters(target, tp_mesh)
     if vocab_parallel:
         _retie_embeddings(target)

@@ -22,9 +22,10 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
+from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.state_dict import full_state_dict
-from hf_dist.trainer import checkpoint_glue, launch_env
+from hf_dist.trainer import checkpoint_glue, launch_env, resume
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
 from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
 from hf_dist.trainer.args import DistTrainingArguments
@@ -55,7 +56,7 @@ class DistTrainer(Trainer):
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
-        num_parameters = sum(p.numel() for p in model.parameters())
+        flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
         fsdp = args.hf_dist_fsdp
         self.dims = layout_dims(
             world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
@@ -65,8 +66,9 @@ class DistTrainer(Trainer):
         if self.owns_layout:
             model = self._apply_owned_layout(model, args)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
-            num_parameters=num_parameters, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak
+            flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
         )
         with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
@@ -79,6 +81,10 @@ class DistTrainer(Trainer):
             tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
         if self.args.should_log:
             print(self.describe(), flush=True)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
+            super().create_accelerator_and_postprocess()
 
     def _apply_owned_layout(self, model, args: DistTrainingArguments):
         device = args.device
@@ -151,7 +157,7 @@ class DistTrainer(Trainer):
             # evaluate() before train() marks the bare model prepared (inference only): accelerate would then
             # skip the DDP wrap and every rank would train alone, gradients never reduced. Let train() wrap it.
             self.model.__dict__.pop("_is_accelerate_prepared", None)
-        resume_from_checkpoint = checkpoint_glue.resolve_resume_arg(self, resume_from_checkpoint)
+        resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -209,8 +215,8 @@ class DistTrainer(Trainer):
     # -- saving ---------------------------------------------------------------------------------
     # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
     def _save_checkpoint(self, model, trial) -> None:
-        if not self.owns_layout:
-            return super()._save_checkpoint(model, trial)
+        if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else
+            return resume.save_native_checkpoint(self, model, trial, super()._save_checkpoint)
         checkpoint_glue.save_trainer_checkpoint(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
