@@ -167,6 +167,8 @@ def test_plan_cli_json_plot_and_out(tmp_path, capsys):
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "alloc" in table and "resv" in table and "host" in table and "host RAM per node" in table
+    assert main([*args, "--lora", "--out", str(tmp_path / "lora")]) == 0  # LoRA stays the script's
+    assert "LoRA rank 16" in capsys.readouterr().err and (tmp_path / "lora" / "launch.sh").exists()
     # 63 is not a multiple of micro 2 x any data-parallel size: every layout is ruled out
     assert main([*args[:-2], "--global-batch", "63", "--micro-batch", "2"]) == 1
     assert main([*args[:2], "no-such-model", *args[3:]]) == 2
