@@ -22,6 +22,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
+from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
 from hf_dist.trainer import launch_env, resume
@@ -52,6 +53,8 @@ class DistTrainer(Trainer):
             raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
         if args.pp_size > 1:
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
+        if args.tp_size > 1:  # before any process group: the model's own plan must be supported and fit
+            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
         flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
