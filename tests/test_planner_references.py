@@ -155,3 +155,38 @@ def test_published_anchors_are_within_target():
     spec.loader.exec_module(anchors)
     rows = anchors.memory_rows() + [row for row, _ in anchors.throughput_rows()]
     assert len(rows) == 5 and all(abs(row.error) <= row.target for row in rows), rows
+
+
+def test_fsdp2_reduces_through_an_fp32_buffer_beside_bf16_gradients(tmp_path, monkeypatch):
+    """The reference for ``states.py``: FSDP2 itself (one gloo rank), as hf_dist applies it with ``--bf16``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
+
+    seen = []
+    copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+    def record(unsharded_grads, reduce_scatter_input, world_size):
+        seen.append(({g.dtype for g in unsharded_grads}, reduce_scatter_input.dtype,
+                     sum(g.numel() for g in unsharded_grads), reduce_scatter_input.numel()))
+        return copy_in(unsharded_grads, reduce_scatter_input, world_size)
+
+    monkeypatch.setattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", record)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = build_tiny_model(tiny_llama_config(hidden_size=64, num_hidden_layers=2, vocab_size=256))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        ids = torch.randint(0, 256, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    # per unit: bf16 gradients copied into an fp32 buffer of the same size, both alive during the copy
+    assert {(frozenset(g), rs) for g, rs, _, _ in seen} == {(frozenset({torch.bfloat16}), torch.float32)}
+    assert (layer_params, layer_params) in {(n, m) for _, _, n, m in seen}

@@ -101,11 +101,14 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def write_chosen_configs(plan, out_dir: str, overwrite: bool = True) -> list:
     """Write the chosen layout's DeepSpeed/accelerate/hf_dist files through ``hf_dist.configs``."""
+    import dataclasses
+
     from hf_dist.configs import write_layout_configs  # owned by the configs generators
 
     chosen, req = plan.chosen, plan.request
     return write_layout_configs(
-        out_dir, layout=chosen.layout, micro_batch_size=chosen.batch.micro_batch_size,
+        out_dir, layout=dataclasses.replace(chosen.layout, lora_rank=0),  # LoRA is the training script's (PEFT)
+        micro_batch_size=chosen.batch.micro_batch_size,
         gradient_accumulation_steps=chosen.batch.gradient_accumulation_steps,
         mixed_precision="no" if req.precision == "fp32" else "bf16", no_split_modules=[req.model.decoder_layer_class],
         gradient_checkpointing=req.activation_checkpointing, overwrite=overwrite,

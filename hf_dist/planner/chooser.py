@@ -9,7 +9,8 @@ The order is the case study's decision table, least communication first:
   4. FSDP FULL_SHARD, ZeRO-3 (parameters gathered every forward and backward)
   5. TP inside a node (2, 4, 8) on top of FULL_SHARD, with sequence parallel (all-reduces in every layer)
   6. PP (across nodes first), on top of FULL_SHARD, and of TP over the whole node
-  7. Offload of optimizer states (and ZeRO-3 parameters) to CPU, then NVMe
+  7. Offload: ZeRO-2 optimizer to CPU, ZeRO-3 optimizer only, FSDP parameters + optimizer, ZeRO-3 optimizer +
+     parameters to CPU, then to NVMe (every one checked against the node's host RAM)
 Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
 layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
@@ -183,6 +184,11 @@ def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
             return f"rule: {err}"
     if pp > model.num_hidden_layers:
         return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
+    if pp > 1:
+        from hf_dist.pipeline_parallel.support import model_type_refusal  # the one PP support decision
+
+        refusal = model_type_refusal(model.model_type)
+        return f"rule: {refusal}" if refusal else None
     return None
 
 

@@ -144,6 +144,12 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "Signals that mean 'preempted': every rank finishes its step, a checkpoint is saved and "
                   "the process exits with 75 (hf_dist/trainer/preemption.py). Comma-separated, or 'none'."},
     )
+    layout_canary: bool = field(
+        default=True,
+        metadata={"help": "With pp_size > 1: before training, run the requested pipeline layout on a tiny twin of "
+                  "the model's config on the real ranks and refuse to start unless loss and gradients equal the "
+                  "unsplit twin's (about a second). --layout_canary false skips it."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Start fresh in an output_dir that holds checkpoints, deleting them (without it, and "
