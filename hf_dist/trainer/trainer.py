@@ -27,11 +27,13 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
+from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env, resume
+from hf_dist.trainer import launch_env, preemption, resume
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.planner.flops import module_flop_counts
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,8 @@ class DistTrainer(Trainer):
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kwargs):
         args = as_dist_args(args)
-        if model is not None and args.pp_size > 1:
-            check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
+        if model is not None:  # before any process group (model_init's models are checked when made)
+            self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
         fsdp = args.hf_dist_fsdp
@@ -71,6 +73,10 @@ class DistTrainer(Trainer):
         launch_env.verify_backend(self)
         if args.dist_logging:
             self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
+        signals = preemption.parse_signals(args.preemption_signals)
+        # SIGTERM/SIGUSR1: finish the step, save, exit 75. A callback only while train() runs, where its signal
+        # handlers live: outside it the callback list is the Trainer's.
+        self.preemption = preemption.PreemptionCallback(signals) if signals else None
         self._check_packing()
         if self.dims.pp_enabled:
             pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
@@ -79,21 +85,29 @@ class DistTrainer(Trainer):
         if self.args.should_log:
             print(self.describe(), flush=True)
 
+    @staticmethod
+    def _check_model(model, args: DistTrainingArguments) -> None:
+        if args.pp_size > 1:  # stages must reproduce the model
+            check_pipeline_support(model.config)
+        if args.tp_size > 1:  # the model's own plan must be supported and fit
+            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
+
     def _prepare_model(self, model, args: DistTrainingArguments):
         """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
-        if args.pp_size > 1:
-            check_pipeline_support(model.config)
+        flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        fsdp = args.hf_dist_fsdp
+        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
-            num_parameters=sum(p.numel() for p in model.parameters()),
-            model_parallel=self.dims.tp * self.dims.pp,
-            peak_flops=peak,
+            flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
         )
         return self._apply_owned_layout(model, args) if self.owns_layout else model
 
     def call_model_init(self, trial=None):
         """``model_init``'s new model with the layout applied (at start, and again per train() / search trial)."""
-        model = self._prepare_model(super().call_model_init(trial), self.args)
+        model = super().call_model_init(trial)
+        self._check_model(model, self.args)
+        model = self._prepare_model(model, self.args)
         previous = getattr(self, "model", None)  # None during __init__; the replaced model in train()
         if self.dims.pp_enabled and previous is not None:
             model.logits_everywhere = previous.logits_everywhere
@@ -181,7 +195,15 @@ class DistTrainer(Trainer):
                 if isinstance(module, FSDPModule):
                     module.reshard()
         resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.preemption is not None:
+            self.add_callback(self.preemption)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self.preemption is not None:
+                self.remove_callback(self.preemption)
+        preemption.exit_if_preempted(self, self.preemption)  # saved at a signal: SystemExit(75)
+        return output
 
     def evaluate(self, *args, **kwargs):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
