@@ -104,7 +104,7 @@ def train_real(model_dir: str, out: str, layout: str, *, micro: int = 1) -> dict
                           train_dataset=dataset(tokenizer), processing_class=tokenizer)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    result = {"losses": losses, "layout": trainer.describe().splitlines()[-1], "tokens": None}
+    result = {"losses": losses, "layout": next(l for l in trainer.describe().splitlines() if l.startswith("layout")), "tokens": None}
     if not torch.distributed.is_initialized():  # the one-process reference: the in-memory model's tokens
         result["tokens"] = greedy_tokens(trainer.model, tokenizer)
     elif trainer.is_world_process_zero():
@@ -128,5 +128,5 @@ def exported_tokens(out: Path, layout: str, model_dir: str, tokenizer) -> list[i
     extra = ["--trust-deepspeed-pickles", "--config", str(ckpt)] if "zero" in layout else []
     extra += ["--adapter", "merged"] if layout.startswith("lora") else []
     exported = out / "exported"
-    assert main(["checkpoint", "export", str(ckpt), str(exported), "--tokenizer", model_dir, *extra]) == 0
+    assert main(["checkpoint", "export", str(ckpt), str(exported), *extra]) == 0
     return greedy_tokens(AutoModelForCausalLM.from_pretrained(exported), tokenizer)

@@ -32,7 +32,7 @@ def references(demo_model, tmp_path_factory):
 def _check(results: dict, references: dict, expected_layout: dict) -> None:
     for name, result in results.items():
         reference = references["lora" if name.startswith("lora") else "full"]
-        assert expected_layout[name] in result["layout"], (name, result["layout"])
+        assert all(part in result["layout"] for part in expected_layout[name].split("+")), (name, result["layout"])
         assert len(result["losses"]) == 3
         torch.testing.assert_close(result["losses"], reference["losses"], **TOL, msg=name)
         assert result["tokens"] == reference["tokens"], name
@@ -41,7 +41,7 @@ def _check(results: dict, references: dict, expected_layout: dict) -> None:
 def test_two_ranks_ddp_fsdp2_pp2_lora(demo_model, references, tmp_path):
     layouts = ("ddp", "fsdp2", "pp2", "lora_fsdp2")
     results = run_distributed(_group, 2, str(demo_model), str(tmp_path), layouts, timeout_s=1800)[0]
-    _check(results, references, {"ddp": "DDP", "fsdp2": "FSDP2", "pp2": "pp=2", "lora_fsdp2": "FSDP2"})
+    _check(results, references, {"ddp": "DDP", "fsdp2": "FSDP2", "pp2": "PP2", "lora_fsdp2": "FSDP2"})
 
 
 def test_two_ranks_deepspeed_zero2_zero3_lora(demo_model, references, tmp_path):
@@ -52,15 +52,30 @@ def test_two_ranks_deepspeed_zero2_zero3_lora(demo_model, references, tmp_path):
 
 def test_three_ranks_tp3_pp3(demo_model, references, tmp_path):
     results = run_distributed(_group, 3, str(demo_model), str(tmp_path), ("tp3", "pp3"), timeout_s=1800)[0]
-    _check(results, references, {"tp3": "tp=3", "pp3": "pp=3"})
+    _check(results, references, {"tp3": "TP3", "pp3": "PP3"})
 
 
 def test_six_ranks_fsdp2_x_tp3(demo_model, references, tmp_path):
     results = run_distributed(_group, 6, str(demo_model), str(tmp_path), ("fsdp2_tp3",), timeout_s=1800)[0]
-    _check(results, references, {"fsdp2_tp3": "tp=3"})
+    _check(results, references, {"fsdp2_tp3": "FSDP2+TP3"})
 
 
-def test_tp2_is_refused_naming_the_valid_sizes(demo_model):
+def _tp2(rank, world_size, model_dir, out):
+    """DistTrainer(tp_size=2) on 2 ranks: refused at construction, before any layout is applied or file written."""
+    import os
+
+    from hf_dist import DistTrainer, DistTrainingArguments
+    from real_model_harness import load_model
+
+    args = DistTrainingArguments(output_dir=out, tp_size=2, report_to=[], max_steps=1)
+    try:
+        DistTrainer(model=load_model(model_dir), args=args)
+    except ValueError as err:
+        return str(err), os.path.exists(out)
+    return None, os.path.exists(out)
+
+
+def test_tp2_is_refused_naming_the_valid_sizes(demo_model, tmp_path):
     from transformers import AutoConfig
 
     from hf_dist.tensor_parallel.checks import check_tp_sizes
@@ -69,3 +84,6 @@ def test_tp2_is_refused_naming_the_valid_sizes(demo_model):
     with pytest.raises(ValueError, match=r"tp=2.*tp in \{1, 3\}"):
         check_tp_sizes(config, 2)
     check_tp_sizes(config, 3)
+    for message, wrote in run_distributed(_tp2, 2, str(demo_model), str(tmp_path / "run")):
+        assert message is not None and "tp=2" in message and "tp in {1, 3}" in message, message
+        assert not wrote

@@ -24,6 +24,7 @@ from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
+from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.trainer import launch_env, resume
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
@@ -51,6 +52,8 @@ class DistTrainer(Trainer):
             raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
         if args.pp_size > 1:
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
+        if args.tp_size > 1:  # before any process group: every size TP shards must divide, naming the valid ones
+            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
         num_parameters = sum(p.numel() for p in model.parameters())
