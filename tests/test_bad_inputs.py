@@ -99,3 +99,70 @@ def _harbor():
 def test_recipe_data_path_needs_a_model(tmp_path):
     with pytest.raises(ValueError, match=r"--data_path .*x.jsonl needs --model_name_or_path"):
         _harbor().parse(["--data_path", str(tmp_path / "x.jsonl"), "--output_dir", str(tmp_path)])
+
+
+# -- hf-dist config / plan ----------------------------------------------------------------------------------
+CONFIG = ["config", "--strategy", "zero2", "--gpus", "2", "--micro-batch", "1", "--global-batch", "8"]
+PLAN = ["plan", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "512", "--global-batch", "64"]
+
+
+def test_config_out_existing_files_are_refused(tmp_path, capsys):
+    out = tmp_path / "cfg"
+    assert cli_main([*CONFIG, "--out", str(out)]) == 0
+    (out / "deepspeed.json").write_text("{\"edited\": true}")
+    assert cli_main([*CONFIG, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} already holds deepspeed.json" in err and "--overwrite" in err
+    assert (out / "deepspeed.json").read_text() == "{\"edited\": true}"  # nothing written
+    assert cli_main([*CONFIG, "--out", str(out), "--overwrite"]) == 0
+    assert "edited" not in (out / "deepspeed.json").read_text()
+
+
+def test_config_check_names_the_malformed_file(tmp_path, capsys):
+    bad = tmp_path / "ds.json"
+    bad.write_text("{bad")
+    assert cli_main(["config", "--check", str(bad)]) == 2
+    assert f"error: {bad}: " in capsys.readouterr().err
+
+
+def test_nvme_offload_needs_zero3(tmp_path, capsys):
+    for strategy in ("zero1", "zero2"):
+        args = ["config", "--strategy", strategy, "--gpus", "2", "--micro-batch", "1", "--global-batch", "8",
+                "--offload", "nvme", "--out", str(tmp_path / strategy)]
+        assert cli_main(args) == 2
+        assert f"offload='nvme' with strategy='{strategy}'" in capsys.readouterr().err
+        assert not (tmp_path / strategy).exists()
+
+
+def _config_dir(path: Path) -> Path:
+    from hf_dist.models import tiny_llama_config
+
+    tiny_llama_config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2).save_pretrained(str(path))
+    return path
+
+
+def test_plan_model_inputs(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": ')
+    assert cli_main([*PLAN, "--model", str(broken)]) == 2
+    assert f"{broken / 'config.json'} cannot be read as a model config" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main([*PLAN, "--model", str(empty)]) == 2
+    assert f"model='{empty}' is a folder without config.json" in capsys.readouterr().err
+    model = _config_dir(tmp_path / "tiny")
+    assert cli_main([*PLAN, "--model", str(model / "config.json")]) in (0, 1)  # the file is accepted: it plans
+    assert "chosen" in capsys.readouterr().out
+
+
+def test_plan_output_paths_are_checked_before_planning(tmp_path, capsys):
+    assert cli_main([*PLAN, "--model", "llama-2-13b", "--plot", str(tmp_path / "no" / "x.png")]) == 2
+    assert f"folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "launch.sh").write_text("mine")
+    assert cli_main([*PLAN, "--model", "llama-2-13b", "--out", str(out)]) == 2
+    assert f"--out {out} is not empty" in capsys.readouterr().err
+    assert (out / "launch.sh").read_text() == "mine"

@@ -157,10 +157,18 @@ def test_plan_cli_json_plot_and_out(tmp_path, capsys):
     assert main([*args, "--json", "--plot", str(tmp_path / "mem.png"), "--out", str(tmp_path / "cfg")]) == 0
     data = json.loads(capsys.readouterr().out)
     chosen = next(c for c in data["candidates"] if c["chosen"])
-    assert data["chosen"] == chosen["name"] and chosen["memory"]["total"] <= data["memory_limit"]
+    assert data["chosen"] == chosen["name"] and chosen["memory"]["fit_bytes"] <= data["memory_limit"]
+    memory = chosen["memory"]
+    assert memory["allocated"] < memory["reserved"] < memory["total"] and chosen["precision"] == "bf16_mixed"
+    assert 0 < chosen["host_ram"]["peak"] <= data["host_ram"] and "assumed" in chosen["throughput"]["efficiency_source"]
     assert (tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
     written = {p.name for p in (tmp_path / "cfg").iterdir()}
     assert "accelerate.yaml" in written
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "alloc" in table and "resv" in table and "host" in table and "host RAM per node" in table
+    assert main([*args, "--lora", "--out", str(tmp_path / "lora")]) == 0  # LoRA stays the script's
+    assert "LoRA rank 16" in capsys.readouterr().err and (tmp_path / "lora" / "launch.sh").exists()
     # 63 is not a multiple of micro 2 x any data-parallel size: every layout is ruled out
     assert main([*args[:-2], "--global-batch", "63", "--micro-batch", "2"]) == 1
     assert main([*args[:2], "no-such-model", *args[3:]]) == 2

@@ -140,3 +140,53 @@ def test_host_ram_flags_offload_past_the_node_and_names_it():
     bigger = choose_layout(PlanRequest(model=model_spec("llama-2-70b"), gpu=gpu_spec("l4"), num_gpus=1,
                                        seq_len=2048, global_batch=8, host_ram_bytes=2 * 2**40))
     assert next(c for c in bigger.candidates if c.name == "zero3+offload_cpu").host.offload <= 2 * 2**40
+
+
+def test_published_anchors_are_within_target():
+    """bench/planner_anchors.py: every row (Harbor, torchtitan 7B memory, MPT-13B and torchtitan 13B throughput)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "planner_anchors.py"
+    spec = importlib.util.spec_from_file_location("planner_anchors", path)
+    anchors = importlib.util.module_from_spec(spec)
+    sys.modules["planner_anchors"] = anchors  # dataclasses look their module up
+    spec.loader.exec_module(anchors)
+    rows = anchors.memory_rows() + [row for row, _ in anchors.throughput_rows()]
+    assert len(rows) == 5 and all(abs(row.error) <= row.target for row in rows), rows
+
+
+def test_fsdp2_reduces_through_an_fp32_buffer_beside_bf16_gradients(tmp_path, monkeypatch):
+    """The reference for ``states.py``: FSDP2 itself (one gloo rank), as hf_dist applies it with ``--bf16``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
+
+    seen = []
+    copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+    def record(unsharded_grads, reduce_scatter_input, world_size):
+        seen.append(({g.dtype for g in unsharded_grads}, reduce_scatter_input.dtype,
+                     sum(g.numel() for g in unsharded_grads), reduce_scatter_input.numel()))
+        return copy_in(unsharded_grads, reduce_scatter_input, world_size)
+
+    monkeypatch.setattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", record)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = build_tiny_model(tiny_llama_config(hidden_size=64, num_hidden_layers=2, vocab_size=256))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        ids = torch.randint(0, 256, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    layer_params = sum(p.numel() for p in model.model.layers[0].parameters())
+    # per unit: bf16 gradients copied into an fp32 buffer of the same size, both alive during the copy
+    assert {(frozenset(g), rs) for g, rs, _, _ in seen} == {(frozenset({torch.bfloat16}), torch.float32)}
+    assert (layer_params, layer_params) in {(n, m) for _, _, n, m in seen}

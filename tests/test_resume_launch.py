@@ -5,6 +5,7 @@ One FSDP2 run of 4 steps saves checkpoint-2 and -4. From a copy of its checkpoin
 true` continues to step 4 with the same losses (1e-6); a relaunch into the first run's folder without the flag
 is refused before anything starts, and its checkpoints are untouched; one process resuming the FSDP2
 checkpoint-2 replaces the hf_dist checkpoint-4 with a Trainer-native one as a whole (no file of the old one left).
+A DDP run's (Trainer-native) checkpoint exports to a verified Hub folder.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ COMMON = [
 ]
 
 
-def _launch(out_dir: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
+def _launch(out_dir: Path, *extra: str, processes: int = 2, config: str = "fsdp") -> subprocess.CompletedProcess:
     if processes == 1:
         cmd = [sys.executable, str(TRAIN)]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp.yaml",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
                str(TRAIN)]
     cmd += [*COMMON, "--output_dir", str(out_dir), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
@@ -94,3 +95,28 @@ def test_other_format_replaces_a_checkpoint_whole(first_run, tmp_path):
     from hf_dist.trainer.resume import newest_checkpoint
 
     assert newest_checkpoint(run) == run / "checkpoint-4"
+
+
+def test_ddp_checkpoint_exports_to_a_verified_hub_folder(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_dist.cli import main
+
+    run = tmp_path / "ddp"
+    _ok(_launch(run, "--max_steps", "2", config="ddp"))
+    ckpt = run / "checkpoint-2"
+    assert (ckpt / "rng_state_1.pth").is_file() and not (ckpt / "manifest.json").exists()  # the Trainer's own
+    out = tmp_path / "hub"
+    assert main(["checkpoint", "export", str(ckpt), str(out), "--max-shard-size", "200KB"]) == 0
+    printed = capsys.readouterr().out
+    assert "records no checksums" in printed and "verified with from_pretrained: max |logit diff|" in printed
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "tokenizer.json").is_file()
+    assert not (out / "optimizer.pt").exists() and not (out / "trainer_state.json").exists()
+    torch.testing.assert_close(dict(AutoModelForCausalLM.from_pretrained(str(out)).state_dict()),
+                               dict(AutoModelForCausalLM.from_pretrained(str(ckpt)).state_dict()), atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(str(out)).vocab_size == AutoTokenizer.from_pretrained(str(ckpt)).vocab_size
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # truncated: refused, the earlier export kept
+    assert main(["checkpoint", "export", str(ckpt), str(out), "--overwrite"]) == 2
+    assert f"{ckpt}: the model does not load" in capsys.readouterr().err
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1

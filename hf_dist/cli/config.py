@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     parser.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
     parser.add_argument("--main-process-ip", help="node-0 address (multi-node; default: given at launch)")
     parser.add_argument("--main-process-port", type=int, help="node-0 port (multi-node; default: given at launch)")
-    parser.add_argument("--out", help="folder to write into")
+    parser.add_argument("--out", help="folder to write into (files already there are refused; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier --out")
     parser.add_argument("--ship", nargs="?", const=".", metavar="ROOT",
                         help="regenerate the shipped ds_configs/ and accelerate_configs/ under ROOT (default .)")
     parser.add_argument("--check", nargs="+", metavar="PATH",
@@ -91,7 +92,7 @@ def _check(paths: list[str]) -> int:
             print(f"ok: {name}")
         except (ValueError, OSError) as err:
             failed += 1
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}" if name in str(err) else f"error: {name}: {err}", file=sys.stderr)
     return 2 if failed else 0
 
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         layout = _layout(args)
-        written = write_files(args.out, layout_files(layout, args.out))
+        written = write_files(args.out, layout_files(layout, args.out), overwrite=args.overwrite)
     except ValueError as err:
         print(f"hf-dist config: error: {err}", file=sys.stderr)
         return 2

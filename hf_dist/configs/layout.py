@@ -263,6 +263,7 @@ def write_layout_configs(
     fsdp_version: int = 2,
     main_process_ip: str | None = None,
     main_process_port: int | None = None,
+    overwrite: bool = True,
     **layout_fields,
 ) -> list[Path]:
     """Write the configs of ``layout`` (or of the ``Layout`` built from ``layout_fields``: strategy, num_gpus,
@@ -280,11 +281,18 @@ def write_layout_configs(
         gradient_checkpointing=gradient_checkpointing, fsdp_version=fsdp_version,
         main_process_ip=main_process_ip, main_process_port=main_process_port,
     )
-    return write_files(out_dir, layout_files(spec, out_dir))
+    return write_files(out_dir, layout_files(spec, out_dir), overwrite=overwrite)
 
 
-def write_files(out_dir: str | Path, files: dict[str, str]) -> list[Path]:
+def write_files(out_dir: str | Path, files: dict[str, str], *, overwrite: bool = True) -> list[Path]:
+    """Write ``files`` into ``out_dir``; with ``overwrite=False`` refuse (before writing any) if one exists."""
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder to write the configs into")
+    existing = [name for name in files if (out / name).exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{out} already holds {', '.join(existing)}; choose a new --out folder, or pass --overwrite "
+                         f"to replace those files")
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in files.items():

@@ -31,6 +31,7 @@ from torch import nn
 from hf_dist.pipeline_parallel.checkpoint import save_pretrained
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import PipelineConfig
+from hf_dist.pipeline_parallel.stage_module import causal_lm_of
 from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
 
 
@@ -133,6 +134,10 @@ def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
             f"does not autocast; load the model in {wanted} (from_pretrained(..., dtype={wanted})) or drop bf16/fp16"
         )
     config = PipelineConfig(schedule=args.pp_schedule, microbatches=args.pp_microbatches)
+    if getattr(args, "layout_canary", True):
+        from hf_dist.pipeline_parallel.canary import check_pipeline_layout
+
+        check_pipeline_layout(causal_lm_of(model).config, trainer.dims, config, device=args.device)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
     pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)

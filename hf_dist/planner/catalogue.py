@@ -179,14 +179,28 @@ def _from_config(config, name: str) -> ModelSpec:
     )
 
 
+def _read_local_config(folder: str):
+    """``AutoConfig`` of a local folder, or a ``ValueError`` naming the file and what is wrong with it."""
+    from transformers import AutoConfig
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model={folder!r} is a folder without config.json; pass a model folder "
+                         f"(save_pretrained output) or a catalogue name")
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{path} cannot be read as a model config ({err}); fix or replace the file") from err
+
+
 def model_spec(model) -> ModelSpec:
     """A ``ModelSpec`` from a catalogue name, a local directory holding ``config.json``, or a ``PretrainedConfig``."""
     if isinstance(model, ModelSpec):
         return model
+    if isinstance(model, str | os.PathLike) and os.path.isfile(model) and os.path.basename(model) == "config.json":
+        model = os.path.dirname(os.path.abspath(model))  # users pass the file; the folder is what HF reads
     if isinstance(model, str | os.PathLike) and os.path.isdir(model):
-        from transformers import AutoConfig
-
-        return _from_config(AutoConfig.from_pretrained(os.fspath(model), local_files_only=True), os.fspath(model))
+        return _from_config(_read_local_config(os.fspath(model)), os.fspath(model))
     if isinstance(model, str):
         key = model.lower()
         if key not in MODEL_CATALOGUE:

@@ -9,7 +9,8 @@ The order is the case study's decision table, least communication first:
   4. FSDP FULL_SHARD, ZeRO-3 (parameters gathered every forward and backward)
   5. TP inside a node (2, 4, 8) on top of FULL_SHARD, with sequence parallel (all-reduces in every layer)
   6. PP (across nodes first), on top of FULL_SHARD, and of TP over the whole node
-  7. Offload of optimizer states (and ZeRO-3 parameters) to CPU, then NVMe
+  7. Offload: ZeRO-2 optimizer to CPU, ZeRO-3 optimizer only, FSDP parameters + optimizer, ZeRO-3 optimizer +
+     parameters to CPU, then to NVMe (every one checked against the node's host RAM)
 Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
 layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
@@ -75,6 +76,12 @@ class PlanRequest:
     """Host RAM per node; None: the GPU kind's typical node (``GpuSpec.host_ram_per_gpu_bytes`` x GPUs)."""
     loading: Loading = "every_rank"
     """How the weights are loaded (``host.py``)."""
+    base_efficiency: float | None = None
+    """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
+    efficiency_source: str | None = None
+    """Where ``base_efficiency`` comes from, for the report."""
+    useful_fraction: float = 1.0
+    """Share of non-padding tokens (from the dataset's lengths), for useful tokens/s and MFU."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "num_nodes", "seq_len", "global_batch", "micro_batch", "lora_rank"):
@@ -177,6 +184,11 @@ def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
             return f"rule: {err}"
     if pp > model.num_hidden_layers:
         return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
+    if pp > 1:
+        from hf_dist.pipeline_parallel.support import model_type_refusal  # the one PP support decision
+
+        refusal = model_type_refusal(model.model_type)
+        return f"rule: {refusal}" if refusal else None
     return None
 
 
@@ -202,7 +214,9 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
                         gradient_accumulation_steps=batch.gradient_accumulation_steps)
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
     host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
-    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus)
+    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus,
+                                     base_efficiency=req.base_efficiency, efficiency_source=req.efficiency_source,
+                                     useful_fraction=req.useful_fraction)
     gpu_fits, host_fits = memory.fit_bytes <= req.memory_limit, host.offload <= req.host_ram
     reasons = [] if gpu_fits else [
         f"does not fit: needs {gib(memory.fit_bytes):.1f} GiB per GPU (in use {gib(memory.total):.1f} + largest "

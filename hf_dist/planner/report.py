@@ -70,6 +70,9 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
                      f"{chosen.batch.gradient_accumulation_steps} (micro x dp x accumulation); "
                      f"{t.step_time_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
                      f"(efficiency {t.efficiency:.0%}: {t.efficiency_source})")
+        if req.useful_fraction < 1:
+            lines.append(f"useful (non-padding) tokens/s: {t.useful_tokens_per_s:,.0f} "
+                         f"({req.useful_fraction:.0%} of the tokens carry data)")
         if req.train_tokens:
             wall = _duration(t.wall_clock_s(req.train_tokens))
             lines.append(f"wall clock for {req.train_tokens:,.0f} tokens: {wall}")
@@ -92,6 +95,7 @@ def _candidate_dict(c: Candidate, train_tokens: float | None) -> dict:
     if c.throughput:
         t = c.throughput
         out["throughput"] = {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+                             "useful_tokens_per_s": t.useful_tokens_per_s,
                              "efficiency": t.efficiency, "efficiency_source": t.efficiency_source,
                              "model_flops_per_token": t.model_flops_per_token,
                              "executed_flops_per_token": t.executed_flops_per_token}
