@@ -111,8 +111,8 @@ class PipelineModel(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
-    """Split ``model`` into this rank's stages for ``trainer.dims`` (mesh built) and wrap it for the Trainer.
+def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
+    """Split ``model`` into this rank's stages for ``dims`` (mesh built) and wrap it for the Trainer.
 
     Activation checkpointing (``gradient_checkpointing`` or the FSDP request's) is enabled per decoder layer
     before the split; FSDP's ``reshard_after_forward`` is honoured. Mixed precision: the pipeline does not
@@ -134,7 +134,7 @@ def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
         )
     config = PipelineConfig(schedule=args.pp_schedule, microbatches=args.pp_microbatches)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
-    pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device, reshard_after_forward=reshard)
+    pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)
     # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
     wrapped.is_distributed_loading_by_transformers = True
