@@ -50,7 +50,7 @@ SEQ, BATCH, LORA_RANK = 64, 2, 8
 TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 LAYOUTS = {
     "ddp": dict(strategy="ddp"), "fsdp2": dict(strategy="fsdp_full_shard"), "zero2": dict(strategy="zero2"),
-    "zero3": dict(strategy="zero3"), "tp": dict(strategy="ddp", tp=2, tp_vocab_parallel=False),
+    "zero3": dict(strategy="zero3"), "tp": dict(strategy="ddp", tp=2),
     "lora": dict(strategy="ddp", lora_rank=LORA_RANK),
 }
 

@@ -86,9 +86,12 @@ def measure(args, dims: ParallelDims, schedule: str, microbatches: int) -> tuple
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, seed=0
     )
     pipe = PipelinedCausalLM(model, dims=dims, config=PipelineConfig(schedule=schedule, microbatches=microbatches))
-    busy = instrument(pipe)
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, args.vocab, (microbatches * args.micro_batch, args.seq), generator=g)}
+    pipe.train_step(batch)  # warm-up: builds the schedule for this batch shape
+    for p in pipe.parameters():
+        p.grad = None
+    busy = instrument(pipe)
     times, utils = [], []
     for step in range(args.steps + 1):
         dist.barrier()

@@ -88,6 +88,12 @@ class BatchContract:
             raise ValueError(f"lr_scaling={self.lr_scaling!r} is not a known rule; use one of {', '.join(LR_SCALINGS)}")
         if self.lr_scaling != "none" and self.base_learning_rate is None:
             raise ValueError(f"lr_scaling={self.lr_scaling!r} needs base_learning_rate; set it or use lr_scaling='none'")
+        base_lr = self.base_learning_rate
+        if base_lr is not None and not (isinstance(base_lr, (int, float)) and math.isfinite(base_lr) and base_lr > 0):
+            raise ValueError(
+                f"base_learning_rate={base_lr!r} must be a positive finite number (the learning rate tuned at "
+                f"base_batch_size, e.g. 2e-5)"
+            )
         if self.base_batch_size is not None and self.base_batch_size < 1:
             raise ValueError(f"base_batch_size={self.base_batch_size} must be a positive integer")
 

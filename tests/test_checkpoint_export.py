@@ -166,3 +166,55 @@ def test_zero3_converts_to_fsdp2_and_exports(tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(str(out))
     torch.testing.assert_close(dict(exported.state_dict()), trained, atol=0, rtol=0)
+
+
+def test_same_size_bit_flip_is_caught_by_default(fsdp_checkpoint, tmp_path, capsys):
+    """The manifest's SHA-256 is checked by default: a flipped byte that keeps the size is named."""
+    root, _ = fsdp_checkpoint
+    shard = root / "step_2" / "dcp" / "__0_0.distcp"
+    original = shard.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x01
+    try:
+        shard.write_bytes(bytes(flipped))
+        assert main(["checkpoint", "inspect", str(root)]) == 1
+        assert f"{shard} does not match its SHA-256" in capsys.readouterr().out
+        assert main(["checkpoint", "inspect", str(root), "--verify", "size"]) == 0  # asked for sizes only
+        capsys.readouterr()
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"an earlier export")
+        assert main(["checkpoint", "export", str(root), str(out), "--overwrite"]) == 2
+        assert f"{shard} does not match its SHA-256" in capsys.readouterr().err
+        assert (out / "model.safetensors").read_bytes() == b"an earlier export"  # refused before touching it
+    finally:
+        shard.write_bytes(original)
+
+
+def test_overwrite_replaces_only_the_model_files(fsdp_checkpoint, tmp_path, capsys):
+    root, params = fsdp_checkpoint
+    out = tmp_path / "hub"
+    assert main(["checkpoint", "export", str(root), str(out), "--max-shard-size", "40KB", "--no-verify"]) == 0
+    assert "checked" in capsys.readouterr().out and len(list(out.glob("model-*-of-*.safetensors"))) > 2
+    (out / "README.md").write_text("my model card")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}")
+    assert main(["checkpoint", "export", str(root), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "(--overwrite) to replace the model files in it" in err
+    assert main(["checkpoint", "export", str(root), str(out), "--overwrite", "--no-verify"]) == 0
+    assert (out / "README.md").read_text() == "my model card" and (out / "eval" / "scores.json").is_file()
+    assert not list(out.glob("model-*-of-*.safetensors")) and not (out / "model.safetensors.index.json").exists()
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(dict(exported.state_dict()), params, atol=0, rtol=0)
+
+
+def test_export_into_a_file_is_refused(fsdp_checkpoint, tmp_path, capsys):
+    root, _ = fsdp_checkpoint
+    target = tmp_path / "model.bin"
+    target.write_text("keep me")
+    assert main(["checkpoint", "export", str(root), str(target)]) == 2
+    assert f"output {target} is a file, not a folder" in capsys.readouterr().err
+    assert target.read_text() == "keep me"

@@ -15,7 +15,7 @@ from hf_dist.configs import (
     DeepSpeedBatch,
     DeepSpeedSpec,
     FsdpSpec,
-    Layout,
+    LaunchSpec,
     deepspeed_config,
     write_layout_configs,
 )
@@ -128,29 +128,32 @@ def test_batch_arithmetic_names_all_four():
 # -- layouts ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "fsdp"}, "strategy='fsdp' is not known"),
-    ({"strategy": "ddp", "offload": "cpu"}, "needs a sharded strategy"),
-    ({"strategy": "fsdp_full_shard", "offload": "nvme", "no_split_modules": LLAMA}, "FSDP offloads to CPU only"),
+    ({"strategy": "ddp", "offload": "cpu"}, "DDP replicates everything"),
+    ({"strategy": "fsdp_full_shard", "offload": "nvme", "no_split_modules": LLAMA}, "FSDP offloads .* to CPU only"),
+    ({"strategy": "zero2", "offload": "nvme"}, "NVMe .* only at ZeRO-3"),
     ({"strategy": "zero3", "tp": 2}, "not with DeepSpeed ZeRO"),
     ({"strategy": "fsdp_hybrid_shard", "no_split_modules": LLAMA}, "needs num_nodes >= 2"),
     ({"strategy": "fsdp_full_shard"}, "needs no_split_modules"),
     ({"strategy": "ddp", "tp": 3}, r"tp=3 does not divide num_gpus=8 .* use tp in \[1, 2, 4, 8\]"),
+    ({"strategy": "ddp", "tp": 2, "pp": 2, "sequence_parallel": True}, "not available with pp=2"),
     ({"strategy": "ddp", "micro_batch_size": 0}, "micro_batch_size=0 must be a positive integer"),
 ])
 def test_layout_refuses(kwargs, match):
     base = {"num_gpus": 8, "micro_batch_size": 1, "gradient_accumulation_steps": 1}
+    values = {**base, **kwargs}
     with pytest.raises(ValueError, match=match):
-        Layout(**{**base, **kwargs})
+        LaunchSpec.from_flat(**values)
 
 
 def test_layout_mesh_and_global_batch():
-    hybrid = Layout(strategy="fsdp_hybrid_shard", num_gpus=8, num_nodes=2, micro_batch_size=1,
-                    gradient_accumulation_steps=4, no_split_modules=LLAMA)
-    assert (hybrid.parallel_dims.dp_replicate, hybrid.parallel_dims.dp_shard) == (2, 8)
-    tp = Layout(strategy="fsdp_full_shard", num_gpus=8, num_nodes=2, micro_batch_size=2,
-                gradient_accumulation_steps=2, tp=4, no_split_modules=LLAMA)
-    assert (tp.dp, tp.parallel_dims.tp, tp.global_batch_size) == (4, 4, 2 * 2 * 4)
-    ddp = Layout(strategy="ddp", num_gpus=4, micro_batch_size=1, gradient_accumulation_steps=1)
-    assert (ddp.parallel_dims.dp_replicate, ddp.parallel_dims.dp_shard) == (4, 1)
+    hybrid = LaunchSpec.from_flat(strategy="fsdp_hybrid_shard", num_gpus=8, num_nodes=2, micro_batch_size=1,
+                                  gradient_accumulation_steps=4, no_split_modules=LLAMA)
+    assert (hybrid.layout.dims.dp_replicate, hybrid.layout.dims.dp_shard) == (2, 8)
+    tp = LaunchSpec.from_flat(strategy="fsdp_full_shard", num_gpus=8, num_nodes=2, micro_batch_size=2,
+                              gradient_accumulation_steps=2, tp=4, no_split_modules=LLAMA)
+    assert (tp.dp, tp.layout.dims.tp, tp.global_batch_size) == (4, 4, 2 * 2 * 4)
+    ddp = LaunchSpec.from_flat(strategy="ddp", num_gpus=4, micro_batch_size=1, gradient_accumulation_steps=1)
+    assert (ddp.layout.dims.dp_replicate, ddp.layout.dims.dp_shard) == (4, 1)
 
 
 def test_write_layout_configs_round_trips(tmp_path):
@@ -180,7 +183,7 @@ def test_fsdp_layout_carries_tp_in_the_command_and_checkpointing_in_fsdp(tmp_pat
     assert acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
     launch = (tmp_path / "launch.sh").read_text()
     assert "--tp_size 2 --pp_size 2" in launch and "--activation_checkpointing" not in launch
-    assert read_layout_file(tmp_path / "hf_dist.yaml").tp == 2
+    assert read_layout_file(tmp_path / "hf_dist.yaml").layout.tp == 2
 
 
 def test_fsdp_versions_and_hybrid_mesh():

@@ -50,7 +50,7 @@ def test_bad_lines_name_the_file_the_line_and_the_fix(tmp_path, line, message):
     path = _write(tmp_path / "bad.jsonl", [good, line])
     with pytest.raises(ValueError, match=message) as err:
         read_transcripts(path)
-    assert "each line must be one JSON object like" in str(err.value)
+    assert "each line or row must be one JSON object like" in str(err.value)
 
 
 def test_missing_and_empty_files(tmp_path):

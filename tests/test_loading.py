@@ -227,8 +227,8 @@ def test_a_model_laid_out_for_other_arguments_is_refused():
     from hf_dist import ParallelDims
     from hf_dist.trainer.laid_out import LaidOut, laid_out_by_hf_dist, stamp
 
-    model = stamp(nn.Linear(2, 2), LaidOut(dims=ParallelDims(world_size=2, tp=2), fsdp=False, num_parameters=6))
-    assert laid_out_by_hf_dist(model, ParallelDims(world_size=2, tp=2)).num_parameters == 6
+    model = stamp(nn.Linear(2, 2), LaidOut(dims=ParallelDims(world_size=2, tp=2), fsdp=False, flops=None))
+    assert laid_out_by_hf_dist(model, ParallelDims(world_size=2, tp=2)).dims.tp == 2
     with pytest.raises(ValueError, match="laid out for"):
         laid_out_by_hf_dist(model, ParallelDims(world_size=2, dp_shard=2))
     assert laid_out_by_hf_dist(nn.Linear(2, 2), ParallelDims(world_size=2, dp_shard=2)) is None

@@ -23,7 +23,7 @@ def test_find_stragglers_uses_the_median():
 
 
 def test_warning_once_per_occurrence():
-    meter = ThroughputMeter(num_parameters=1, model_parallel=1, peak_flops=None)
+    meter = ThroughputMeter(flops=None, model_parallel=1, peak_flops=None)
     for busy in ([1.0, 1.0, 2.0], [1.0, 1.0, 2.0], [1.0, 1.0, 1.0], [1.0, 1.0, 2.0], [3.0, 1.0, 2.0]):
         meter._warn_new_stragglers(busy, sorted(busy)[1])
     assert [m.split(" is busy")[0] for m in meter.warnings] == [

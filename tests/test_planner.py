@@ -21,7 +21,7 @@ from hf_dist.planner.activations import activation_model
 from hf_dist.planner.measure import SavedTensorBytes
 
 HARBOR_PEAK_GB = 41
-HARBOR = Workload(seq_len=4096, micro_batch_size=1, precision="bf16_autocast", attention="sdpa",
+HARBOR = Workload(seq_len=4096, micro_batch_size=1, precision="bf16_mixed", attention="sdpa",
                   activation_checkpointing=True, gradient_accumulation_steps=8)
 
 
@@ -48,41 +48,46 @@ def test_unknown_names_are_errors_that_list_the_choices():
         model_spec("llama-13b")
     with pytest.raises(ValueError, match="a100-80gb"):
         gpu_spec("a100")
-    with pytest.raises(ValueError, match="use ddp or an fsdp_. strategy"):
+    with pytest.raises(ValueError, match=r"not with DeepSpeed ZeRO; use an fsdp_\* strategy"):
         make_layout("zero2", 8, tp=2)
 
 
 def test_harbor_fsdp_full_shard_lands_within_10_percent_of_41_gb():
     """The case study: Llama-2-13B, 8 x A100-80GB, FSDP FULL_SHARD wrapping decoder layers, seq 4096, micro 1,
-    activation checkpointing, ``torch.cuda.amp.autocast(bf16)``, SDPA, ``limit_all_gathers=True``.
+    activation checkpointing, bf16, SDPA -- forecast in the precision hf_dist's FSDP2 runs with ``--bf16``
+    (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), which ``precision_that_runs`` picks.
 
     What sits in memory at the peak (backward of the last layer), as the planner counts it:
-      * fp32 parameter, gradient and Adam shards (autocast keeps the fp32 parameters as the master): 16 B/8;
-      * fp32 gathered units: FSDP casts nothing under autocast, so the layer in backward, the one prefetched
-        and the root unit (embeddings, norm, lm_head, never resharded after forward) are fp32;
-      * the layer's fp32 unsharded gradient before reduce-scatter and lm_head's, held until the root's
-        reduce-scatter at the end of backward;
-      * 40 checkpointed layer inputs in fp32 (the residual stream stays fp32 under autocast) and the
-        recomputed layer's saved set (bf16 matmul I/O, fp32 norms, the bf16 weight casts autocast saves);
-      * 5 % allocator fragmentation and 1 GiB of CUDA context + NCCL buffers (see ``memory.py``).
+      * fp32 parameter, gradient and Adam shards (the shards are the master): 16 B/8;
+      * bf16 gathered units: the layer in backward, the one prefetched and the root unit (embeddings, norm,
+        lm_head, never resharded after forward);
+      * the layer's bf16 unsharded gradient and its fp32 reduce-scatter input, and lm_head's bf16 gradient,
+        held until the root's reduce-scatter at the end of backward;
+      * 40 checkpointed bf16 layer inputs and the recomputed layer's saved set;
+      * the caching allocator's slack over the transient bytes, 1 GiB of CUDA context + NCCL buffers.
     """
+    from hf_dist.strategy import precision_that_runs
+
     model, gpu = model_spec("llama-2-13b"), gpu_spec("a100-80gb")
-    b = estimate_memory(model, HARBOR, make_layout("fsdp_full_shard", 8))
-    # within 10% whether the case study's "41 GB" means 41e9 bytes or 41 GiB
-    for measured in (HARBOR_PEAK_GB * 1e9, HARBOR_PEAK_GB * 2**30):
-        assert abs(b.total - measured) / measured < 0.10
+    layout = make_layout("fsdp_full_shard", 8)
+    assert precision_that_runs(layout, "bf16") == HARBOR.precision == "bf16_mixed"
+    b = estimate_memory(model, HARBOR, layout)
+    # within 10% of the case study's 41 GB in use (the issue's -16% for the old forecast is against 41e9 bytes)
+    assert abs(b.total - HARBOR_PEAK_GB * 1e9) / (HARBOR_PEAK_GB * 1e9) < 0.10
     # the terms come from the model: fp32 shards of params/grads/Adam over 8 ranks...
     tensors = len(list(model.param_shapes()))
     assert b.parameters == b.gradients and b.optimizer_states == 2 * b.parameters + 4 * tensors
     assert b.parameters == 4 * sum(-(-s[0] // 8) * (s[1] if len(s) > 1 else 1) for _, s in model.param_shapes())
-    # ...two fp32 decoder layers and the fp32 root unit gathered, one layer's and lm_head's fp32 gradients
+    # ...two bf16 decoder layers and the bf16 root unit gathered; one layer's bf16 gradient + fp32 reduce input
     root = model.embedding_params + model.lm_head_params + model.hidden_size
-    assert b.gathered_params == 4 * (2 * model.layer_params + root)
-    assert b.unsharded_grads == 4 * (model.layer_params + model.lm_head_params)
-    # ...40 checkpointed fp32 layer inputs (plus the input ids) and one recomputed layer
-    assert b.activations == 40 * 4 * 4096 * 5120 + 8 * 4096
-    assert b.recomputed_layer == activation_model(model, HARBOR, make_layout("fsdp_full_shard", 8)).layer.total
-    assert b.peak_phase == "backward" and b.total < gpu.memory_bytes
+    assert b.gathered_params == 2 * (2 * model.layer_params + root)
+    assert b.unsharded_grads == (2 + 4) * model.layer_params + 2 * model.lm_head_params
+    # ...40 checkpointed bf16 layer inputs (plus the input ids) and one recomputed layer
+    assert b.activations == 40 * 2 * 4096 * 5120 + 8 * 4096
+    assert b.recomputed_layer == activation_model(model, HARBOR, layout).layer.total
+    assert b.peak_phase == "backward" and b.allocated < b.reserved < b.total < b.fit_bytes < gpu.memory_bytes
+    # the slack covers only the transient part: model states pack tightly
+    assert b.allocator_slack == int(0.70 * (b.allocated - b.model_states))
 
 
 def test_harbor_ddp_does_not_fit_and_says_by_how_much():
@@ -91,7 +96,7 @@ def test_harbor_ddp_does_not_fit_and_says_by_how_much():
     ddp = plan.candidates[0]
     assert ddp.name == "ddp" and not ddp.fits
     assert ddp.memory.total > 3 * plan.request.gpu.memory_bytes
-    assert "over by" in ddp.reason and f"{(ddp.memory.total - plan.request.memory_limit) / 2**30:.1f}" in ddp.reason
+    assert "over by" in ddp.reason and f"{(ddp.memory.fit_bytes - plan.request.memory_limit) / 2**30:.1f}" in ddp.reason
     chosen = plan.chosen
     assert chosen is not None and chosen.fits and chosen.batch.gradient_accumulation_steps == 8
     # every candidate before the chosen one is rejected with its memory or a rule; every later one says why not
@@ -141,7 +146,7 @@ def test_predicted_activations_match_saved_tensor_bytes(attention, checkpointing
 
 def test_cpu_assumptions_drop_the_allowances():
     b = estimate_memory(model_spec("llama-2-7b"), HARBOR, make_layout("ddp", 2), MemoryAssumptions(device="cpu"))
-    assert b.framework == 0 and b.fragmentation == 0 and b.total == b.allocated
+    assert b.framework == 0 and b.allocator_slack == 0 and b.total == b.reserved == b.allocated
 
 
 def test_plan_cli_json_plot_and_out(tmp_path, capsys):
@@ -152,10 +157,18 @@ def test_plan_cli_json_plot_and_out(tmp_path, capsys):
     assert main([*args, "--json", "--plot", str(tmp_path / "mem.png"), "--out", str(tmp_path / "cfg")]) == 0
     data = json.loads(capsys.readouterr().out)
     chosen = next(c for c in data["candidates"] if c["chosen"])
-    assert data["chosen"] == chosen["name"] and chosen["memory"]["total"] <= data["memory_limit"]
+    assert data["chosen"] == chosen["name"] and chosen["memory"]["fit_bytes"] <= data["memory_limit"]
+    memory = chosen["memory"]
+    assert memory["allocated"] < memory["reserved"] < memory["total"] and chosen["precision"] == "bf16_mixed"
+    assert 0 < chosen["host_ram"]["peak"] <= data["host_ram"] and "assumed" in chosen["throughput"]["efficiency_source"]
     assert (tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
     written = {p.name for p in (tmp_path / "cfg").iterdir()}
     assert "accelerate.yaml" in written
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "alloc" in table and "resv" in table and "host" in table and "host RAM per node" in table
+    assert main([*args, "--lora", "--out", str(tmp_path / "lora")]) == 0  # LoRA stays the script's
+    assert "LoRA rank 16" in capsys.readouterr().err and (tmp_path / "lora" / "launch.sh").exists()
     # 63 is not a multiple of micro 2 x any data-parallel size: every layout is ruled out
     assert main([*args[:-2], "--global-batch", "63", "--micro-batch", "2"]) == 1
     assert main([*args[:2], "no-such-model", *args[3:]]) == 2

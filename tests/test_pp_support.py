@@ -1,60 +1,67 @@
-"""The pipeline stopgap: configurations the Llama stage module does not reproduce are refused by name."""
+"""The one PP support decision: proven dense model types pass; MoE, hybrid, plan-less and unproven types are
+refused by name before any process group starts, by DistTrainer, ``hf-dist pp`` and the planner alike."""
 
 import pytest
 from transformers import AutoConfig
 
 from hf_dist.models.tiny import tiny_llama_config
-from hf_dist.pipeline_parallel.support import check_pipeline_support
+from hf_dist.pipeline_parallel.support import check_pipeline_support, pipeline_refusal
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128)
 
 
-def test_plain_llama_is_accepted():
-    check_pipeline_support(tiny_llama_config())
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("llama", {}),
+        ("mistral", {"sliding_window": 8}),
+        ("cohere", {}),
+        ("gemma2", {"final_logit_softcapping": 5.0}),
+        ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}),
+        ("gemma3_text", {}),
+        ("olmo3", {}),
+    ],
+)
+def test_proven_model_types_are_accepted_with_their_own_fields(model_type, overrides):
+    check_pipeline_support(AutoConfig.for_model(model_type, **SMALL, **overrides))
 
 
 @pytest.mark.parametrize(
-    "model_type, overrides, field",
+    "model_type, reason",
     [
-        ("mistral", {"sliding_window": 8}, "model_type='mistral'"),
-        ("phi3", {"sliding_window": 8}, "model_type='phi3'"),
-        ("starcoder2", {"sliding_window": 8}, "model_type='starcoder2'"),
-        ("cohere", {}, "model_type='cohere'"),
-        ("cohere2", {}, "model_type='cohere2'"),
-        ("gemma2", {}, "model_type='gemma2'"),
-        ("gemma2", {"final_logit_softcapping": 5.0}, "model_type='gemma2'"),
-        ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
-                     "attention_multiplier": 0.0078}, "model_type='granite'"),
-        ("gemma3_text", {}, "model_type='gemma3_text'"),
-        ("olmo3", {}, "model_type='olmo3'"),
-        ("qwen2", {}, "model_type='qwen2'"),
+        ("mixtral", "mixture-of-experts model .num_experts=8."),
+        ("qwen3_moe", "mixture-of-experts"),
+        ("olmo_hybrid", r"non-attention layers \['linear_attention'\]"),
+        ("gpt2", "declares no base_model_pp_plan"),
+        ("bloom", "declares no base_model_pp_plan"),
     ],
 )
-def test_untested_model_types_are_refused_by_name(model_type, overrides, field):
-    config = AutoConfig.for_model(model_type, **SMALL, **overrides)
-    with pytest.raises(ValueError, match=field):
+def test_moe_hybrid_and_planless_types_are_refused_by_name(model_type, reason):
+    config = AutoConfig.for_model(model_type)
+    with pytest.raises(ValueError, match=f"model_type='{model_type}'.*{reason}.*pp_size=1"):
         check_pipeline_support(config)
 
 
-@pytest.mark.parametrize(
-    "overrides, field",
-    [
-        ({"logit_scale": 0.0625}, "logit_scale=0.0625"),
-        ({"logits_scaling": 8.0}, "logits_scaling=8.0"),
-        ({"embedding_multiplier": 12.0}, "embedding_multiplier=12.0"),
-        ({"residual_multiplier": 0.22}, "residual_multiplier=0.22"),
-        ({"final_logit_softcapping": 5.0}, "final_logit_softcapping=5.0"),
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
-        ({"sliding_window": 8}, "sliding_window=8"),
-    ],
-)
-def test_llama_with_fields_the_stages_ignore_is_refused(overrides, field):
+def test_unproven_type_is_refused_naming_the_missing_test():
     config = tiny_llama_config()
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    with pytest.raises(ValueError, match=field):
-        check_pipeline_support(config)
+    config.model_type = "my_llama_fork"
+    config.base_model_pp_plan = {"embed_tokens": None, "layers": None, "norm": None}
+    assert "no PP parity case in tests/test_pp_sweep.py" in pipeline_refusal(config)
+
+
+def test_cli_and_planner_use_the_same_decision(capsys):
+    from hf_dist.cli import main
+    from hf_dist.planner.catalogue import ModelSpec
+    from hf_dist.planner.chooser import _shape_rule
+    from hf_dist.planner.layout import make_layout
+
+    mixtral = ModelSpec(name="m", model_type="mixtral", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+    assert "mixture-of-experts" in _shape_rule(mixtral, make_layout("fsdp_full_shard", 2, pp=2))
+    assert _shape_rule(mixtral, make_layout("fsdp_full_shard", 2)) is None
+    assert main(["pp", "--model", "llama-2-13b", "--pp", "2"]) == 0  # proven type: the split is printed
+    capsys.readouterr()
 
 
 def test_dist_trainer_refuses_before_the_process_group(tmp_path):
@@ -63,10 +70,11 @@ def test_dist_trainer_refuses_before_the_process_group(tmp_path):
 
     from hf_dist import DistTrainer, DistTrainingArguments
 
-    config = AutoConfig.for_model("cohere", **SMALL)
+    config = AutoConfig.for_model("qwen2_moe", **SMALL, num_experts=4, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=32)
     model = AutoModelForCausalLM.from_config(config)
     args = DistTrainingArguments(output_dir=str(tmp_path), pp_size=1, use_cpu=True, report_to=[])
     args.pp_size = 2  # as a launcher with 2 ranks would have it; the check reads the model, not the world
-    with pytest.raises(ValueError, match="model_type='cohere'"):
+    with pytest.raises(ValueError, match="model_type='qwen2_moe' is a mixture-of-experts model"):
         DistTrainer(model=model, args=args)
     assert not dist.is_initialized()

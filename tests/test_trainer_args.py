@@ -95,9 +95,10 @@ def test_accelerate_fsdp2_request_is_taken_over(monkeypatch):
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
     args = _launch_args()
     launch_env.prepare_environment(args)
-    assert args.hf_dist_fsdp.reshard_after_forward is False
-    assert args.hf_dist_fsdp.wrap_classes == ("LlamaDecoderLayer",)
-    assert "ACCELERATE_USE_FSDP" not in os.environ and "FSDP_VERSION" not in os.environ
+    request = launch_env.FsdpRequest.from_fields(args)
+    assert request.reshard_after_forward is False
+    assert request.wrap_classes == ("LlamaDecoderLayer",)
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ["FSDP_VERSION"] == "2"  # read, not deleted
     assert not args.fsdp
 
 
@@ -127,8 +128,8 @@ def test_hybrid_shard_replicas_come_from_the_accelerate_parallelism_config(monke
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
     args = _launch_args()
     launch_env.prepare_environment(args)
-    assert args.hf_dist_fsdp.dp_replicate == 2
-    assert "PARALLELISM_CONFIG_DP_REPLICATE_SIZE" not in os.environ  # accelerate must not build its own mesh
+    assert args.fsdp2_dp_replicate == 2
+    assert os.environ["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] == "2"  # left for any other reader
 
 
 def test_accelerate_tp_size_must_match_tp_size(monkeypatch):

@@ -11,6 +11,9 @@ CPU twin (2 processes, a random-init Llama-class model built from a config, synt
     accelerate launch --config_file accelerate_configs/fsdp.yaml examples/harbor/train.py --preset tiny
 
 Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 32``, ``--tp_size 2``, ...).
+``--resume_from_checkpoint true`` continues from the newest complete checkpoint in ``--output_dir`` (``auto``: the
+same, or a fresh start when there is none); an output dir holding checkpoints is refused without it (or
+``--overwrite_output_dir``).
 ``--lora`` trains a LoRA adapter on a frozen base instead of the full model.
 """
 
@@ -25,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_dist import DistTrainer, DistTrainingArguments, data
 from hf_dist.models import tiny_llama_config
+from hf_dist.trainer import resume
 
 # Each preset is a list of command-line defaults; flags given by the user come later and win.
 PRESETS: dict[str, list[str]] = {
@@ -55,7 +59,9 @@ class ScriptArguments:
         default=None, metadata={"help": "Hub id or local dir; tiny builds a random-init Llama from a config when unset"}
     )
     data_path: str | None = field(
-        default=None, metadata={"help": "transcripts JSONL; tiny generates synthetic transcripts when unset"}
+        default=None,
+        metadata={"help": "json/jsonl/parquet/csv/txt with 'messages', 'prompt'+'completion' or 'text' columns "
+                          "(hf_dist.data.build_datasets); tiny generates synthetic transcripts when unset"},
     )
     num_conversations: int = field(default=1600, metadata={"help": "synthetic transcripts to generate (tiny)"})
     max_seq_len: int = field(default=256, metadata={"help": "tokens per sequence (longer ones are truncated)"})
@@ -66,6 +72,11 @@ class ScriptArguments:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
+    show_answers: int = field(
+        default=0, metadata={"help": "print greedy answers to this many new customer messages before and after "
+                                     "training, and from the saved model reloaded (which must give the same)"}
+    )
+    answer_tokens: int = field(default=32, metadata={"help": "new tokens per answer (--show_answers)"})
 
 
 def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
@@ -79,6 +90,13 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
         raise ValueError(f"--preset {preset!r} is not a preset; use one of {', '.join(PRESETS)}")
     parser = HfArgumentParser((ScriptArguments, DistTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(args=PRESETS[preset] + list(argv))
+    if script.data_path is not None and script.model_name_or_path is None:
+        raise ValueError(
+            f"--data_path {script.data_path} needs --model_name_or_path (a local model folder or Hub id) whose "
+            f"tokenizer encodes it; the random-init tiny model only trains on the synthetic transcripts"
+        )
+    # Before any process group or data: never train over a previous run's checkpoints without being told.
+    resume.check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     return script, args
 
 
@@ -88,17 +106,20 @@ def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
     # One writer per filesystem: the job's main process, or each node's with --save_on_each_node (local disks).
     writer = args.local_process_index == 0 if args.save_on_each_node else args.process_index == 0
     with args.main_process_first(local=args.save_on_each_node, desc="prepare data"):
+        source = script.data_path or out / "transcripts.jsonl"
         if script.data_path is None and writer:
-            jsonl, tokenizer = data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
-        elif script.data_path is None:  # written by the main process, which went first
-            jsonl, tokenizer = out / "transcripts.jsonl", AutoTokenizer.from_pretrained(out / "tokenizer")
+            if script.model_name_or_path is None:  # the random-init model gets a tokenizer trained on the data
+                data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
+            else:  # a pretrained model brings its own tokenizer
+                data.write_jsonl(source, script.num_conversations, args.seed)
+        if script.model_name_or_path is None:  # written by the main process, which went first
+            tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
         else:
-            jsonl = Path(script.data_path)
             tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
             if tokenizer.pad_token is None:
                 tokenizer.pad_token = tokenizer.eos_token
         train, eval_ = data.build_datasets(
-            jsonl, tokenizer, max_seq_len=script.max_seq_len, loss_on=script.loss_on,
+            source, tokenizer, max_seq_len=script.max_seq_len, loss_on=script.loss_on,
             eval_fraction=script.eval_fraction, seed=args.seed, packed=script.packed,
         )
     return tokenizer, train, eval_
@@ -148,8 +169,12 @@ def lora_config(script: ScriptArguments):
     )
 
 
-def reload_check(final_dir: Path, lora: bool) -> str:
-    """Load what was saved the way a user would, and say what came back (main process only)."""
+def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | None = None, answer_tokens: int = 32):
+    """Load what was saved the way a user would; say what came back and its answers (main process only).
+
+    LoRA: the adapter loads with ``AutoPeftModelForCausalLM``; it is then merged into its base, saved to
+    ``<final_dir>-merged`` and that plain directory is reloaded with ``AutoModelForCausalLM`` to answer.
+    """
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # else from_pretrained under ZeRO-3 waits for the other ranks (zero.Init)
@@ -158,9 +183,37 @@ def reload_check(final_dir: Path, lora: bool) -> str:
 
         model = AutoPeftModelForCausalLM.from_pretrained(final_dir)
         trainable = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-        return f"AutoPeftModelForCausalLM.from_pretrained: ok ({trainable:,} adapter parameters)"
-    model = AutoModelForCausalLM.from_pretrained(final_dir)
-    return f"AutoModelForCausalLM.from_pretrained: ok ({model.num_parameters():,} parameters)"
+        line = f"AutoPeftModelForCausalLM.from_pretrained: ok ({trainable:,} adapter parameters)"
+        if prompts:
+            merged_dir = final_dir.with_name(final_dir.name + "-merged")
+            model.merge_and_unload().save_pretrained(merged_dir)
+            tokenizer.save_pretrained(merged_dir)
+            model = AutoModelForCausalLM.from_pretrained(merged_dir)
+            line += f"; merged into {merged_dir}, reloaded with AutoModelForCausalLM.from_pretrained"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(final_dir)
+        line = f"AutoModelForCausalLM.from_pretrained: ok ({model.num_parameters():,} parameters)"
+    return line, answers(model, tokenizer, prompts or [], answer_tokens)
+
+
+def held_out_prompts(script: ScriptArguments, args: DistTrainingArguments) -> list[list[dict]]:
+    """System + first customer message of ``--show_answers`` new synthetic conversations (another seed)."""
+    conversations = data.generate_conversations(script.show_answers, seed=args.seed + 1)
+    return [[m for m in c["messages"] if m["role"] != "assistant"][:2] for c in conversations]
+
+
+def answers(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
+    """Greedy answers; on a sharded (FSDP2) model every rank must call this with the same prompts."""
+    from hf_dist.models import greedy_answer
+
+    return [greedy_answer(model, tokenizer, p, max_new_tokens=max_new_tokens) for p in prompts]
+
+
+def print_answers(prompts: list, columns: dict[str, list[str]]) -> None:
+    for i, prompt in enumerate(prompts):
+        print(f"\n[{i + 1}] customer: {prompt[-1]['content']}")
+        for label, texts in columns.items():
+            print(f"    {label:>9}: {texts[i]}")
 
 
 def layout_line(trainer) -> str:
@@ -178,18 +231,25 @@ def main(argv: list[str]) -> int:
         ),
         preprocess_logits_for_metrics=data.preprocess_logits_for_metrics, compute_metrics=data.compute_metrics,
     )
+    prompts = held_out_prompts(script, args) if script.show_answers else []
+    in_memory = trainer.accelerator.unwrap_model(trainer.model)
+    answers_before = answers(in_memory, tokenizer, prompts, script.answer_tokens)
     before = trainer.evaluate(metric_key_prefix="before") if eval_ is not None else {}
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # true | auto | PATH
     after = trainer.evaluate(metric_key_prefix="after") if eval_ is not None else {}
+    answers_after = answers(in_memory, tokenizer, prompts, script.answer_tokens)
     final_dir = Path(args.output_dir) / "final"
     trainer.save_model(str(final_dir))
     if trainer.is_world_process_zero():
+        reload_line, answers_reloaded = reload_check(final_dir, script.lora, tokenizer, prompts, script.answer_tokens)
         losses = [round(log["loss"], 4) for log in trainer.state.log_history if "loss" in log]
         summary = {
             "preset": script.preset, "lora": script.lora, "layout": layout_line(trainer),
             "losses": losses, "train_loss": result.training_loss,
             "perplexity_before": before.get("before_perplexity"), "perplexity_after": after.get("after_perplexity"),
-            "final_dir": str(final_dir), "reload": reload_check(final_dir, script.lora),
+            "final_dir": str(final_dir), "reload": reload_line, "answers_before": answers_before,
+            "answers_after": answers_after, "answers_reloaded": answers_reloaded,
+            "reload_same_answers": answers_reloaded == answers_after,
         }
         (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         print("\n== Harbor fine-tune summary ==")
@@ -197,6 +257,10 @@ def main(argv: list[str]) -> int:
         if before:
             print(f"eval perplexity: {summary['perplexity_before']:.2f} before -> {summary['perplexity_after']:.2f} after")
         print(f"model saved to: {final_dir}  ({summary['reload']})")
+        if prompts:
+            print_answers(prompts, {"before": answers_before, "after": answers_after, "reloaded": answers_reloaded})
+            same = "yes" if summary["reload_same_answers"] else "NO"
+            print(f"\nreloaded model gives the same answers as the trained one: {same}")
     return 0
 
 

@@ -1,13 +1,14 @@
 """Export a DCP training checkpoint (any layout) to a Hub-ready folder, one output shard at a time.
 
 The output is what ``save_pretrained`` writes: ``model-0000k-of-0000n.safetensors`` + index, ``config.json``,
-``generation_config.json`` and the tokenizer. The shard plan comes from the DCP metadata alone (global shapes
-and dtypes, as meta tensors, through ``huggingface_hub.split_torch_state_dict_into_shards``); each shard's
-tensors are then read from the DCP files by key, written, and dropped, so the export itself holds about one
-shard in memory. Verification (on by default) loads the result with ``AutoModelForCausalLM.from_pretrained``
-and compares logits on a probe batch with the checkpoint loaded directly: that step holds two models.
+``generation_config.json`` and the tokenizer. Every checkpoint file is first checked against its SHA-256 in the
+manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, as meta tensors, through
+``huggingface_hub.split_torch_state_dict_into_shards``); each shard's tensors are then read from the DCP files by
+key, written, and dropped, so the export itself holds about one shard in memory. Verification (on by default)
+loads the result with ``AutoModelForCausalLM.from_pretrained`` and compares logits on a probe batch with the
+checkpoint loaded directly: that step holds two models.
 
-Not here: LoRA adapters (``lora_export``), ZeRO checkpoints (``zero``).
+Not here: LoRA adapters (``lora_export``), ZeRO checkpoints (``zero``), Trainer-native ones (``native_export``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class ExportReport:
     """Tensor bytes of the largest output shard: about the peak memory of the export."""
     max_logit_diff: float | None = None
     """Largest |logit difference| between the export and the checkpoint on the probe batch (None: not verified)."""
+    checksums_verified: int | None = None
+    """Checkpoint files whose SHA-256 matched the manifest before anything was read (None: it records none)."""
 
 
 def tensor_metadata(ckpt: Path) -> dict[str, TensorStorageMetadata]:
@@ -150,12 +153,30 @@ def drop_tied(names: dict, config: dict) -> dict:
     return names
 
 
+# What an export writes besides config/tokenizer files (those are overwritten by name). With ``overwrite``, these
+# are removed first, so that a previous export's shards or index cannot mix with the new ones; nothing else is.
+WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", INDEX_NAME, "adapter_model.safetensors",
+                   "adapter_config.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
 def prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
+    """A folder to export into: new or empty, or (``overwrite``) with its previous model files removed."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} is a file, not a folder; pass a new or empty folder to export into")
+    if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise ValueError(f"output folder {out} is not empty; choose a new folder or pass overwrite=True (--overwrite)")
-        shutil.rmtree(out)
+            raise ValueError(f"output folder {out} is not empty; choose a new folder, or pass overwrite=True "
+                             f"(--overwrite) to replace the model files in it (other files are kept)")
+        for pattern in WEIGHT_PATTERNS:
+            for stale in out.glob(pattern):
+                stale.unlink()
     out.mkdir(parents=True, exist_ok=True)
+
+
+def verify_checksums(ckpt: Path, manifest: mf.Manifest) -> int:
+    """Every file against its size and SHA-256 in the manifest (``CheckpointError`` naming the first bad one)."""
+    mf.verify_files(ckpt, manifest, "sha256")
+    return sum(1 for entry in manifest.files if entry.sha256 is not None)
 
 
 def export_causal_lm(
@@ -170,11 +191,11 @@ def export_causal_lm(
     """Write a ``from_pretrained``-ready folder for the model in checkpoint ``ckpt``."""
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
     manifest = mf.read_manifest(ckpt)
-    mf.verify_files(ckpt, manifest, "size")
     if manifest.model_kind == "peft":
         raise ValueError(f"{ckpt} holds a PEFT model; export it with adapter='adapter' or adapter='merged'")
+    checked = verify_checksums(ckpt, manifest)  # before the output folder is touched
     prepare_out(out, overwrite)
-    report = ExportReport(out_dir=out)
+    report = ExportReport(out_dir=out, checksums_verified=checked)
     copy_hf_files(ckpt, out, report, tokenizer_dir)
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     metas = drop_tied(tensor_metadata(ckpt), config)
@@ -239,10 +260,15 @@ def export_checkpoint(
     overwrite: bool = False,
     trust_pickles: bool = False,
 ) -> ExportReport:
-    """Export an hf_dist checkpoint, a LoRA one (``adapter='adapter'|'merged'``) or a DeepSpeed ZeRO folder."""
-    from hf_dist.checkpoint import zero
+    """Export an hf_dist checkpoint, a LoRA one (``adapter='adapter'|'merged'``), a DeepSpeed ZeRO folder, or a
+    checkpoint the Trainer wrote itself (DDP, one process: ``model.safetensors`` + ``config.json``)."""
+    from hf_dist.checkpoint import native_export, zero
 
     common = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, verify=verify, overwrite=overwrite)
+    if native_export.is_native_model_dir(Path(ckpt)):
+        if adapter is not None:
+            raise ValueError(f"{ckpt} is a Trainer-native checkpoint of a plain model; export it without --adapter")
+        return native_export.export_native(ckpt, out, **common)
     if zero.is_zero_checkpoint(Path(ckpt)):
         return zero.export_zero(ckpt, out, config_dir=config_dir, trust_pickles=trust_pickles, **common)
     if adapter is not None:

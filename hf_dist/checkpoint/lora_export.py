@@ -29,6 +29,7 @@ from hf_dist.checkpoint.export import (
     copy_hf_files,
     plan_shards,
     prepare_out,
+    verify_checksums,
     read_tensors,
     tensor_metadata,
     write_shards,
@@ -125,7 +126,6 @@ def export_peft(
         raise ValueError(f"adapter={mode!r} is not an export mode; use 'adapter' or 'merged'")
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
     manifest = mf.read_manifest(ckpt)
-    mf.verify_files(ckpt, manifest, "size")
     if manifest.model_kind != "peft":
         raise ValueError(f"{ckpt} holds a plain model (no adapter); export it without --adapter")
     adapter_dir = _adapter_dir(ckpt)
@@ -133,8 +133,9 @@ def export_peft(
     metas = tensor_metadata(ckpt)
     pairs, base = _split_keys(metas, adapter_dir.name)
     _check_adapter(metas, pairs, config)
+    checked = verify_checksums(ckpt, manifest)  # before the output folder is touched
     prepare_out(out, overwrite)
-    report = ExportReport(out_dir=out)
+    report = ExportReport(out_dir=out, checksums_verified=checked)
     if mode == "adapter":
         from safetensors.torch import save_file
 

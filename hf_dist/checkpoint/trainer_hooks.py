@@ -114,19 +114,6 @@ def restore_trainer_rng(trainer, checkpoint) -> bool:
     return True
 
 
-def resolve_resume_arg(trainer, resume_from_checkpoint):
-    """``resume_from_checkpoint=True``: the checkpoint ``output_dir/latest`` names (complete by construction).
-
-    The plain Trainer would take the highest ``checkpoint-N`` folder, which may be a save that died before
-    its completion marker.
-    """
-    if resume_from_checkpoint is True and not trainer.is_deepspeed_enabled:
-        latest = Path(trainer.args.output_dir) / mf.LATEST_NAME
-        if latest.is_file():
-            return str(mf.resolve_checkpoint(trainer.args.output_dir))
-    return resume_from_checkpoint
-
-
 @contextlib.contextmanager
 def sharded_checkpoints_accepted(args, owns_layout: bool):
     """Let ``Trainer.__init__`` accept ``save_strategy`` for a model whose layout hf_dist owns.

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # Each name is a module hf_dist.cli.<name> with register(subparsers).
-SUBCOMMANDS: tuple[str, ...] = ("batch", "checkpoint", "plan", "config", "doctor", "report", "pp")
+SUBCOMMANDS: tuple[str, ...] = ("batch", "checkpoint", "plan", "config", "doctor", "report", "pp", "demo_model")
 
 
 def build_parser() -> argparse.ArgumentParser:

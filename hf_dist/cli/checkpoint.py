@@ -13,11 +13,13 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     inspect = sub.add_parser("inspect", help="print layout, step, sizes and completeness of a checkpoint")
     inspect.add_argument("ckpt", help="a checkpoint folder, or a folder with a `latest` file")
-    inspect.add_argument("--verify", choices=("size", "sha256"), default="size", help="how to check each file")
+    inspect.add_argument("--verify", choices=("size", "sha256"), default="sha256",
+                         help="how to check each file: its SHA-256 in the manifest (default) or only its size")
     inspect.set_defaults(func=run_inspect)
     export = sub.add_parser("export", help="write sharded safetensors + index, config and tokenizer for the Hub")
-    export.add_argument("ckpt", help="an hf_dist checkpoint (any layout) or a DeepSpeed ZeRO checkpoint folder")
-    export.add_argument("out", help="output folder (must be new or empty)")
+    export.add_argument("ckpt", help="an hf_dist checkpoint (any layout), a Trainer checkpoint-N (DDP, one process) "
+                        "or a DeepSpeed ZeRO checkpoint folder")
+    export.add_argument("out", help="output folder (new or empty; see --overwrite)")
     export.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
     export.add_argument("--tokenizer", default=None, help="tokenizer folder to ship (default: the checkpoint's)")
     export.add_argument("--adapter", choices=("adapter", "merged"), default=None,
@@ -26,7 +28,8 @@ def register(subparsers) -> None:
     export.add_argument("--trust-deepspeed-pickles", action="store_true",
                         help="allow reading a DeepSpeed ZeRO folder (its files are pickles that can run code)")
     export.add_argument("--no-verify", action="store_true", help="skip the from_pretrained logits check")
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.add_argument("--overwrite", action="store_true",
+                        help="export into a non-empty folder: its model files are replaced, other files kept")
     export.set_defaults(func=run_export)
 
 
@@ -90,8 +93,15 @@ def run_export(args: argparse.Namespace) -> int:
     except (mf.CheckpointError, ValueError, FileNotFoundError) as err:
         print(f"hf-dist checkpoint export: error: {err}", file=sys.stderr)
         return 2
+    if report.checksums_verified is not None:
+        print(f"checked {report.checksums_verified} checkpoint files against their SHA-256 in the manifest")
+    else:
+        print("this checkpoint records no checksums (it was not written by hf_dist): a corruption that keeps "
+              "every shape and value finite cannot be detected")
     print(f"wrote {len(report.files)} files ({_human(report.total_bytes)} of tensors, largest shard "
           f"{_human(report.largest_shard_bytes)}) to {report.out_dir}")
-    if report.max_logit_diff is not None:
+    if report.max_logit_diff is None:
+        print("not verified with from_pretrained (--no-verify)")
+    else:
         print(f"verified with from_pretrained: max |logit diff| on the probe batch = {report.max_logit_diff:.3g}")
     return 0

@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from hf_dist.batch import BatchContract
-from hf_dist.configs.layout import STRATEGIES, Layout, describe, layout_files, write_files
+from hf_dist.configs.layout import LaunchSpec, describe, layout_files, write_files
+from hf_dist.strategy import OFFLOADS, STRATEGIES, Layout
 
 
 def register(subparsers) -> None:
@@ -30,12 +31,17 @@ def register(subparsers) -> None:
     parser.add_argument("--model", help="local model directory or model_type (e.g. llama): FSDP wrap classes")
     parser.add_argument("--wrap", help="comma-separated layer classes FSDP wraps (instead of --model)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "no"), default="bf16", help="default bf16")
-    parser.add_argument("--offload", choices=("cpu", "nvme"), default=None, help="ZeRO/FSDP offload target")
+    parser.add_argument("--offload", choices=OFFLOADS, default="none",
+                        help="cpu (ZeRO: optimizer, ZeRO-3 also parameters; FSDP: parameters, gradients, optimizer), "
+                        "cpu_optimizer (ZeRO-3 optimizer only), nvme (ZeRO-3); default none")
+    parser.add_argument("--tp-sequence-parallel", action="store_true", help="with --tp: sequence parallelism")
+    parser.add_argument("--tp-vocab-parallel", action="store_true", help="with --tp: vocabulary-parallel head")
     parser.add_argument("--fsdp-version", type=int, choices=(1, 2), default=2, help="default 2 (fully_shard)")
     parser.add_argument("--no-activation-checkpointing", action="store_true", help="keep all activations")
     parser.add_argument("--main-process-ip", help="node-0 address (multi-node; default: given at launch)")
     parser.add_argument("--main-process-port", type=int, help="node-0 port (multi-node; default: given at launch)")
-    parser.add_argument("--out", help="folder to write into")
+    parser.add_argument("--out", help="folder to write into (files already there are refused; see --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier --out")
     parser.add_argument("--ship", nargs="?", const=".", metavar="ROOT",
                         help="regenerate the shipped ds_configs/ and accelerate_configs/ under ROOT (default .)")
     parser.add_argument("--check", nargs="+", metavar="PATH",
@@ -53,21 +59,24 @@ def _wrap_classes(args: argparse.Namespace) -> tuple[str, ...] | None:
     return None
 
 
-def _layout(args: argparse.Namespace) -> Layout:
+def _layout(args: argparse.Namespace) -> LaunchSpec:
     missing = [flag for flag, value in (("--strategy", args.strategy), ("--gpus", args.gpus),
                                         ("--micro-batch", args.micro_batch), ("--global-batch", args.global_batch),
                                         ("--out", args.out)) if value is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}; a layout needs --strategy, --gpus, --micro-batch, "
                          f"--global-batch and --out")
-    contract = BatchContract(world_size=args.gpus * args.nodes, global_batch_size=args.global_batch,
+    layout = Layout(strategy=args.strategy, num_gpus=args.gpus, num_nodes=args.nodes, tp=args.tp, pp=args.pp,
+                    offload=args.offload, sequence_parallel=args.tp_sequence_parallel,
+                    vocab_parallel=args.tp_vocab_parallel)
+    contract = BatchContract(world_size=layout.world_size, global_batch_size=args.global_batch,
                              micro_batch_size=args.micro_batch, tp=args.tp, pp=args.pp)
-    return Layout(
-        strategy=args.strategy, num_gpus=args.gpus, num_nodes=args.nodes, micro_batch_size=args.micro_batch,
+    return LaunchSpec(
+        layout=layout, micro_batch_size=args.micro_batch,
         gradient_accumulation_steps=contract.gradient_accumulation_steps, mixed_precision=args.precision,
-        offload=args.offload, tp=args.tp, pp=args.pp, no_split_modules=_wrap_classes(args),
-        gradient_checkpointing=not args.no_activation_checkpointing, fsdp_version=args.fsdp_version,
-        main_process_ip=args.main_process_ip, main_process_port=args.main_process_port,
+        no_split_modules=_wrap_classes(args), gradient_checkpointing=not args.no_activation_checkpointing,
+        fsdp_version=args.fsdp_version, main_process_ip=args.main_process_ip,
+        main_process_port=args.main_process_port,
     )
 
 
@@ -83,7 +92,7 @@ def _check(paths: list[str]) -> int:
             print(f"ok: {name}")
         except (ValueError, OSError) as err:
             failed += 1
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}" if name in str(err) else f"error: {name}: {err}", file=sys.stderr)
     return 2 if failed else 0
 
 
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         layout = _layout(args)
-        written = write_files(args.out, layout_files(layout, args.out))
+        written = write_files(args.out, layout_files(layout, args.out), overwrite=args.overwrite)
     except ValueError as err:
         print(f"hf-dist config: error: {err}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ import argparse
 import json
 import sys
 
-from hf_dist.planner.layout import ATTENTIONS, PRECISIONS
+from hf_dist.planner.host import LOADINGS
+from hf_dist.planner.layout import ATTENTIONS
+from hf_dist.strategy import MIXED_PRECISIONS
 
 
 def register(subparsers) -> None:
@@ -29,10 +31,26 @@ def register(subparsers) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--lora", action="store_true", help="also consider LoRA on a frozen base, and prefer it")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16_autocast",
-                        help="bf16_autocast (default): fp32 params under torch.autocast, FSDP gathers fp32 (the "
-                        "case study, the Trainer's bf16=True without FSDP); bf16_mixed: bf16 compute params with "
-                        "an fp32 master (what accelerate's FSDP/DeepSpeed bf16 configs run); fp32")
+    parser.add_argument("--precision", choices=MIXED_PRECISIONS, default="bf16",
+                        help="bf16 (default, --bf16): each layout is forecast in the precision it runs: FSDP2 and "
+                        "DeepSpeed bf16 parameters with an fp32 master, DDP fp32 parameters under autocast, pipeline "
+                        "stages a bf16 model; fp32; pure_bf16: a bf16 model, gradients and Adam (8 B/param)")
+    parser.add_argument("--host-ram-gb", type=float, default=None,
+                        help="host RAM per node in GB (1e9 bytes); default: a typical node of the GPU kind")
+    parser.add_argument("--loading", choices=LOADINGS, default="every_rank",
+                        help="every_rank (default: from_pretrained on each rank) or streaming (meta init, each rank "
+                        "reads its slices): the host-RAM peak while loading")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the compute efficiency on this machine: a few training steps of the model "
+                        "scaled down to --calibrate-layers layers, in the chosen layout's precision; the forecast "
+                        "then uses it instead of the assumed table")
+    parser.add_argument("--calibrate-layers", type=int, default=2, help="layers of the scaled-down model (2)")
+    parser.add_argument("--calibrate-steps", type=int, default=3, help="measured steps after one warm-up (3)")
+    parser.add_argument("--lengths", default=None, metavar="FILE",
+                        help="the dataset's sequence lengths (JSON list or one per line): useful tokens/s "
+                        "discounts the padding")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="forecast reserved memory with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     parser.add_argument("--attention", choices=ATTENTIONS, default="sdpa", help="attention kernel (default sdpa)")
     parser.add_argument("--no-activation-checkpointing", action="store_true", help="keep every layer's activations")
     parser.add_argument("--safety-margin", type=float, default=0.10, help="fraction of GPU memory kept free")
@@ -40,13 +58,24 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write a stacked bar chart of the breakdowns")
     parser.add_argument("--out", default=None, metavar="DIR", help="write the chosen layout's configs to DIR")
+    parser.add_argument("--overwrite", action="store_true", help="replace configs an earlier --out wrote to DIR")
     parser.set_defaults(func=run)
 
 
 def _request(args: argparse.Namespace):
-    from hf_dist.planner import PlanRequest, gpu_spec, model_spec
+    from hf_dist.planner import MemoryAssumptions, PlanRequest, gpu_spec, model_spec
 
+    if args.host_ram_gb is not None and args.host_ram_gb <= 0:
+        raise ValueError(f"--host-ram-gb={args.host_ram_gb} must be positive")
+    useful = 1.0
+    if args.lengths:
+        from hf_dist.planner.calibrate import read_lengths, useful_fraction
+
+        useful = useful_fraction(read_lengths(args.lengths), args.seq_len)
     return PlanRequest(
+        useful_fraction=useful,
+        host_ram_bytes=int(args.host_ram_gb * 1e9) if args.host_ram_gb else None, loading=args.loading,
+        assumptions=MemoryAssumptions(expandable_segments=args.expandable_segments),
         model=model_spec(args.model), gpu=gpu_spec(args.gpu), num_gpus=args.gpus, num_nodes=args.nodes,
         seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
         precision=args.precision, attention=args.attention,
@@ -55,20 +84,51 @@ def _request(args: argparse.Namespace):
     )
 
 
-def write_chosen_configs(plan, out_dir: str) -> list:
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Where the plot and configs go, checked before planning (a bad path is an error, not a traceback)."""
+    from pathlib import Path
+
+    if args.plot:
+        parent = Path(args.plot).resolve().parent
+        if not parent.is_dir():
+            raise ValueError(f"--plot {args.plot}: folder {parent} does not exist; create it or pick another path")
+        if Path(args.plot).is_dir():
+            raise ValueError(f"--plot {args.plot} is a folder; pass a file name such as {Path(args.plot) / 'plan.png'}")
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {args.out} is not empty; choose a new folder, or pass --overwrite to replace the "
+                         f"configs in it")
+
+
+def write_chosen_configs(plan, out_dir: str, overwrite: bool = True) -> list:
     """Write the chosen layout's DeepSpeed/accelerate/hf_dist files through ``hf_dist.configs``."""
+    import dataclasses
+
     from hf_dist.configs import write_layout_configs  # owned by the configs generators
 
     chosen, req = plan.chosen, plan.request
     return write_layout_configs(
-        out_dir, strategy=chosen.layout.strategy, num_gpus=req.num_gpus, num_nodes=req.num_nodes,
+        out_dir, layout=dataclasses.replace(chosen.layout, lora_rank=0),  # LoRA is the training script's (PEFT)
         micro_batch_size=chosen.batch.micro_batch_size,
         gradient_accumulation_steps=chosen.batch.gradient_accumulation_steps,
-        mixed_precision="no" if req.precision == "fp32" else "bf16",
-        offload=None if chosen.layout.offload == "none" else chosen.layout.offload,
-        tp=chosen.layout.dims.tp, pp=chosen.layout.dims.pp, no_split_modules=[req.model.decoder_layer_class],
-        gradient_checkpointing=req.activation_checkpointing,
+        mixed_precision="no" if req.precision == "fp32" else "bf16", no_split_modules=[req.model.decoder_layer_class],
+        gradient_checkpointing=req.activation_checkpointing, overwrite=overwrite,
     )
+
+
+def _calibrated(plan, args: argparse.Namespace):
+    """Measure the chosen layout's compute efficiency here and plan again with it."""
+    import dataclasses
+
+    from hf_dist.planner import Workload, choose_layout
+    from hf_dist.planner.calibrate import calibrate
+
+    chosen, req = plan.chosen, plan.request
+    workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch, precision=chosen.workload_precision,
+                        attention=req.attention, activation_checkpointing=req.activation_checkpointing)
+    result = calibrate(req.model, workload, layers=args.calibrate_layers, steps=args.calibrate_steps)
+    print(f"{result.source}: {result.step_time_s:.3f} s/step, efficiency {result.efficiency:.1%}", file=sys.stderr)
+    return choose_layout(dataclasses.replace(req, base_efficiency=result.efficiency,
+                                             efficiency_source=result.source))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
     from hf_dist.planner.report import plan_json, plan_table, plot_plan
 
     try:
+        _check_outputs(args)
         plan = choose_layout(_request(args))
+        if args.calibrate and plan.chosen is not None:
+            plan = _calibrated(plan, args)
     except ValueError as err:
         print(f"hf-dist plan: error: {err}", file=sys.stderr)
         return 2
@@ -88,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         plot_plan(plan, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.out and plan.chosen is not None:
-        for path in write_chosen_configs(plan, args.out):
+        for path in write_chosen_configs(plan, args.out, overwrite=args.overwrite):
             print(f"wrote {path}", file=sys.stderr)
         if plan.chosen.layout.lora_rank:
             print(f"note: LoRA rank {plan.chosen.layout.lora_rank} is not part of the launch configs; "

@@ -34,6 +34,8 @@ def plan_for(args: argparse.Namespace):
 
     from hf_dist.configs.model_info import load_config
     from hf_dist.pipeline_parallel import plan_stages, stage_units
+    from hf_dist.pipeline_parallel.stage_module import stage_fqns
+    from hf_dist.pipeline_parallel.support import check_pipeline_support
 
     config = PipelineConfig(
         schedule=args.schedule, microbatches=args.microbatches or 1, virtual_stages=args.virtual_stages,
@@ -41,10 +43,12 @@ def plan_for(args: argparse.Namespace):
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(args.model))
+    check_pipeline_support(model.config)  # the one support decision: never plan what training refuses
     layers, embed, head = stage_units(model)
+    embed_fqns, head_fqns = stage_fqns(model)
     return plan_stages(
         layers, pp_size=args.pp, virtual_stages=config.virtual_stages, embed_size=embed, head_size=head,
-        split_points=config.split_points, placement=config.spec.placement,
+        split_points=config.split_points, placement=config.spec.placement, embed_fqns=embed_fqns, head_fqns=head_fqns,
     )
 
 

@@ -2,7 +2,8 @@
 
 * ``deepspeed`` -- ``DeepSpeedSpec`` -> DeepSpeed config dict (Trainer "auto" mode or fully resolved).
 * ``accelerate`` -- ``AccelerateSpec`` -> accelerate config dict / YAML (DDP, FSDP1/2, DeepSpeed, multi-node).
-* ``layout`` -- ``Layout`` (a named strategy x GPUs x batch x TP/PP) -> the folder of files that launches it;
+* ``layout`` -- ``LaunchSpec`` (a ``hf_dist.strategy.Layout`` x batch x precision) -> the folder of files that
+  launches it;
   ``write_layout_configs`` is what ``hf-dist plan --out`` and ``hf-dist config`` call.
 * ``strict`` -- reading files back: unknown keys are errors naming the key, the file and the nearest valid key.
 * ``ship`` -- the files shipped in ``ds_configs/`` and ``accelerate_configs/`` (``python -m hf_dist.configs.ship``).
@@ -18,7 +19,7 @@ from hf_dist.configs.deepspeed import (
     DeepSpeedSpec,
     deepspeed_config,
 )
-from hf_dist.configs.layout import STRATEGIES, Layout, layout_files, write_layout_configs
+from hf_dist.configs.layout import LaunchSpec, layout_files, write_layout_configs
 from hf_dist.configs.strict import (
     read_accelerate_config,
     read_config_file,
@@ -28,7 +29,6 @@ from hf_dist.configs.strict import (
 )
 
 __all__ = [
-    "STRATEGIES",
     "TRAINER_OWNED_KEYS",
     "AccelerateSpec",
     "AdamWSettings",
@@ -36,7 +36,7 @@ __all__ = [
     "DeepSpeedLaunchSpec",
     "DeepSpeedSpec",
     "FsdpSpec",
-    "Layout",
+    "LaunchSpec",
     "accelerate_config",
     "deepspeed_config",
     "layout_files",

@@ -1,7 +1,7 @@
 """Reading config files back, strictly: an unknown key is a ``ValueError`` naming the key, the file and the
 nearest valid key (``difflib``), never a silent default.
 
-* ``read_layout_file`` -- hf_dist's own ``hf_dist.yaml`` (keys: the ``Layout`` fields), returned as a ``Layout``.
+* ``read_layout_file`` -- hf_dist's own ``hf_dist.yaml`` (keys: the ``Layout`` fields), returned as a ``LaunchSpec``.
 * ``read_accelerate_config`` -- an accelerate YAML. accelerate itself refuses unknown top-level keys but copies
   nested sections (``fsdp_config``, ``deepspeed_config``, ...) onto its launch arguments without a check, so a
   typo such as ``fsdp_activation_checkpoiting`` is silently dropped there. Here every section is checked against
@@ -24,7 +24,8 @@ from pathlib import Path
 import yaml
 
 from hf_dist.configs.deepspeed import check_batch_arithmetic
-from hf_dist.configs.layout import Layout
+from hf_dist.configs.layout import LaunchSpec
+from hf_dist.strategy import Layout
 
 # Top-level keys of a DeepSpeed config (DeepSpeed's config-json documentation and deepspeed/runtime/config.py).
 DEEPSPEED_TOP_LEVEL_KEYS: frozenset[str] = frozenset({
@@ -91,14 +92,16 @@ def _load_mapping(path: str | Path, loader) -> dict:
 
 
 # -- hf_dist.yaml ---------------------------------------------------------------------------------------------
-def read_layout_file(path: str | Path) -> Layout:
-    """Read ``hf_dist.yaml`` back into a ``Layout``; unknown keys and invalid values are ``ValueError``s."""
+def read_layout_file(path: str | Path) -> LaunchSpec:
+    """Read ``hf_dist.yaml`` back into a ``LaunchSpec``; unknown keys and invalid values are ``ValueError``s."""
     data = _load_mapping(path, yaml.safe_load)
-    check_keys(data, (f.name for f in dataclasses.fields(Layout)), where="the hf_dist layout", path=path)
+    keys = [f.name for f in dataclasses.fields(Layout)] + [f.name for f in dataclasses.fields(LaunchSpec)
+                                                           if f.name != "layout"]
+    check_keys(data, keys, where="the hf_dist layout", path=path)
     if data.get("no_split_modules") is not None:
         data["no_split_modules"] = tuple(data["no_split_modules"])
     try:
-        return Layout(**data)
+        return LaunchSpec.from_flat(**data)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: {err}") from err
 
@@ -212,7 +215,7 @@ def read_config_file(path: str | Path) -> object:
     raise ValueError(f"{path}: not a config hf_dist reads (hf_dist.yaml, a DeepSpeed .json or an accelerate .yaml)")
 
 
-def read_layout_dir(folder: str | Path) -> Layout:
+def read_layout_dir(folder: str | Path) -> LaunchSpec:
     """Read a folder written by ``write_layout_configs`` and check that its files agree with each other."""
     from hf_dist.configs.layout import ACCELERATE_FILE, DEEPSPEED_FILE, LAYOUT_FILE
 

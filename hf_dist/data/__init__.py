@@ -1,5 +1,7 @@
 """Offline data for causal-LM fine-tuning: synthetic support transcripts, a trained chat tokenizer, tokenized
-datasets with loss masking, sequence packing, and Trainer evaluation (token-weighted NLL / perplexity).
+datasets with loss masking from data as users bring it (chat ``messages``, ``prompt``/``completion``, plain
+``text``; a ``datasets.Dataset`` or a json/jsonl/parquet/csv/txt file), sequence packing, and Trainer evaluation
+(token-weighted NLL / perplexity).
 
 Typical use (the tiny Harbor demo)::
 
@@ -29,11 +31,11 @@ from hf_dist.data.packing import (
     pack_dataset,
     packing_stats,
 )
+from hf_dist.data.sources import build_datasets, detect_shape, load_examples, tokenize_examples
 from hf_dist.data.synthetic import LengthProfile, generate_conversations, write_jsonl
 from hf_dist.data.tokenizer import special_token_ids, train_tokenizer, train_tokenizer_from_texts
 from hf_dist.data.transcripts import (
     assistant_token_mask,
-    build_datasets,
     data_collator,
     load_transcripts,
     read_transcripts,
@@ -50,8 +52,10 @@ __all__ = [
     "check_model_for_packing",
     "compute_metrics",
     "data_collator",
+    "detect_shape",
     "first_fit_bins",
     "generate_conversations",
+    "load_examples",
     "load_perplexity_metric",
     "load_transcripts",
     "pack_dataset",
@@ -62,6 +66,7 @@ __all__ = [
     "special_token_ids",
     "token_nll",
     "tokenize_conversation",
+    "tokenize_examples",
     "tokenize_transcripts",
     "train_tokenizer",
     "train_tokenizer_from_texts",

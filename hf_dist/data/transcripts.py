@@ -11,8 +11,9 @@ Assistant spans come from the template itself: with ``{% generation %}`` blocks 
 otherwise by rendering each conversation prefix and checking that every render extends the previous one
 (a template that is not prefix-stable is refused, with the fix).
 
-What it is not: a streaming loader for the 2.4M-transcript corpus; it reads the file into memory. Packing
-several conversations per sequence lives in ``hf_dist.data.packing``.
+What it is not: a streaming loader for the 2.4M-transcript corpus; it reads the file into memory. Other shapes
+of data (``prompt``/``completion``, plain ``text``), other file types and the train/eval split live in
+``hf_dist.data.sources``; packing several conversations per sequence lives in ``hf_dist.data.packing``.
 """
 
 from __future__ import annotations
@@ -32,25 +33,26 @@ EXAMPLE_LINE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assi
 logger = logging.getLogger(__name__)
 
 
-def _line_error(path: Path, lineno: int, problem: str) -> ValueError:
-    return ValueError(f"{path}:{lineno}: {problem}; each line must be one JSON object like {EXAMPLE_LINE}")
+def _record_error(where: str, problem: str) -> ValueError:
+    return ValueError(f"{where}: {problem}; each line or row must be one JSON object like {EXAMPLE_LINE}")
 
 
-def _check_record(path: Path, lineno: int, record: object) -> dict:
+def check_record(where: str, record: object) -> dict:
+    """A validated ``{"messages": [...]}`` record; ``where`` names it in the error (``"file.jsonl:3"``, ``"row 7"``)."""
     if not isinstance(record, dict) or "messages" not in record:
-        raise _line_error(path, lineno, "the object has no 'messages' key")
+        raise _record_error(where, "the object has no 'messages' key")
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
-        raise _line_error(path, lineno, "'messages' must be a non-empty list of {'role', 'content'} objects")
+        raise _record_error(where, "'messages' must be a non-empty list of {'role', 'content'} objects")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise _line_error(path, lineno, f"messages[{index}] needs both 'role' and 'content'")
+            raise _record_error(where, f"messages[{index}] needs both 'role' and 'content'")
         if message["role"] not in ROLES:
-            raise _line_error(
-                path, lineno, f"messages[{index}] has unknown role {message['role']!r}; use one of {', '.join(ROLES)}"
+            raise _record_error(
+                where, f"messages[{index}] has unknown role {message['role']!r}; use one of {', '.join(ROLES)}"
             )
         if not isinstance(message["content"], str):
-            raise _line_error(path, lineno, f"messages[{index}].content must be a string")
+            raise _record_error(where, f"messages[{index}].content must be a string")
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
 
 
@@ -70,8 +72,8 @@ def read_transcripts(path: str | Path) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise _line_error(path, lineno, f"not valid JSON ({err.msg} at column {err.colno})") from None
-            records.append(_check_record(path, lineno, record))
+                raise _record_error(f"{path}:{lineno}", f"not valid JSON ({err.msg} at column {err.colno})") from None
+            records.append(check_record(f"{path}:{lineno}", record))
     if not records:
         raise ValueError(f"transcripts file {path} has no conversations; it needs one per line like {EXAMPLE_LINE}")
     return records
@@ -141,7 +143,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], *, max_seq_len: int, 
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
 
 
-def _check_args(max_seq_len: int, loss_on: str, eval_fraction: float) -> None:
+def check_args(max_seq_len: int, loss_on: str, eval_fraction: float) -> None:
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len!r} must be an integer >= 2 (tokens per sequence)")
     if loss_on not in LOSS_ON:
@@ -150,15 +152,31 @@ def _check_args(max_seq_len: int, loss_on: str, eval_fraction: float) -> None:
         raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1): the share of conversations held out")
 
 
-def tokenize_transcripts(dataset, tokenizer, *, max_seq_len: int, loss_on: LossOn = "assistant"):
-    """Tokenize a ``messages`` dataset; conversations left with no trainable token are dropped (and counted).
+def keep_trainable(rows: list[dict], *, what: str, max_seq_len: int, loss_on: str) -> list[dict]:
+    """The rows with at least one trainable label; the others are dropped with a warning saying how many.
 
-    A conversation has no trainable token when, e.g., ``loss_on="assistant"`` and truncation cut every
-    assistant turn. Such rows would give a 0/0 loss, so they are removed and a warning says how many.
+    A row has no trainable token when, e.g., ``loss_on="assistant"`` and truncation cut every assistant turn
+    (or the whole completion). Such rows would give a 0/0 loss. None left at all is an error.
     """
+    kept = [row for row in rows if any(label != IGNORE_INDEX for label in row["labels"][1:])]
+    if not kept:
+        raise ValueError(
+            f"no {what[:-1]} has a trainable token with max_seq_len={max_seq_len} and loss_on={loss_on!r}; "
+            "raise max_seq_len or use loss_on='all'"
+        )
+    if len(kept) < len(rows):
+        logger.warning(
+            "dropped %d of %d %s with no trainable token (max_seq_len=%d, loss_on=%r)",
+            len(rows) - len(kept), len(rows), what, max_seq_len, loss_on,
+        )
+    return kept
+
+
+def tokenize_transcripts(dataset, tokenizer, *, max_seq_len: int, loss_on: LossOn = "assistant"):
+    """Tokenize a ``messages`` dataset; conversations left with no trainable token are dropped (``keep_trainable``)."""
     from datasets import Dataset
 
-    _check_args(max_seq_len, loss_on, 0.0)
+    check_args(max_seq_len, loss_on, 0.0)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} has no chat template; "
@@ -166,61 +184,8 @@ def tokenize_transcripts(dataset, tokenizer, *, max_seq_len: int, loss_on: LossO
             "{% generation %} blocks), or train one with hf_dist.data.train_tokenizer"
         )
     rows = [tokenize_conversation(tokenizer, r["messages"], max_seq_len=max_seq_len, loss_on=loss_on) for r in dataset]
-    kept = [row for row in rows if any(label != IGNORE_INDEX for label in row["labels"][1:])]
-    if not kept:
-        raise ValueError(
-            f"no conversation has a trainable token with max_seq_len={max_seq_len} and loss_on={loss_on!r}; "
-            "raise max_seq_len or use loss_on='all'"
-        )
-    if len(kept) < len(rows):
-        logger.warning(
-            "dropped %d of %d conversations with no trainable token (max_seq_len=%d, loss_on=%r)",
-            len(rows) - len(kept), len(rows), max_seq_len, loss_on,
-        )
+    kept = keep_trainable(rows, what="conversations", max_seq_len=max_seq_len, loss_on=loss_on)
     return Dataset.from_list(kept)
-
-
-def build_datasets(
-    jsonl_path: str | Path,
-    tokenizer,
-    *,
-    max_seq_len: int,
-    loss_on: LossOn = "assistant",
-    eval_fraction: float = 0.1,
-    seed: int = 0,
-    packed: bool = False,
-):
-    """``(train, eval)`` tokenized datasets from a transcripts JSONL, split by conversation with ``seed``.
-
-    Args:
-        jsonl_path: one ``{"messages": [...]}`` per line (see ``read_transcripts``).
-        tokenizer: any tokenizer with a chat template (e.g. from ``hf_dist.data.train_tokenizer``).
-        max_seq_len: tokens per sequence; longer conversations are truncated.
-        loss_on: ``"all"`` or ``"assistant"`` (non-assistant tokens get label -100).
-        eval_fraction: share of conversations held out for evaluation; 0 gives ``eval = None``.
-        seed: the split's seed.
-        packed: pack several conversations per sequence of ``max_seq_len`` (``hf_dist.data.pack_dataset``);
-            feed the result to ``data_collator(tokenizer, packed=True)``.
-
-    Rows have ``input_ids``, ``attention_mask``, ``labels`` (or, packed, ``input_ids``, ``labels``,
-    ``position_ids``).
-    """
-    _check_args(max_seq_len, loss_on, eval_fraction)
-    raw = load_transcripts(jsonl_path)
-    if eval_fraction > 0:
-        split = raw.train_test_split(test_size=eval_fraction, seed=seed)
-        parts = [split["train"], split["test"]]
-    else:
-        parts = [raw.shuffle(seed=seed), None]
-    out = [
-        None if part is None else tokenize_transcripts(part, tokenizer, max_seq_len=max_seq_len, loss_on=loss_on)
-        for part in parts
-    ]
-    if packed:
-        from hf_dist.data.packing import pack_dataset
-
-        out = [None if part is None else pack_dataset(part, max_seq_len=max_seq_len) for part in out]
-    return out[0], out[1]
 
 
 def data_collator(

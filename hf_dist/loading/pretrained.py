@@ -130,6 +130,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     Returns the model ready for ``DistTrainer(model=..., args=args)``; for DDP and DeepSpeed, transformers'
     own ``from_pretrained`` (plus ``get_peft_model``).
     """
+    from hf_dist.planner.flops import module_flop_counts
     from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
 
     resolve, model_kwargs, dtype, overrides = _split_kwargs(dict(from_pretrained_kwargs))
@@ -145,13 +146,13 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
         check_pipeline_support(config)  # before any process group
     device = args.device  # starts the process group
     model = build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
-    num_parameters = sum(p.numel() for p in model.parameters())
+    flops = module_flop_counts(model)  # of the whole model, before a pipeline rank drops other stages
     _load_generation_config(model, directory)
     model = apply_owned_layout(model, args, dims)
     from hf_dist.loading.stream import load_checkpoint
 
     load_checkpoint(model, directory, device=device)
-    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, num_parameters=num_parameters))
+    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops))
 
 
 def _load_generation_config(model: nn.Module, directory: str) -> None:

@@ -1,5 +1,7 @@
-"""Model helpers: tiny configs for the CPU twin and tests (no download)."""
+"""Model helpers: tiny configs for the CPU twin and tests, and the offline SmolLM2-135M-Instruct directory."""
 
+from hf_dist.models.demo_model import demo_model_dir
+from hf_dist.models.generation import greedy_answer
 from hf_dist.models.tiny import tiny_llama_config, build_tiny_model
 
-__all__ = ["tiny_llama_config", "build_tiny_model"]
+__all__ = ["demo_model_dir", "greedy_answer", "tiny_llama_config", "build_tiny_model"]

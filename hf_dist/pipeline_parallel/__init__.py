@@ -1,7 +1,7 @@
 """Pipeline parallelism for HF causal LMs: split into stages, run torch pipeline schedules, save as HF.
 
 - ``plan_stages`` (pure): decoder layers -> ``pp_size x virtual_stages`` stages, balanced or at split points.
-- ``CausalLMStage``: one stage's HF modules under HF names, with rotary and padding-aware masks per stage.
+- ``CausalLMStage``: one stage as a view of the HF model, running the model's own forward (HF names kept).
 - ``PipelineConfig`` / ``SCHEDULES``: gpipe, 1f1b, interleaved_1f1b, interleaved_zb, zbv.
 - ``PipelinedCausalLM``: this rank's stages + schedule + dp gradient reduction; ``train_step``/``eval_step``.
 - ``save_pretrained``: one HF directory (or one PEFT adapter) from all stages.

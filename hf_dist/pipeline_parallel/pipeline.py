@@ -35,6 +35,7 @@ from hf_dist.pipeline_parallel.stage_module import (
     TokenWeightedLoss,
     causal_lm_of,
     count_loss_tokens,
+    stage_fqns,
     stage_units,
 )
 
@@ -42,13 +43,37 @@ from hf_dist.pipeline_parallel.stage_module import (
 def _release_unowned(model: nn.Module, plan: StagePlan, owned: set[str]) -> None:
     """Drop the modules no local stage owns, so a rank holds only its stages' weights."""
     lm = causal_lm_of(model)
-    all_layers = {n for stage in plan.stages for n in stage if n.startswith("model.layers.")}
-    for name in all_layers - owned:
-        lm.model.layers[int(name.rsplit(".", 1)[1])] = nn.Module()
-    if "model.embed_tokens" not in owned:
-        lm.model.embed_tokens = nn.Module()
-    if "lm_head" not in owned:
-        lm.model.norm, lm.lm_head = nn.Module(), nn.Module()
+    for name in {n for stage in plan.stages for n in stage} - owned:
+        lm.set_submodule(name, nn.Module())
+
+
+def pad_to_bucket(batch: Mapping[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """``batch`` right-padded to a multiple of ``multiple`` tokens without changing its loss or gradients.
+
+    Padded positions get label -100 and are masked: ``attention_mask`` is extended with zeros (created when
+    the batch has neither a mask nor ``position_ids``); a packed batch (``position_ids``, no mask) gets its
+    padding as one more sequence with positions 0, 1, ..., which attends only to itself. Causal attention keeps
+    every real token's output unchanged.
+    """
+    ids = batch["input_ids"]
+    out = dict(batch)
+    out["labels"] = batch["labels"] if batch.get("labels") is not None else ids
+    rows, length = ids.shape
+    extra = -length % multiple
+    if extra == 0:
+        return out
+    pad = torch.nn.functional.pad
+    out["input_ids"] = pad(ids, (0, extra), value=0)
+    out["labels"] = pad(out["labels"], (0, extra), value=IGNORE_INDEX)
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    if mask is None and positions is None:
+        mask = torch.ones_like(ids)
+    if mask is not None:
+        out["attention_mask"] = pad(mask, (0, extra), value=0)
+    if positions is not None:
+        tail = torch.arange(extra, device=positions.device, dtype=positions.dtype).expand(rows, extra)
+        out["position_ids"] = torch.cat([positions, tail], dim=1)
+    return out
 
 
 class PipelinedCausalLM:
@@ -78,6 +103,7 @@ class PipelinedCausalLM:
         self.pp_group = dims.get_mesh("pp").get_group()
         self.pp_rank = dist.get_rank(self.pp_group)
         layers, embed_size, head_size = stage_units(model)
+        embed_fqns, head_fqns = stage_fqns(model)
         self.plan = plan_stages(
             layers,
             pp_size=dims.pp,
@@ -86,6 +112,8 @@ class PipelinedCausalLM:
             head_size=head_size,
             split_points=config.split_points,
             placement=config.spec.placement,
+            embed_fqns=embed_fqns,
+            head_fqns=head_fqns,
         )
         self.stage_ids = self.plan.local_stages(self.pp_rank)
         self.tied_sync = TiedEmbeddingSync(dims, self.plan, self.pp_rank) if tied else None
@@ -118,7 +146,7 @@ class PipelinedCausalLM:
             axes = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)  # HSDP or FSDP
             mesh = self.dims.mesh[axes]
             for module in self.modules:
-                units = [*module.model.layers.values(), module]  # each decoder layer, then the rest of the stage
+                units = [*module.owned_layers(), module]  # each decoder layer, then the rest of the stage
                 for unit in units:
                     fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and unit is not module)
                 for unit in units:  # per FSDP unit: a unit's settings do not reach the units inside it
@@ -128,21 +156,24 @@ class PipelinedCausalLM:
             self.allreduce_group = self.dims.get_mesh("dp_replicate").get_group()
 
     def _build_schedule(self) -> None:
-        self._schedules: dict[int, tuple[list, object]] = {}
-        self.stages, self.schedule = self._schedule_for(self.config.microbatches)
+        self._schedules: dict[tuple[int, int], tuple[list, object]] = {}
+        self.stages: list = []  # the torch PipelineStage objects of the latest training step's schedule
+        self.schedule = None
 
-    def _schedule_for(self, microbatches: int) -> tuple[list, object]:
-        """Stages and schedule for ``microbatches`` (built once per count: a short last batch needs fewer)."""
+    def _schedule_for(self, microbatches: int, length: int = 0) -> tuple[list, object]:
+        """Stages and schedule for ``microbatches`` of ``length`` tokens (built once per pair: a short last batch
+        needs fewer micro-batches, and the stages fix their activation shapes at their first step)."""
         from torch.distributed.pipelining import PipelineStage
 
-        if microbatches not in self._schedules:
+        key = (microbatches, length)
+        if key not in self._schedules:
             stages = [
                 PipelineStage(module, i, self.plan.num_stages, self.device, group=self.pp_group)
                 for i, module in zip(self.stage_ids, self.modules)
             ]
             config = dataclasses.replace(self.config, microbatches=microbatches)
-            self._schedules[microbatches] = (stages, build_schedule(config, stages, self.loss_fn))
-        return self._schedules[microbatches]
+            self._schedules[key] = (stages, build_schedule(config, stages, self.loss_fn))
+        return self._schedules[key]
 
     # -- queries -----------------------------------------------------------------------------------
     @property
@@ -187,11 +218,13 @@ class PipelinedCausalLM:
         epoch keeps the micro-batch size and runs fewer micro-batches). Gradients are accumulated into
         ``.grad`` (call ``optimizer.zero_grad()`` between steps).
         """
+        batch = pad_to_bucket(batch, self.config.pad_to_multiple_of)
         input_ids = batch["input_ids"].to(self.device)
-        labels = batch.get("labels", batch["input_ids"]).to(self.device)
+        labels = batch["labels"].to(self.device)
         microbatches = microbatches or self.config.microbatches
         check_microbatches(input_ids.shape[0], microbatches, self.plan.num_stages)
-        _, schedule = self._schedule_for(microbatches)
+        self.stages, schedule = self._schedule_for(microbatches, input_ids.shape[1])
+        self.schedule = schedule
         tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
         self.loss_fn.denominator = tokens.clamp(min=1.0)
         kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}

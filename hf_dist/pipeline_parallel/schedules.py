@@ -56,6 +56,10 @@ class PipelineConfig:
     """Stages per rank. None: 1 for gpipe/1f1b, 2 for interleaved_* and zbv (zbv requires 2)."""
     split_points: tuple[str, ...] | None = None
     """Decoder-layer names where stages 1..S-1 start (e.g. ``("model.layers.16",)``); None: balance by params."""
+    pad_to_multiple_of: int = 64
+    """Training batches are right-padded (masked, labels -100) to a multiple of this many tokens. torch's
+    pipeline stages fix activation shapes per schedule, so one schedule is built per padded length: batches whose
+    length changes from step to step (a collator padding to the longest row) then cost few schedules."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -77,6 +81,8 @@ class PipelineConfig:
             )
         if self.split_points is not None:
             self.split_points = tuple(self.split_points)
+        if not isinstance(self.pad_to_multiple_of, int) or self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be a positive integer (1: no padding)")
 
     @property
     def spec(self) -> ScheduleSpec:

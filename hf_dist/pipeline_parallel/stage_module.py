@@ -1,114 +1,247 @@
-"""One pipeline stage of an HF decoder-only causal LM, and the token-weighted causal-LM loss.
+"""One pipeline stage of an HF causal LM that runs the model's own forward, and the token-weighted loss.
 
-``CausalLMStage`` holds the modules a ``StagePlan`` stage owns, taken by reference from the HF model, under
-the same names (``model.embed_tokens``, ``model.layers.<i>``, ``model.norm``, ``lm_head``), so its
-``state_dict()`` keys are the HF checkpoint keys. Its forward runs the HF decoder layers the way the HF
-base model does: every stage recomputes the rotary embeddings from the positions and builds the
-padding-aware causal mask from the attention mask (both are passed to every stage as keyword
-arguments, so nothing but the hidden states travels between stages). The first stage embeds token ids,
-the last returns logits.
+A stage is a *view* of the HF ``*ForCausalLM``: a shallow copy of the model object and of its base model
+whose decoder-layer list holds the real layers the stage owns and stand-ins for the others. The stage calls
+the model's own ``forward``, so everything outside the decoder layers -- embedding scale and multipliers,
+rotary embeddings (per layer type too), causal and sliding-window masks, the final norm, logit scaling and
+soft-capping -- is the model's code, not a re-implementation. The stand-ins steer that forward:
 
-Supported: the model types ``support.check_pipeline_support`` accepts (Llama, full attention, no logit or
-embedding scaling); everything else is refused by name before the stages are built.
+- every stand-in *before* the stage's first layer returns the hidden states received from the previous
+  stage (a non-first stage calls the model with ``inputs_embeds=received`` so masks and rotary see the right
+  shape and dtype; whatever the model did to them before the layers is replaced by the received tensor);
+- the first stand-in *after* the stage's last layer stops the forward and returns its input (a non-last
+  stage's output): nothing after it runs.
+
+Which modules are "embeddings", "layers" and "head" comes from the model's own ``base_model_pp_plan`` (on its
+config) and ``_pp_plan`` (on the CausalLM class). The stage's children are the model's children under the
+same names, so ``state_dict()`` keys are the HF checkpoint keys. Which model types are proven to run this way
+is ``support.check_pipeline_support``'s decision, not this module's.
+
+Not for: splitting (``splitter``), schedules (``schedules``), process groups (``pipeline``).
 """
 
 from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_dist.pipeline_parallel.splitter import EMBED_FQNS, HEAD_FQNS
-from hf_dist.pipeline_parallel.support import check_pipeline_support
-
 IGNORE_INDEX = -100
-_LAYER_PREFIX = "model.layers."
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Where a causal LM keeps what its pp plans name: FQNs relative to the ``*ForCausalLM``."""
+
+    base: str
+    """The base model attribute (``model``, ``transformer``, ...)."""
+    layers: str
+    """The decoder-layer ``ModuleList`` inside the base model (``layers``)."""
+    embeds: tuple[str, ...]
+    """FQNs of the first stage's modules outside the layers (``model.embed_tokens``)."""
+    heads: tuple[str, ...]
+    """FQNs of the last stage's modules outside the layers (``model.norm``, ``lm_head``)."""
+
+    def layer_fqn(self, index: int) -> str:
+        return f"{self.base}.{self.layers}.{index}"
+
+    def layer_index(self, fqn: str) -> int | None:
+        prefix = f"{self.base}.{self.layers}."
+        return int(fqn[len(prefix) :]) if fqn.startswith(prefix) else None
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    """The pp-plan parts of ``model``; ``ValueError`` when the model declares no usable pp plan."""
+    lm = _unwrap_peft(model)
+    config = getattr(lm, "config", None)
+    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    head_plan = dict(getattr(type(lm), "_pp_plan", None) or {})  # the instance merges in the base plan
+    prefix = getattr(lm, "base_model_prefix", "")
+    base = getattr(lm, prefix, None) if prefix else None
+    lists = [k for k in base_plan if isinstance(getattr(base, k, None), nn.ModuleList)]
+    if base is None or len(lists) != 1 or not head_plan or any("." in k for k in head_plan):
+        raise ValueError(
+            f"{type(lm).__name__} declares no pipeline plan hf_dist can split (base_model_pp_plan="
+            f"{list(base_plan)}, _pp_plan={list(head_plan)}): pipeline stages need a base model with one "
+            f"decoder-layer list and a top-level head; train this model with pp_size=1"
+        )
+    names = list(base_plan)
+    cut = names.index(lists[0])
+    return ModelParts(
+        base=prefix,
+        layers=lists[0],
+        embeds=tuple(f"{prefix}.{k}" for k in names[:cut]),
+        heads=(*(f"{prefix}.{k}" for k in names[cut + 1 :]), *head_plan),
+    )
+
+
+def _check_no_stray_parameters(lm: nn.Module, parts: ModelParts) -> None:
+    """Every parameter must belong to a plan module: one outside would be copied onto every stage."""
+    owned = (*parts.embeds, *parts.heads, f"{parts.base}.{parts.layers}")
+    stray = [n for n, _ in lm.named_parameters() if not any(n.startswith(o + ".") for o in owned)]
+    if stray:
+        raise ValueError(
+            f"{type(lm).__name__} has parameters outside its pp plan's modules ({stray[:3]}): every stage would "
+            f"hold a copy; train this model with pp_size=1"
+        )
 
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The HF ``*ForCausalLM`` inside ``model`` (a PEFT model is unwrapped to its LoRA-injected base)."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    base = getattr(model, "model", None)
-    missing = [
-        name
-        for name, owner in (
-            ("model.embed_tokens", base),
-            ("model.layers", base),
-            ("model.norm", base),
-            ("model.rotary_emb", base),
-        )
-        if owner is None or getattr(owner, name.split(".")[-1], None) is None
-    ]
-    if getattr(model, "lm_head", None) is None:
-        missing.append("lm_head")
-    if missing:
-        raise ValueError(
-            f"{type(model).__name__} lacks {missing}: pipeline stages need the Llama layout "
-            f"(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head); "
-            f"use a Llama-style causal LM"
-        )
-    check_pipeline_support(model.config)
-    return model
+    lm = _unwrap_peft(model)
+    _check_no_stray_parameters(lm, model_parts(lm))
+    return lm
 
 
 def stage_units(model: nn.Module) -> tuple[list[tuple[str, int]], int, int]:
-    """``(decoder layers as (fqn, params), embedding params, norm + lm_head params)`` for ``plan_stages``."""
+    """``(decoder layers as (fqn, params), embedding params, head params)`` for ``plan_stages``."""
     lm = causal_lm_of(model)
+    parts = model_parts(lm)
 
-    def count(module: nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters())
+    def count(fqns) -> int:
+        return sum(p.numel() for f in fqns for p in lm.get_submodule(f).parameters())
 
-    layers = [(f"{_LAYER_PREFIX}{i}", count(layer)) for i, layer in enumerate(lm.model.layers)]
-    return layers, count(lm.model.embed_tokens), count(lm.model.norm) + count(lm.lm_head)
+    layers = getattr(lm.get_submodule(parts.base), parts.layers)
+    units = [(parts.layer_fqn(i), count([parts.layer_fqn(i)])) for i in range(len(layers))]
+    return units, count(parts.embeds), count(parts.heads)
 
 
-class _Body(nn.Module):
-    """The ``model.*`` part of a stage: optional embeddings, some decoder layers, optional final norm."""
+def stage_fqns(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(embedding FQNs, head FQNs)``: what ``plan_stages`` adds to the first and last stage."""
+    parts = model_parts(model)
+    return parts.embeds, parts.heads
 
-    def __init__(self, lm: nn.Module, layer_ids: list[int], first: bool, last: bool) -> None:
+
+class _StageExit(Exception):
+    """Raised by the stand-in after a non-last stage's last layer, carrying that layer's output."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage done")
+        self.hidden = hidden
+
+
+class _Inbox:
+    """The hidden states a non-first stage received, read by its stand-ins during one forward."""
+
+    received: torch.Tensor | None = None
+
+
+class _StandIn(nn.Module):
+    """Takes the place of a decoder layer another stage owns; holds no parameters.
+
+    Plain attributes of the real layer (``attention_type``, ``layer_idx``, ...) are copied, because base
+    models read them in their layer loop to pick masks and rotary embeddings.
+    """
+
+    def __init__(self, layer: nn.Module, role: str, inbox: _Inbox) -> None:
         super().__init__()
-        self.embed_tokens = lm.model.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): lm.model.layers[i] for i in layer_ids})
-        self.norm = lm.model.norm if last else None
-        self.rotary_emb = lm.model.rotary_emb  # buffers only; every stage needs the position embeddings
+        for key, value in vars(layer).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
+                setattr(self, key, value)
+        self.role = role
+        self.inbox = inbox
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.role == "after":
+            raise _StageExit(hidden_states)
+        if self.inbox.received is None:
+            raise RuntimeError("a pipeline stage stand-in ran outside its stage's forward")
+        return self.inbox.received
+
+
+class _Unowned(nn.Module):
+    """Takes the place of an embedding or head module another stage owns; must never run."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage reached a module another stage owns")
+
+
+def _view(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` with its own child table (parameters and buffers stay shared)."""
+    clone = copy.copy(module)
+    clone._modules = {**module._modules, **replace}
+    return clone
 
 
 class CausalLMStage(nn.Module):
-    """The modules of one pipeline stage, with HF names, and a forward over them."""
+    """The modules of one pipeline stage, with HF names, and a forward through the model's own code."""
 
     def __init__(self, model: nn.Module, fqns: tuple[str, ...]) -> None:
         super().__init__()
         lm = causal_lm_of(model)
-        known = {*EMBED_FQNS, *HEAD_FQNS}
-        bad = [n for n in fqns if n not in known and not n.startswith(_LAYER_PREFIX)]
+        parts = model_parts(lm)
+        known = {*parts.embeds, *parts.heads}
+        bad = [n for n in fqns if n not in known and parts.layer_index(n) is None]
         if bad:
             raise ValueError(f"stage names {bad} are not embeddings, decoder layers or head of {type(lm).__name__}")
-        layer_ids = [int(n[len(_LAYER_PREFIX) :]) for n in fqns if n.startswith(_LAYER_PREFIX)]
-        self.is_first = "model.embed_tokens" in fqns
-        self.is_last = "lm_head" in fqns
+        owned = sorted(parts.layer_index(n) for n in fqns if parts.layer_index(n) is not None)
+        if not owned or owned != list(range(owned[0], owned[-1] + 1)):
+            raise ValueError(f"stage {fqns} must own a contiguous, non-empty run of decoder layers")
+        self.is_first = all(n in fqns for n in parts.embeds)
+        self.is_last = all(n in fqns for n in parts.heads)
         self.config = lm.config
-        self.model = _Body(lm, layer_ids, self.is_first, self.is_last)
-        self.lm_head = lm.lm_head if self.is_last else None
-        layer_types = getattr(lm.config, "layer_types", None)
-        self._layer_types = {i: (layer_types[i] if layer_types else "full_attention") for i in layer_ids}
+        self.parts = parts
+        self._inbox = _Inbox()
+        view = self._build_view(lm, parts, owned)
+        for name, child in view._modules.items():
+            self.add_module(name, child)
+        object.__setattr__(self, "_lm", view)  # not a submodule: its children are registered above
 
-    def _masks(self, hidden: torch.Tensor, attention_mask, position_ids) -> dict[str, object]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    def _build_view(self, lm: nn.Module, parts: ModelParts, owned: list[int]) -> nn.Module:
+        base = lm.get_submodule(parts.base)
+        real = getattr(base, parts.layers)
+        layers = nn.ModuleList(
+            real[i] if i in owned else _StandIn(real[i], "before" if i < owned[0] else "after", self._inbox)
+            for i in range(len(real))
+        )
+        unowned = [] if self.is_first else list(parts.embeds)
+        unowned += [] if self.is_last else list(parts.heads)
+        base_replace = {parts.layers: layers}
+        top_replace = {}
+        for fqn in unowned:
+            if not any(True for _ in lm.get_submodule(fqn).parameters()):
+                continue  # no weights (dropout): it runs on every stage, on tensors the stand-ins replace
+            if fqn.startswith(parts.base + "."):
+                base_replace[fqn[len(parts.base) + 1 :]] = _Unowned()
+            else:
+                top_replace[fqn] = _Unowned()
+        top_replace[parts.base] = _view(base, base_replace)
+        return _view(lm, top_replace)
 
-        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {}
-        for kind in set(self._layer_types.values()):
-            if kind not in builders:
-                raise ValueError(f"attention type {kind!r} is not supported by pipeline stages; use {list(builders)}")
-            masks[kind] = builders[kind](
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                past_key_values=None,
-                position_ids=position_ids,
-            )
-        return masks
+    def owned_layers(self) -> list[nn.Module]:
+        """This stage's decoder layers, in order (the units FSDP wraps one by one)."""
+        layers = getattr(self.get_submodule(self.parts.base), self.parts.layers)
+        return [layer for layer in layers if not isinstance(layer, _StandIn)]
+
+    def input_embeddings(self) -> nn.Module:
+        """The token embedding (first stage only)."""
+        return self.get_submodule(self.parts.embeds[0])
+
+    def output_embeddings(self) -> nn.Module:
+        """The output projection to the vocabulary (last stage only)."""
+        return self.get_submodule(self.parts.heads[-1])
+
+    def owned_modules(self) -> dict[str, nn.Module]:
+        """``{HF FQN: module}`` of everything this stage owns: embeddings, decoder layers, head."""
+        layers = getattr(self.get_submodule(self.parts.base), self.parts.layers)
+        owned = {self.parts.layer_fqn(i): m for i, m in enumerate(layers) if not isinstance(m, _StandIn)}
+        first = {f: self.get_submodule(f) for f in self.parts.embeds} if self.is_first else {}
+        last = {f: self.get_submodule(f) for f in self.parts.heads} if self.is_last else {}
+        return {**first, **owned, **last}
+
+    def train(self, mode: bool = True) -> CausalLMStage:
+        super().train(mode)
+        self._lm.training = mode  # the view is not a registered child
+        return self
 
     def forward(
         self,
@@ -117,22 +250,21 @@ class CausalLMStage(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (first stage) or hidden states (others) in; hidden states or logits (last stage) out."""
-        hidden = self.model.embed_tokens(inputs) if self.is_first else inputs
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        position_embeddings = self.model.rotary_emb(hidden, position_ids=position_ids)
-        masks = self._masks(hidden, attention_mask, position_ids)
-        for key, layer in self.model.layers.items():
-            hidden = layer(
-                hidden,
-                attention_mask=masks[self._layer_types[int(key)]],
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                use_cache=False,
-            )
+        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        if self.is_first:
+            kwargs["input_ids"] = inputs
+        else:
+            kwargs["inputs_embeds"] = inputs
+            self._inbox.received = inputs
+        try:
+            output = self._lm(**kwargs)
+        except _StageExit as done:
+            return done.hidden
+        finally:
+            self._inbox.received = None
         if not self.is_last:
-            return hidden
-        return self.lm_head(self.model.norm(hidden))
+            raise RuntimeError(f"stage of {type(self._lm).__name__} ran past its last layer without stopping")
+        return output.logits
 
 
 def count_loss_tokens(labels: torch.Tensor) -> torch.Tensor:

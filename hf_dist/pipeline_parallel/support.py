@@ -1,58 +1,92 @@
-"""Which models the pipeline stages reproduce exactly: the one support decision for pipeline parallelism.
+"""Which models pipeline parallelism supports: the one support decision, used by DistTrainer, the planner and
+``hf-dist pp``/``plan`` alike, so the CLI never offers what training refuses.
 
-``CausalLMStage`` runs the decoder layers of a Llama-layout model and rebuilds everything outside them
-(embedding, rotary, a full causal mask, final norm, ``lm_head``) the Llama way. A model that does anything
-else outside its layers (scales embeddings or logits, soft-caps, windows its attention) would train with a
-silently wrong loss, so ``check_pipeline_support`` refuses it by name before any process group starts.
+``CausalLMStage`` runs each stage through the model's own forward, so a model type is supported when
 
-Pure: a model config in, ``None`` or a ``ValueError`` out. Not for: splitting layers (``splitter``).
+- its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head);
+- it is dense: mixture-of-experts routers and linear-attention / state-space layers are refused for now
+  (their auxiliary losses and recurrent state cross stage boundaries in ways the stages do not carry);
+- and PP=2 training of a tiny config with non-default values of every field read outside the decoder layers
+  is proven equal to one process by ``tests/test_pp_sweep.py`` (``PIPELINE_PROVEN_MODEL_TYPES``).
+
+The config actually trained is checked once more at launch by the layout canary (``canary``).
+Pure: a config in, ``None`` or a ``ValueError`` out; ``pipeline_coverage`` for the README table.
+Not for: splitting layers (``splitter``) or running stages (``stage_module``).
 """
 
 from __future__ import annotations
 
-# Model types whose pipeline stages are proven equal to one process by a parity test in tests/.
-PIPELINE_TESTED_MODEL_TYPES = frozenset({"llama"})
+import functools
 
-# Config fields the Llama stage forward ignores, with the value that makes ignoring them exact.
-_IDENTITY_FIELDS = {
-    "logit_scale": (None, 1.0),
-    "logits_scaling": (None, 1.0),
-    "embedding_multiplier": (None, 1.0),
-    "residual_multiplier": (None, 1.0),
-    "attention_multiplier": (None,),
-    "final_logit_softcapping": (None, 0.0),
-    "attn_logit_softcapping": (None, 0.0),
-}
+# Model types whose PP=2 training equals one process in tests/test_pp_sweep.py (fp32, 1e-5, non-default
+# configs). test_pp_sweep.py asserts this set is exactly the set of its passing cases.
+PIPELINE_PROVEN_MODEL_TYPES = frozenset({
+    "apertus", "arcee", "cohere", "cohere2", "cwm", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "glm",
+    "glm4", "gpt_neox", "granite", "granite_swa", "helium", "hyperclovax", "internlm3", "iquestcoder", "jais2",
+    "llama", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss",
+    "smollm3", "starcoder2", "vaultgemma", "youtu",
+})
+
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+_ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
-def _sliding_window(config) -> int | None:
-    """The attention window the model's own forward would apply, or ``None`` for full attention."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
+def _moe_field(config) -> str | None:
+    for name in _MOE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            return f"{name}={value}"
+    return None
+
+
+def _other_layer_kinds(config) -> list[str]:
+    kinds = set(getattr(config, "layer_types", None) or ()) | set(getattr(config, "layers_block_type", None) or ())
+    return sorted(k for k in kinds if isinstance(k, str) and k not in _ATTENTION_KINDS)
+
+
+def pipeline_refusal(config) -> str | None:
+    """Why pipeline stages would not reproduce ``config``'s model, or ``None`` when they do."""
+    model_type = getattr(config, "model_type", None)
+    if not getattr(config, "base_model_pp_plan", None):
+        return f"model_type={model_type!r} declares no base_model_pp_plan"
+    moe = _moe_field(config)
+    if moe is not None:
+        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet"
+    other = _other_layer_kinds(config)
+    if other:
+        return f"model_type={model_type!r} has non-attention layers {other}; hybrid models are not pipelined yet"
+    if model_type not in PIPELINE_PROVEN_MODEL_TYPES:
+        return f"model_type={model_type!r} has no PP parity case in tests/test_pp_sweep.py"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def model_type_refusal(model_type: str) -> str | None:
+    """``pipeline_refusal`` for the default config of ``model_type`` (what the planner knows of a model)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception as error:  # an unknown type cannot be proven either
+        return f"model_type={model_type!r} has no config in installed transformers ({type(error).__name__})"
+    return pipeline_refusal(config)
 
 
 def check_pipeline_support(config) -> None:
-    """Raise ``ValueError`` naming the field when pipeline stages would not reproduce ``config``'s model."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in PIPELINE_TESTED_MODEL_TYPES:
+    """Raise ``ValueError`` naming the model type and the reason when ``pp_size > 1`` cannot train ``config``."""
+    reason = pipeline_refusal(config)
+    if reason is not None:
         raise ValueError(
-            f"pp_size > 1 is not supported for model_type={model_type!r}: pipeline stages are proven equal to one "
-            f"process only for {sorted(PIPELINE_TESTED_MODEL_TYPES)}; train this model with pp_size=1 "
-            f"(FSDP2, DDP or DeepSpeed)"
+            f"pp_size > 1 is not supported: {reason}. Train this model with pp_size=1 (FSDP2, DDP or DeepSpeed); "
+            f"pipeline-proven model types: {', '.join(sorted(PIPELINE_PROVEN_MODEL_TYPES))}"
         )
-    problems = []
-    for name, identities in _IDENTITY_FIELDS.items():
-        value = getattr(config, name, None)
-        if value not in identities:
-            problems.append(f"{name}={value!r} (stages apply only {identities[-1]!r})")
-    window = _sliding_window(config)
-    if window is not None:
-        problems.append(f"sliding_window={window} (stages build a full causal mask)")
-    if problems:
-        raise ValueError(
-            f"pp_size > 1 would train {model_type!r} with a wrong loss: {'; '.join(problems)}. Pipeline stages do "
-            f"not reproduce these config fields; use pp_size=1, or set them to the identity value if that is "
-            f"what the model means"
-        )
+
+
+def pipeline_coverage() -> dict[str, str]:
+    """``{model_type: "yes" or the refusal reason}`` for every causal-LM model type of installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    table = {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        table[model_type] = model_type_refusal(model_type) or "yes"
+    return table

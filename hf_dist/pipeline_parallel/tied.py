@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_dist.pipeline_parallel.stage_module import causal_lm_of
+from hf_dist.pipeline_parallel.stage_module import causal_lm_of, model_parts
 
 
 def is_tied(model: nn.Module) -> bool:
+    """Whether the model's output embedding uses its input embedding's weight."""
     lm = causal_lm_of(model)
-    return lm.lm_head.weight is lm.model.embed_tokens.weight
+    parts = model_parts(lm)
+    inp, out = lm.get_submodule(parts.embeds[0]), lm.get_submodule(parts.heads[-1])
+    return getattr(out, "weight", None) is getattr(inp, "weight", 0)
 
 
 class TiedEmbeddingSync:
@@ -64,10 +67,10 @@ class TiedEmbeddingSync:
         """This rank's copy of the tied weight (the embedding's on the first stage, else the lm_head's)."""
         for module in modules:
             if module.is_first:
-                return module.model.embed_tokens.weight
+                return module.input_embeddings().weight
         for module in modules:
             if module.is_last:
-                return module.lm_head.weight
+                return module.output_embeddings().weight
         return None
 
     def sync_grads(self, modules: list[nn.Module]) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 from hf_dist.pipeline_parallel.checkpoint import save_pretrained
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import PipelineConfig
+from hf_dist.pipeline_parallel.stage_module import causal_lm_of
 from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
 
 
@@ -77,21 +78,21 @@ class PipelineModel(nn.Module):
     def __init__(self, pipe: PipelinedCausalLM) -> None:
         super().__init__()
         object.__setattr__(self, "pipeline", pipe)  # not a submodule: its stages share the modules below
-        body = nn.Module()
-        body.layers = nn.ModuleDict({k: v for stage in pipe.modules for k, v in stage.model.layers.items()})
         for stage in pipe.modules:
-            if stage.is_first:
-                body.embed_tokens = stage.model.embed_tokens
-            if stage.is_last:
-                body.norm = stage.model.norm
-        self.model = body
-        last = [stage for stage in pipe.modules if stage.is_last]
-        self.lm_head = last[0].lm_head if last else None
+            for fqn, module in stage.owned_modules().items():
+                parent = self
+                *path, leaf = fqn.split(".")
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, nn.Module())
+                    parent = getattr(parent, part)
+                parent.add_module(leaf, module)
         self.config = pipe.modules[0].config
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **_ignored) -> None:
         """Called by ``Trainer.train``; ``apply_pipeline`` already enabled it per layer before the split."""
-        if not all(getattr(layer, "gradient_checkpointing", False) for layer in self.model.layers.values()):
+        layers = [layer for stage in self.pipeline.modules for layer in stage.owned_layers()]
+        if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
             raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):
@@ -133,6 +134,10 @@ def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
             f"does not autocast; load the model in {wanted} (from_pretrained(..., dtype={wanted})) or drop bf16/fp16"
         )
     config = PipelineConfig(schedule=args.pp_schedule, microbatches=args.pp_microbatches)
+    if getattr(args, "layout_canary", True):
+        from hf_dist.pipeline_parallel.canary import check_pipeline_layout
+
+        check_pipeline_layout(causal_lm_of(model).config, trainer.dims, config, device=args.device)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
     pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)

@@ -27,8 +27,9 @@ more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax i
 With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split.
 
 The gradient working set while a layer runs backward is counted as two residual-stream gradients
-(``2·r·N·h``) and two MLP-intermediate gradients (``2·c·N·I/t``): the largest live at once in the MLP
-backward. Sequence parallel splits norm and residual terms by t; linear inputs stay full (torch's DTensor
+(``2·r·N·h``) and the larger of two MLP-intermediate gradients (``2·c·N·I/t``, the largest live at once in the
+MLP backward) and, with eager attention, the softmax backward's two fp32 ``(b, heads, s, s)`` gradients (the
+incoming one upcast from the probabilities' dtype and the scores' gradient it produces, ``8·b·heads·s²/t``). Sequence parallel splits norm and residual terms by t; linear inputs stay full (torch's DTensor
 sequence parallel all-gathers before the column-parallel linears, and they save the gathered input).
 
 Not here: parameters, gradients, optimizer states or buffers (``memory.py``).
@@ -88,6 +89,12 @@ class ActivationModel:
     """Activation gradients alive while one layer runs backward."""
     attention_mask: int
     """The (b, 1, s, s) additive mask eager attention builds (0 for SDPA/flash with causal masking)."""
+    largest_layer_tensor: int = 0
+    """The largest single activation tensor of a layer (an MLP intermediate, or eager's score matrix)."""
+
+    def largest_tensor(self, *, last: bool) -> int:
+        """The largest single activation allocation on a rank (the last stage also holds fp32 N x V logits)."""
+        return max(self.largest_layer_tensor, self.loss_backward // 2 if last else 0)
 
     def saved_after_forward(self, *, layers: int, checkpointing: bool, first_stage: bool = True,
                             last_stage: bool = True) -> int:
@@ -109,7 +116,7 @@ def dtype_bytes(workload: Workload, layout: Layout) -> tuple[int, int, bool]:
     """
     if workload.precision == "fp32":
         return 4, 4, False
-    if workload.precision == "bf16_mixed" or layout.lora_rank:
+    if workload.precision in ("bf16_mixed", "pure_bf16") or layout.lora_rank:
         return 2, 2, False
     return 4, 2, True
 
@@ -146,11 +153,14 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
     r, c, autocast = dtype_bytes(workload, layout)
     n, h, v, t = workload.tokens, model.hidden_size, model.vocab_size, layout.dims.tp
     sp = t if layout.sequence_parallel else 1
-    vocab_t = t if layout.tp_vocab_parallel else 1
+    vocab_t = t if layout.vocab_parallel else 1
     final_norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
     lm_head_input = 0 if layout.lora_rank else c * n * h
     lm_head_cast = c * model.vocab_size * h // vocab_t if autocast else 0
     mask = r * workload.micro_batch_size * workload.seq_len**2 if workload.attention == "eager" else 0
+    # eager softmax backward: the fp32 gradient of the probabilities and the fp32 gradient of the scores
+    eager_grads = 8 * workload.micro_batch_size * model.num_attention_heads * workload.seq_len**2 if (
+        workload.attention == "eager") else 0
     return ActivationModel(
         layer=_layer(model, workload, layout),
         checkpoint_input=r * n * h // sp,
@@ -160,6 +170,7 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
         loss=4 * n * v + 8 * n,
         loss_backward=8 * n * v,
         logits_forward=c * n * v + (4 * n * v if c != 4 else 0),
-        grad_working_set=2 * r * n * h // sp + 2 * c * n * model.intermediate_size // t,
+        grad_working_set=2 * r * n * h // sp + max(2 * c * n * model.intermediate_size, eager_grads) // t,
         attention_mask=mask,
+        largest_layer_tensor=max(c * n * model.intermediate_size, eager_grads // 2) // t,
     )

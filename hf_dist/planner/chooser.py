@@ -9,12 +9,17 @@ The order is the case study's decision table, least communication first:
   4. FSDP FULL_SHARD, ZeRO-3 (parameters gathered every forward and backward)
   5. TP inside a node (2, 4, 8) on top of FULL_SHARD, with sequence parallel (all-reduces in every layer)
   6. PP (across nodes first), on top of FULL_SHARD, and of TP over the whole node
-  7. Offload of optimizer states (and ZeRO-3 parameters) to CPU, then NVMe
+  7. Offload: ZeRO-2 optimizer to CPU, ZeRO-3 optimizer only, FSDP parameters + optimizer, ZeRO-3 optimizer +
+     parameters to CPU, then to NVMe (every one checked against the node's host RAM)
 Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
 layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
-A layout fits when its total (``MemoryBreakdown.total``) is at most ``(1 - safety_margin)`` of the GPU's
-memory. Layouts the batch contract or the model's shape rule out are rejected with the rule's message.
+A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
+transient allocation) is at most ``(1 - safety_margin)`` of the GPU's memory and what it offloads fits the
+node's host RAM (``host.py``); a loading peak over the host RAM is a warning. Each layout is evaluated in the
+precision it will run (``hf_dist.strategy.precision_that_runs``). Layouts the batch contract or the model's
+TP shape (``hf_dist.tensor_parallel.checks.check_tp_sizes``, the rule training applies) rule out are rejected
+with the rule's message.
 
 Not here: the memory or time arithmetic (``memory.py``, ``throughput.py``).
 """
@@ -24,10 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hf_dist.batch import BatchContract
-from hf_dist.planner.catalogue import GpuSpec, ModelSpec
-from hf_dist.planner.layout import Attention, Layout, Precision, Workload, make_layout
+from hf_dist.planner.catalogue import GpuSpec, ModelSpec, spec_config
+from hf_dist.planner.host import HostMemory, Loading, host_memory
+from hf_dist.planner.layout import Attention, Layout, Workload, make_layout
 from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_memory, gib
 from hf_dist.planner.throughput import Throughput, estimate_throughput
+from hf_dist.strategy import MIXED_PRECISIONS, MixedPrecision, precision_that_runs
+from hf_dist.tensor_parallel.checks import check_tp_sizes
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -48,8 +56,8 @@ class PlanRequest:
     """Sequences per optimizer step."""
     micro_batch: int = 1
     """Sequences per forward on one data-parallel rank."""
-    precision: Precision = "bf16_autocast"
-    """See ``layout.py``."""
+    precision: MixedPrecision = "bf16"
+    """``bf16`` (``--bf16``), ``fp32`` or ``pure_bf16``; each layout runs it as ``precision_that_runs`` says."""
     attention: Attention = "sdpa"
     """Attention kernel."""
     activation_checkpointing: bool = True
@@ -64,6 +72,16 @@ class PlanRequest:
     """Tokens to train on, for the wall-clock estimate."""
     assumptions: MemoryAssumptions = field(default_factory=MemoryAssumptions)
     """Framework allowances."""
+    host_ram_bytes: int | None = None
+    """Host RAM per node; None: the GPU kind's typical node (``GpuSpec.host_ram_per_gpu_bytes`` x GPUs)."""
+    loading: Loading = "every_rank"
+    """How the weights are loaded (``host.py``)."""
+    base_efficiency: float | None = None
+    """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
+    efficiency_source: str | None = None
+    """Where ``base_efficiency`` comes from, for the report."""
+    useful_fraction: float = 1.0
+    """Share of non-padding tokens (from the dataset's lengths), for useful tokens/s and MFU."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "num_nodes", "seq_len", "global_batch", "micro_batch", "lora_rank"):
@@ -72,6 +90,10 @@ class PlanRequest:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not 0 <= self.safety_margin < 1:
             raise ValueError(f"safety_margin={self.safety_margin} must be in [0, 1)")
+        if self.precision not in MIXED_PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not known; use one of {', '.join(MIXED_PRECISIONS)}")
+        if self.host_ram_bytes is not None and self.host_ram_bytes <= 0:
+            raise ValueError(f"host_ram_bytes={self.host_ram_bytes} must be positive")
 
     @property
     def world_size(self) -> int:
@@ -80,6 +102,11 @@ class PlanRequest:
     @property
     def memory_limit(self) -> int:
         return int(self.gpu.memory_bytes * (1 - self.safety_margin))
+
+    @property
+    def host_ram(self) -> int:
+        """Host RAM per node."""
+        return self.host_ram_bytes or self.gpu.host_ram_per_gpu_bytes * self.num_gpus
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,6 +123,12 @@ class Candidate:
     """Its peak memory (None when a rule rejected it first)."""
     throughput: Throughput | None = None
     """Its estimated step time and rates."""
+    host: HostMemory | None = None
+    """Its host RAM per node."""
+    warnings: tuple[str, ...] = ()
+    """What may still go wrong though it fits (loading over the host RAM)."""
+    workload_precision: str = ""
+    """The precision preset it was forecast in (``precision_that_runs``)."""
     fits: bool = False
     """Whether it fits with the safety margin."""
     chosen: bool = False
@@ -129,23 +162,33 @@ def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     if nodes > 1:
         out.append((3, "fsdp_hybrid_shard", {}))
     out += [(4, "fsdp_full_shard", {}), (4, "zero3", {})]
-    out += [(5, "fsdp_full_shard", {"tp": tp, "sequence_parallel": True}) for tp in (2, 4, 8) if tp <= per_node]
+    out += [(5, "fsdp_full_shard", {"tp": tp, "sequence_parallel": True}) for tp in (2, 4, 8)
+            if tp <= per_node and per_node % tp == 0]
     pps = ([nodes] if nodes > 1 else []) + [p for p in (2, 4, 8) if p != nodes]
     for pp in pps:
         out.append((6, "fsdp_full_shard", {"pp": pp}))
-        if per_node > 1:
-            out.append((6, "fsdp_full_shard", {"pp": pp, "tp": per_node, "sequence_parallel": True}))
-    out += [(7, "zero2", {"offload": "cpu"}), (7, "fsdp_full_shard", {"offload": "cpu"}),
-            (7, "zero3", {"offload": "cpu"}), (7, "zero3", {"offload": "nvme"})]
+        if per_node > 1:  # pipeline stages apply TP without sequence parallelism
+            out.append((6, "fsdp_full_shard", {"pp": pp, "tp": per_node}))
+    out += [(7, "zero2", {"offload": "cpu"}), (7, "zero3", {"offload": "cpu_optimizer"}),
+            (7, "fsdp_full_shard", {"offload": "cpu"}), (7, "zero3", {"offload": "cpu"}),
+            (7, "zero3", {"offload": "nvme"})]
     return out
 
 
-def _shape_rule(model: ModelSpec, tp: int, pp: int) -> str | None:
-    if tp > 1 and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
-        return (f"rule: tp={tp} does not divide num_attention_heads={model.num_attention_heads} and "
-                f"num_key_value_heads={model.num_key_value_heads}")
+def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
+    tp, pp = layout.tp, layout.pp
+    if tp > 1:
+        try:
+            check_tp_sizes(spec_config(model), tp, vocab_parallel=layout.vocab_parallel)
+        except ValueError as err:
+            return f"rule: {err}"
     if pp > model.num_hidden_layers:
         return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
+    if pp > 1:
+        from hf_dist.pipeline_parallel.support import model_type_refusal  # the one PP support decision
+
+        refusal = model_type_refusal(model.model_type)
+        return f"rule: {refusal}" if refusal else None
     return None
 
 
@@ -153,8 +196,11 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
     if req.world_size % (tp * pp):
         return None  # not a layout of this world size at all
-    layout = make_layout(strategy, req.world_size, gpus_per_node=req.num_gpus, lora_rank=lora_rank, **kwargs)
-    rule = _shape_rule(req.model, tp, pp)
+    try:
+        layout = make_layout(strategy, req.world_size, gpus_per_node=req.num_gpus, lora_rank=lora_rank, **kwargs)
+    except ValueError:
+        return None  # a layout hf_dist does not run (hf_dist.strategy.Layout's rules) is never offered
+    rule = _shape_rule(req.model, layout)
     if rule:
         return Candidate(layout=layout, tier=tier, reason=rule)
     try:
@@ -162,19 +208,30 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
                               micro_batch_size=req.micro_batch, tp=tp, pp=pp, seq_len=req.seq_len)
     except ValueError as err:
         return Candidate(layout=layout, tier=tier, reason=f"rule: {err}")
-    workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch, precision=req.precision,
-                        attention=req.attention, activation_checkpointing=req.activation_checkpointing,
+    workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch,
+                        precision=precision_that_runs(layout, req.precision), attention=req.attention,
+                        activation_checkpointing=req.activation_checkpointing,
                         gradient_accumulation_steps=batch.gradient_accumulation_steps)
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
-    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus)
-    fits = memory.total <= req.memory_limit
-    over = memory.total - req.memory_limit
-    reason = "" if fits else (
-        f"does not fit: needs {gib(memory.total):.1f} GiB per GPU, limit {gib(req.memory_limit):.1f} GiB "
-        f"({req.gpu.name} {gib(req.gpu.memory_bytes):.1f} GiB less {req.safety_margin:.0%} margin): "
-        f"over by {gib(over):.1f} GiB")
-    return Candidate(layout=layout, tier=tier, batch=batch, memory=memory, throughput=throughput, fits=fits,
-                     reason=reason)
+    host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
+    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus,
+                                     base_efficiency=req.base_efficiency, efficiency_source=req.efficiency_source,
+                                     useful_fraction=req.useful_fraction)
+    gpu_fits, host_fits = memory.fit_bytes <= req.memory_limit, host.offload <= req.host_ram
+    reasons = [] if gpu_fits else [
+        f"does not fit: needs {gib(memory.fit_bytes):.1f} GiB per GPU (in use {gib(memory.total):.1f} + largest "
+        f"transient {gib(memory.largest_transient):.1f}), limit {gib(req.memory_limit):.1f} GiB ({req.gpu.name} "
+        f"{gib(req.gpu.memory_bytes):.1f} GiB less {req.safety_margin:.0%} margin): over by "
+        f"{gib(memory.fit_bytes - req.memory_limit):.1f} GiB"]
+    if not host_fits:
+        reasons.append(f"does not fit: offload needs {gib(host.offload):.0f} GiB of host RAM per node, the node "
+                       f"has {gib(req.host_ram):.0f} GiB (--host-ram-gb)")
+    warnings = () if host.loading <= req.host_ram else (
+        f"loading needs {gib(host.loading):.0f} GiB of host RAM per node ({host.how_loaded}), the node has "
+        f"{gib(req.host_ram):.0f} GiB: load on the meta device and stream each rank's slices, or load in bf16",)
+    return Candidate(layout=layout, tier=tier, batch=batch, memory=memory, throughput=throughput, host=host,
+                     fits=gpu_fits and host_fits, reason="; ".join(reasons), warnings=warnings,
+                     workload_precision=workload.precision)
 
 
 def choose_layout(req: PlanRequest) -> Plan:
@@ -187,12 +244,12 @@ def choose_layout(req: PlanRequest) -> Plan:
     for c in candidates:
         if c is chosen:
             c = replace(c, chosen=True, reason=f"chosen: the first layout in decision-table order that fits "
-                                               f"({gib(c.memory.total):.1f} GiB of {gib(req.memory_limit):.1f})")
+                                               f"({gib(c.memory.fit_bytes):.1f} GiB of {gib(req.memory_limit):.1f})")
         elif c.fits:
             why = ("--lora: a LoRA layout fits and is preferred to a full fine-tune"
                    if chosen.layout.lora_rank and not c.layout.lora_rank
                    else f"communicates more than {chosen.name} (decision table tier {c.tier} vs {chosen.tier})"
                    if c.tier > chosen.tier else f"same tier as {chosen.name}, which comes first (FSDP before ZeRO)")
-            c = replace(c, reason=f"fits ({gib(c.memory.total):.1f} GiB) but rule: {why}")
+            c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but rule: {why}")
         out.append(c)
     return Plan(request=req, candidates=out)

@@ -14,13 +14,22 @@ phases of a training step and the largest wins:
 With pipeline parallelism the first stage holds ``min(pp, accumulation)`` micro batches in flight (1F1B) and
 the embedding; the last stage one micro batch, the head and the loss; the worse of the two is reported.
 
-On top of the allocated peak (what ``torch.cuda.max_memory_allocated`` reports) two stated allowances give
-what the device shows in use (``nvidia-smi``): the caching allocator's reserved-but-unallocated memory,
-counted as ``fragmentation`` x the allocated peak (5 %: the caching allocator rounds blocks to 2 MiB and
-cannot split blocks across streams, so FSDP's gather and reduce streams keep their own pools), and a fixed
-framework allowance: the CUDA context with cuBLAS workspace and loaded kernels (512 MiB) and NCCL
-communicator buffers (512 MiB when there is more than one rank). ``MemoryAssumptions(device="cpu")`` drops
-both for the CPU benchmark.
+Three figures are reported. ``allocated``: the allocated peak (``torch.cuda.max_memory_allocated``).
+``reserved``: what the caching allocator holds at that peak (``torch.cuda.max_memory_reserved``): allocated plus
+``allocator_slack``, a calibrated fraction of the *transient* part of the peak (everything but the persistent
+model states and buckets, which are allocated once and pack tightly; the transients -- gathered units,
+activations, gradients of varying sizes -- leave cached blocks that later requests cannot reuse).
+``total`` (``in use``, what ``nvidia-smi`` shows): reserved plus the CUDA context with cuBLAS workspace and
+kernels (512 MiB) and NCCL buffers (512 MiB with more than one rank). The fit decision (``fit_bytes``) adds the
+largest single transient allocation, which a fragmented cache may have to take as a fresh segment.
+
+The slack fraction's basis (``CACHING_SLACK``): torchtitan's Llama-2-7B FSDP2 run on 8 x H100 (local batch 8,
+seq 2048, full activation checkpointing, bf16 parameters with fp32 reduction; pytorch/torchtitan PR #165)
+reported active 22.73 GiB and reserved 31.02 GiB; this model's allocated peak there is 23.40 GiB (+2.9 %) of
+which 10.85 GiB transient, so slack = (31.02 - 23.40) / 10.85 = 0.70 of the transient. It is then checked against
+the Harbor 13B figure (``bench/planner_anchors.py``). With ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+freed pages coalesce; ``EXPANDABLE_SLACK`` (0.10) is an assumption, not calibrated against a published run.
+``MemoryAssumptions(device="cpu")`` drops slack and framework for the CPU benchmark.
 
 Not here: which layout to pick (``chooser.py``), time (``throughput.py``).
 """
@@ -39,18 +48,35 @@ from hf_dist.planner.states import ModelStates, model_states
 _MIB = 2**20
 
 
+CACHING_SLACK = 0.70
+"""Reserved-but-unallocated memory as a fraction of the transient allocated bytes (see the module docstring)."""
+EXPANDABLE_SLACK = 0.10
+"""The same with ``expandable_segments:True`` (assumed)."""
+HOST_BUFFER_FACTOR = 1.5
+"""Host RAM headroom over the bytes offloaded or loaded: DeepSpeed's ``additional_buffer_factor`` default in its
+``estimate_zero2/3_model_states_mem_needs`` (pinned staging buffers and allocator slack)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class MemoryAssumptions:
     """The allowances that are not derived from the model."""
 
     device: Literal["cuda", "cpu"] = "cuda"
-    """``cpu`` drops the CUDA context, NCCL and fragmentation allowances (the CPU benchmark)."""
+    """``cpu`` drops the CUDA context, NCCL and allocator allowances (the CPU benchmark)."""
     cuda_context_bytes: int = 512 * _MIB
     """CUDA context, cuBLAS workspace and loaded kernels, outside the caching allocator."""
     nccl_bytes: int = 512 * _MIB
     """NCCL communicator buffers when the job has more than one rank."""
-    fragmentation: float = 0.05
-    """Reserved-but-unallocated memory of the caching allocator, as a fraction of the allocated peak."""
+    expandable_segments: bool = False
+    """``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: less reserved-but-unallocated memory."""
+    host_buffer_factor: float = HOST_BUFFER_FACTOR
+    """Host RAM headroom factor over offloaded and loaded bytes."""
+
+    @property
+    def slack(self) -> float:
+        if self.device == "cpu":
+            return 0.0
+        return EXPANDABLE_SLACK if self.expandable_segments else CACHING_SLACK
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -81,10 +107,12 @@ class MemoryBreakdown:
     """Logits and loss transients (logits, fp32 upcast, loss-backward gradients) beyond the saved log-softmax."""
     optimizer_step_temp: int
     """Temporaries of the optimizer step."""
-    fragmentation: int
-    """Caching-allocator reserve above the allocated peak."""
-    framework: int
-    """CUDA context and NCCL buffers."""
+    allocator_slack: int = 0
+    """Reserved by the caching allocator above the allocated peak."""
+    framework: int = 0
+    """CUDA context and NCCL buffers, outside the allocator."""
+    largest_transient: int = 0
+    """The largest single transient allocation at the peak (headroom in the fit decision)."""
     peak_phase: str = ""
     """Which phase peaks: loss, backward or optimizer."""
     phase_totals: dict[str, int] = field(default_factory=dict)
@@ -98,7 +126,8 @@ class MemoryBreakdown:
 
     TERMS = ("parameters", "master_params", "gradients", "optimizer_states", "comm_buffers", "gathered_params",
              "unsharded_grads", "activations", "recomputed_layer", "activation_grads", "logits",
-             "optimizer_step_temp", "fragmentation", "framework")
+             "optimizer_step_temp")
+    """The allocated terms."""
 
     @property
     def model_states(self) -> int:
@@ -107,18 +136,30 @@ class MemoryBreakdown:
     @property
     def allocated(self) -> int:
         """The allocated peak (``torch.cuda.max_memory_allocated``)."""
-        return sum(getattr(self, t) for t in self.TERMS) - self.fragmentation - self.framework
+        return sum(getattr(self, t) for t in self.TERMS)
+
+    @property
+    def reserved(self) -> int:
+        """What the caching allocator holds at the peak (``torch.cuda.max_memory_reserved``)."""
+        return self.allocated + self.allocator_slack
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, t) for t in self.TERMS)
+        """In use on the device (``nvidia-smi``): reserved plus CUDA context and NCCL buffers."""
+        return self.reserved + self.framework
+
+    @property
+    def fit_bytes(self) -> int:
+        """What the fit decision compares with the limit: in use plus the largest transient allocation."""
+        return self.total + self.largest_transient
 
     def terms(self) -> dict[str, int]:
         return {t: getattr(self, t) for t in self.TERMS}
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out.update(model_states=self.model_states, allocated=self.allocated, total=self.total)
+        out.update(model_states=self.model_states, allocated=self.allocated, reserved=self.reserved,
+                   total=self.total, fit_bytes=self.fit_bytes)
         return out
 
 
@@ -149,10 +190,12 @@ def _stage_breakdown(model: ModelSpec, workload: Workload, layout: Layout, assum
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=totals.get)
     terms = {t: 0 for t in MemoryBreakdown.TERMS} | phases[peak]
+    transient = totals[peak] - states.persistent
+    terms["allocator_slack"] = int(assumptions.slack * transient)
     if assumptions.device == "cuda":
-        terms["fragmentation"] = int(assumptions.fragmentation * totals[peak])
         terms["framework"] = assumptions.cuda_context_bytes + (
             assumptions.nccl_bytes if layout.dims.world_size > 1 else 0)
+    terms["largest_transient"] = max(states.largest_transient, acts.largest_tensor(last=last))
     return MemoryBreakdown(**terms, peak_phase=peak, phase_totals=totals, cpu_offload=states.cpu_bytes,
                            nvme_offload=states.nvme_bytes, stage=stage)
 
@@ -184,7 +227,9 @@ def format_breakdown(b: MemoryBreakdown) -> str:
     """One line per non-zero term, in GiB, then the totals."""
     lines = [f"  {name:<20} {gib(value):8.2f} GiB" for name, value in b.terms().items() if value]
     lines.append(f"  {'allocated peak':<20} {gib(b.allocated):8.2f} GiB  (phase: {b.peak_phase})")
-    lines.append(f"  {'total in use':<20} {gib(b.total):8.2f} GiB  ({b.total / 1e9:.1f} GB)")
+    lines.append(f"  {'reserved':<20} {gib(b.reserved):8.2f} GiB  (allocator slack {gib(b.allocator_slack):.2f})")
+    lines.append(f"  {'in use':<20} {gib(b.total):8.2f} GiB  ({b.total / 1e9:.1f} GB, with context + NCCL "
+                 f"{gib(b.framework):.2f})")
     return "\n".join(lines)
 
 

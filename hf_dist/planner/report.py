@@ -19,10 +19,13 @@ def _duration(seconds: float) -> str:
 
 def _row(c: Candidate) -> str:
     mark = "*" if c.chosen else ("ok" if c.fits else "x")
-    mem = f"{gib(c.memory.total):7.1f}" if c.memory else "      -"
+    m = c.memory
+    mem = f"{gib(m.allocated):6.1f} {gib(m.reserved):6.1f} {gib(m.total):6.1f}" if m else f"{'-':>6} {'-':>6} {'-':>6}"
+    host = f"{gib(c.host.peak):6.0f}" if c.host else f"{'-':>6}"
     tps = f"{c.throughput.tokens_per_s:9,.0f}" if c.throughput else "        -"
     step = f"{c.throughput.step_time_s:7.2f}" if c.throughput else "      -"
-    return f"{mark:>2} {c.tier:>4}  {c.name:<34} {mem}  {step}  {tps}  {c.reason}"
+    warn = f" [warning: {'; '.join(c.warnings)}]" if c.warnings else ""
+    return f"{mark:>2} {c.tier:>4}  {c.name:<30} {mem} {host}  {step}  {tps}  {c.reason}{warn}"
 
 
 def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
@@ -33,16 +36,24 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
         f"{req.num_gpus} {req.gpu.name} ({gib(req.gpu.memory_bytes):.1f} GiB, limit "
         f"{gib(req.memory_limit):.1f} GiB with {req.safety_margin:.0%} margin)",
         f"seq {req.seq_len}, global batch {req.global_batch}, micro batch {req.micro_batch}, {req.precision}, "
-        f"{req.attention}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}",
+        f"{req.attention}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}; host RAM "
+        f"{gib(req.host_ram):.0f} GiB per node, loading {req.loading}",
+        "GiB per GPU: alloc = max_memory_allocated, resv = max_memory_reserved, in use = resv + CUDA context + NCCL"
+        " (nvidia-smi); host = GiB of host RAM per node (loading or offload)",
         "",
-        f"{'':>2} {'tier':>4}  {'layout':<34} {'GiB/GPU':>7}  {'step s':>7}  {'tokens/s':>9}  reason",
+        f"{'':>2} {'tier':>4}  {'layout':<30} {'alloc':>6} {'resv':>6} {'in use':>6} {'host':>6}  {'step s':>7}  "
+        f"{'tokens/s':>9}  reason",
     ]
     lines += [_row(c) for c in plan.candidates]
     if breakdowns:
         for c in plan.candidates:
             if c.memory:
-                lines += ["", f"{c.name} (peak at {c.memory.peak_phase}, stage {c.memory.stage}):",
-                          format_breakdown(c.memory)]
+                lines += ["", f"{c.name} ({c.workload_precision}; peak at {c.memory.peak_phase}, stage "
+                          f"{c.memory.stage}):", format_breakdown(c.memory)]
+                if c.host:
+                    lines.append(f"  host RAM per node: loading {gib(c.host.loading):.0f} GiB ({c.host.how_loaded}),"
+                                 f" offload {gib(c.host.offload):.0f} GiB (x{req.assumptions.host_buffer_factor} "
+                                 f"buffer factor)")
                 if c.memory.cpu_offload or c.memory.nvme_offload:
                     lines.append(f"  offloaded per rank: CPU {gib(c.memory.cpu_offload):.2f} GiB, "
                                  f"NVMe {gib(c.memory.nvme_offload):.2f} GiB")
@@ -52,11 +63,16 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
         lines.append("chosen: none fits; use more GPUs, a shorter context, --lora, or a smaller model")
     else:
         t = chosen.throughput
-        lines.append(f"chosen: {chosen.name}: {gib(chosen.memory.total):.1f} GiB per GPU; "
+        lines.append(f"chosen: {chosen.name}: {gib(chosen.memory.allocated):.1f} GiB allocated, "
+                     f"{gib(chosen.memory.reserved):.1f} reserved, {gib(chosen.memory.total):.1f} in use per GPU, "
+                     f"{gib(chosen.host.peak):.0f} GiB host RAM per node; "
                      f"{chosen.batch.global_batch_size} = {chosen.batch.micro_batch_size} x {chosen.batch.dp} x "
                      f"{chosen.batch.gradient_accumulation_steps} (micro x dp x accumulation); "
                      f"{t.step_time_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
-                     f"(assumed efficiency {t.efficiency:.0%})")
+                     f"(efficiency {t.efficiency:.0%}: {t.efficiency_source})")
+        if req.useful_fraction < 1:
+            lines.append(f"useful (non-padding) tokens/s: {t.useful_tokens_per_s:,.0f} "
+                         f"({req.useful_fraction:.0%} of the tokens carry data)")
         if req.train_tokens:
             wall = _duration(t.wall_clock_s(req.train_tokens))
             lines.append(f"wall clock for {req.train_tokens:,.0f} tokens: {wall}")
@@ -69,15 +85,19 @@ def _candidate_dict(c: Candidate, train_tokens: float | None) -> dict:
         "name": c.name, "tier": c.tier, "strategy": c.layout.strategy, "tp": d.tp, "pp": d.pp,
         "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "offload": c.layout.offload,
         "lora_rank": c.layout.lora_rank, "sequence_parallel": c.layout.sequence_parallel,
-        "fits": c.fits, "chosen": c.chosen, "reason": c.reason,
-        "memory": c.memory.as_dict() if c.memory else None,
+        "fits": c.fits, "chosen": c.chosen, "reason": c.reason, "warnings": list(c.warnings),
+        "precision": c.workload_precision, "memory": c.memory.as_dict() if c.memory else None,
+        "host_ram": {"loading": c.host.loading, "offload": c.host.offload, "peak": c.host.peak,
+                     "how_loaded": c.host.how_loaded} if c.host else None,
         "batch": c.batch.as_dict() | {"gradient_accumulation_steps": c.batch.gradient_accumulation_steps}
         if c.batch else None,
     }
     if c.throughput:
         t = c.throughput
         out["throughput"] = {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
-                             "efficiency": t.efficiency, "model_flops_per_token": t.model_flops_per_token,
+                             "useful_tokens_per_s": t.useful_tokens_per_s,
+                             "efficiency": t.efficiency, "efficiency_source": t.efficiency_source,
+                             "model_flops_per_token": t.model_flops_per_token,
                              "executed_flops_per_token": t.executed_flops_per_token}
         if train_tokens:
             out["throughput"]["wall_clock_s"] = t.wall_clock_s(train_tokens)
@@ -94,7 +114,8 @@ def plan_json(plan: Plan) -> dict:
         "num_gpus": req.num_gpus, "num_nodes": req.num_nodes, "seq_len": req.seq_len,
         "global_batch": req.global_batch, "micro_batch": req.micro_batch, "precision": req.precision,
         "attention": req.attention, "activation_checkpointing": req.activation_checkpointing,
-        "safety_margin": req.safety_margin, "memory_limit": req.memory_limit,
+        "safety_margin": req.safety_margin, "memory_limit": req.memory_limit, "host_ram": req.host_ram,
+        "loading": req.loading,
         "candidates": [_candidate_dict(c, req.train_tokens) for c in plan.candidates],
         "chosen": plan.chosen.name if plan.chosen else None,
     }

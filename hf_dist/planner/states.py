@@ -12,19 +12,25 @@ per flat group (DeepSpeed). DeepSpeed always keeps an fp32 master partition (a c
 Assumptions, by strategy (``p`` = module parameter bytes, ``g`` = gradient bytes):
   * DDP: full parameters and gradients, and the reducer's bucket buffers, a second copy of the gradients
     (``gradient_as_bucket_view=False``, the accelerate/Trainer default).
-  * FSDP: fp32 shards of parameters and gradients (the shard is the master), Adam over the shards; during
+  * FSDP2: fp32 shards of parameters and gradients (the shard is the master; ``pure_bf16``: bf16 shards and
+    bf16 Adam states), Adam over the shards; during
     forward/backward one layer unit gathered plus ``prefetch`` units ahead (``limit_all_gathers`` /
     FSDP2's default of one), the root unit (embeddings, final norm, lm_head) gathered from forward to the end
     of backward, the unsharded gradient of the unit in backward, and the lm_head gradient, which exists from
-    the start of backward until the root's reduce-scatter at its end. SHARD_GRAD_OP keeps every unit gathered
-    between forward and backward.
+    the start of backward until the root's reduce-scatter at its end. The unit's reduce-scatter input is a
+    separate fp32 buffer (``reduce_dtype=float32``) the gradients are copied into before they are freed, so
+    both are alive at once. SHARD_GRAD_OP keeps every unit gathered between forward and backward.
   * ZeRO: ``reduce_bucket_size = h²`` and ``stage3_prefetch_bucket_size = 0.9 h²`` (the Trainer's "auto");
     stage 1/2 double-buffer the reduce bucket (``overlap_comm``); stage 3 holds the largest linear being
-    used, the prefetch bucket and parameters under ``10 h`` elements (persistent).
+    used, the prefetch bucket and parameters under ``10 h`` elements (persistent). The optimizer step builds
+    an fp32 gradient copy per sub-group: ZeRO-1/2 the whole partition, ZeRO-3 at most ``sub_group_size``
+    (1e9, DeepSpeed's default and hf_dist's generated configs) elements.
   * LoRA: the frozen base is stored in bf16 (fp32 when precision is fp32) with no gradient or optimizer
     state; adapters are fp32 and trained with Adam.
-  * Offload ``cpu``/``nvme``: master copy, Adam and gradients leave the GPU (ZeRO-3 and FSDP: parameter shards
-    too); ``cpu_bytes``/``nvme_bytes`` say what lands there per rank.
+  * Offload ``cpu``/``nvme``: master copy, Adam and fp32 gradients leave the GPU (ZeRO-3 and FSDP: parameter
+    shards too; ``cpu_optimizer``: ZeRO-3 keeps its parameters on the GPU); ``cpu_bytes``/``nvme_bytes`` say
+    what lands there per rank: DeepSpeed's 16 bytes/parameter (ZeRO-1/2) and 18 (ZeRO-3 with parameters), the
+    figures its own estimators use.
 
 Not here: activations (``activations.py``) or the phase-by-phase peak (``memory.py``).
 """
@@ -36,6 +42,9 @@ from dataclasses import dataclass
 
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.layout import FSDP_STRATEGIES, Layout, Workload
+
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000
+"""DeepSpeed's ``sub_group_size`` default, which ``hf_dist.configs`` writes."""
 
 _COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROWWISE = ("o_proj", "down_proj")
@@ -68,6 +77,8 @@ class ModelStates:
     """Offloaded to CPU memory by this rank."""
     nvme_bytes: int = 0
     """Offloaded to NVMe by this rank."""
+    largest_transient: int = 0
+    """The largest single transient buffer: a gathered unit, a reduce-scatter input, a bucket."""
 
     @property
     def persistent(self) -> int:
@@ -77,7 +88,7 @@ class ModelStates:
 def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: bool, last: bool):
     """``(name, shape)`` of the base parameters one TP rank of one pipeline stage holds."""
     t = layout.dims.tp
-    vocab_t = t if layout.tp_vocab_parallel else 1
+    vocab_t = t if layout.vocab_parallel else 1
     if first:
         yield "embed_tokens", (model.vocab_size // vocab_t, model.hidden_size)
     for _ in range(layers):
@@ -132,7 +143,7 @@ def _gather_bytes(workload: Workload, layout: Layout) -> int:
     """Bytes per element of gathered units: FSDP gathers the stored dtype unless it casts (bf16_mixed/LoRA)."""
     if workload.precision == "fp32":
         return 4
-    return 2 if workload.precision == "bf16_mixed" or layout.lora_rank else 4
+    return 2 if workload.precision in ("bf16_mixed", "pure_bf16") or layout.lora_rank else 4
 
 
 def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers: int, first: bool = True,
@@ -155,11 +166,12 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
     sharded = layout.strategy in FSDP_STRATEGIES
     train_el = shard_elements(trainable, s, "fsdp2")
     frozen_bytes = (4 if workload.precision == "fp32" else 2) * shard_elements(frozen, s, "fsdp2")
+    w = 2 if workload.precision == "pure_bf16" else 4  # trainable parameter, gradient and Adam-moment bytes
     if layout.strategy == "ddp" and workload.precision == "bf16_mixed" and not frozen:
         params, master, grads = 2 * train_el, 4 * train_el, 2 * train_el
     else:
-        params, master, grads = 4 * train_el + frozen_bytes, 0, 4 * train_el
-    optim = 8 * train_el + 4 * len(trainable)
+        params, master, grads = w * train_el + frozen_bytes, 0, w * train_el
+    optim = 2 * w * train_el + 4 * len(trainable)
     gb = _gather_bytes(workload, layout)
     at_loss = in_backward = unsharded = 0
     if sharded:
@@ -170,16 +182,23 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
         else:  # the unit in backward, the next one prefetched, the root
             at_loss, in_backward = gb * root_el, gb * (2 * unit_el + root_el)
         trained_unit = unit_el if not frozen else 0
-        unsharded = gb * (trained_unit + (sum(_numel(x) for x in lm_head) if not frozen else 0))
+        # the unit's gradients and its fp32 reduce-scatter input, while lm_head's gradient waits for the root
+        unsharded = gb * trained_unit + 4 * trained_unit + (gb * sum(_numel(x) for x in lm_head) if not frozen else 0)
     buckets = grads if layout.strategy == "ddp" else 0
     step_temp = 0  # fused AdamW (the Trainer's default, adamw_torch_fused) updates in place
     cpu = 0
     if layout.offload == "cpu":
         cpu = params + grads + optim
         params = grads = optim = step_temp = 0
+    largest = 0
+    if sharded:
+        largest = max(gb, 4) * sum(_numel(x) for x in unit)
+        if layout.strategy == "fsdp_shard_grad_op":
+            largest = max(largest, gb * sum(_numel(x) for x in root))
     return ModelStates(parameters=params, master_params=master, gradients=grads, optimizer_states=optim,
                        comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
-                       unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu)
+                       unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu,
+                       largest_transient=largest)
 
 
 def _deepspeed(model, workload, layout, trainable, frozen, unit, root) -> ModelStates:
@@ -202,16 +221,19 @@ def _deepspeed(model, workload, layout, trainable, frozen, unit, root) -> ModelS
         persistent = sum(_numel(x) for x in unit if _numel(x) <= 10 * h) * model.num_hidden_layers
         unsharded = p * largest
         at_loss = in_backward = p * (largest + int(0.9 * h * h) + persistent)
-    step_temp = 4 * part_el  # the fp32 copy of the gradient partition DeepSpeed hands its optimizer
+    # the fp32 copy of the gradients DeepSpeed hands its optimizer, one sub-group at a time at ZeRO-3
+    step_temp = 4 * (min(part_el, ZERO3_SUB_GROUP_SIZE) if stage == 3 else part_el)
     cpu = nvme = 0
     if layout.offload != "none":
-        off_params = params if stage == 3 else 0
-        if layout.offload == "cpu":
-            cpu = master + optim + grads + off_params
+        off_params = params if stage == 3 and layout.offload != "cpu_optimizer" else 0
+        fp32_grads = 4 * part_el  # the optimizer steps on CPU with an fp32 gradient partition
+        if layout.offload in ("cpu", "cpu_optimizer"):
+            cpu = master + optim + fp32_grads + off_params
         else:  # ZeRO-Infinity: master, Adam and parameters on NVMe, gradients through CPU memory
-            nvme, cpu = master + optim + off_params, grads
+            nvme, cpu = master + optim + off_params, fp32_grads
         grads = master = optim = step_temp = 0
         params -= off_params
     return ModelStates(parameters=params, master_params=master, gradients=grads, optimizer_states=optim,
                        comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
-                       unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu, nvme_bytes=nvme)
+                       unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu, nvme_bytes=nvme,
+                       largest_transient=max(unsharded, p * h * h))

@@ -1,14 +1,16 @@
 """Step time, tokens/s and wall-clock time from FLOPs, the device peak and a stated efficiency per layout.
 
-FLOPs per token (forward + backward, dense, causal masking not discounted):
-  * matmuls: ``2·P`` forward and ``4·P`` backward for the ``P`` weights in linears (``6·P``, the usual
-    ``6 x params``); a frozen base (LoRA) skips the weight gradients, ``4·P``, plus ``6·P_adapter``;
-  * attention scores and values: ``4·L·s·q_dim`` forward, twice that backward (``12·L·s·q_dim``);
-  * activation checkpointing recomputes the forward: ``+(2·P + 4·L·s·q_dim)``, executed but not counted in MFU.
+FLOPs per token: ``flops.py`` (the one formula, shared with the trainer's runtime MFU): ``6·P`` per trainable
+and ``4·P`` per frozen matmul weight, ``12·L·s·q_dim`` for attention, and the forward again under activation
+checkpointing, executed but not counted in MFU.
 
-``step_time = executed FLOPs per step per GPU / (peak x efficiency)``. The efficiency is an assumption, stated
-in ``BASE_EFFICIENCY`` and the factors below (typical of published HF/FSDP/DeepSpeed runs on NVLink nodes);
-it is not measured here. MFU reported = model FLOPs (without recompute) / (time x peak).
+``step_time = executed FLOPs per step per GPU / (peak x efficiency)``. The efficiency is a base compute
+efficiency times the layout's factors below (offload, TP, pipeline bubble, cross-node gathers). The base is
+either measured (``calibrate.py``, ``hf-dist plan --calibrate``) or, without calibration, the assumption in
+``BASE_EFFICIENCY`` (typical of published HF/FSDP/DeepSpeed runs on NVLink nodes), and ``Throughput.
+efficiency_source`` says which. One constant cannot describe both an unoptimised Trainer run (a few % MFU) and
+a tuned stack (55-73 %, ``bench/planner_anchors.py``). MFU = model FLOPs (without recompute) of the useful
+(non-padding) tokens / (time x peak).
 
 Not here: memory (``memory.py``).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_dist.planner.catalogue import GpuSpec, ModelSpec
+from hf_dist.planner.flops import FlopCounts
 from hf_dist.planner.layout import Layout, Workload
 
 BASE_EFFICIENCY: dict[str, float] = {
@@ -34,7 +37,7 @@ TP_FACTOR = 0.90
 """Per-layer TP all-reduces inside a node."""
 CROSS_NODE_SHARD_FACTOR = 0.85
 """FULL_SHARD / ZeRO-3 gathering parameters across nodes every layer."""
-OFFLOAD_FACTOR = {"none": 1.0, "cpu": 0.40, "nvme": 0.25}
+OFFLOAD_FACTOR = {"none": 1.0, "cpu_optimizer": 0.50, "cpu": 0.40, "nvme": 0.25}
 """Optimizer step on the CPU and PCIe traffic."""
 
 
@@ -47,38 +50,41 @@ class Throughput:
     executed_flops_per_token: float
     """Including activation-checkpointing recompute."""
     efficiency: float
-    """Assumed fraction of peak achieved on executed FLOPs."""
+    """Fraction of peak achieved on executed FLOPs."""
+    efficiency_source: str = "assumed (planner BASE_EFFICIENCY table), not measured"
+    """Where the efficiency comes from: the stated table, a calibration run, or the caller."""
     step_time_s: float
     """Seconds per optimizer step (global batch)."""
     tokens_per_s: float
-    """Cluster-wide training tokens per second."""
+    """Cluster-wide training tokens per second (padding included)."""
+    useful_tokens_per_s: float = 0.0
+    """Cluster-wide non-padding tokens per second."""
     mfu: float
-    """Model FLOPs utilisation."""
+    """Model FLOPs utilisation (of the useful tokens)."""
 
     def wall_clock_s(self, tokens: float) -> float:
         """Seconds to train on ``tokens`` tokens."""
         return tokens / self.tokens_per_s
 
 
+def flop_counts(model: ModelSpec, *, lora_rank: int = 0) -> FlopCounts:
+    """``FlopCounts`` of ``model`` (the formula in ``flops.py``, shared with the trainer's runtime MFU)."""
+    weights = model.num_hidden_layers * model.layer_linear_weights + model.vocab_size * model.hidden_size
+    adapters = model.num_hidden_layers * model.lora_params_per_layer(lora_rank) if lora_rank else 0
+    return FlopCounts(trainable_matmul=adapters or weights, frozen_matmul=weights if lora_rank else 0,
+                      layers=model.num_hidden_layers, q_dim=model.q_dim)
+
+
 def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0) -> tuple[float, float]:
     """``(model FLOPs, executed FLOPs)`` per token."""
-    layers = model.num_hidden_layers
-    weights = layers * model.layer_linear_weights + model.vocab_size * model.hidden_size  # lm_head matmul
-    attention_fwd = 4 * layers * workload.seq_len * model.q_dim
-    if lora_rank:
-        adapters = layers * model.lora_params_per_layer(lora_rank)
-        model_flops = 4 * weights + 6 * adapters + 3 * attention_fwd
-        recompute = 2 * (weights + adapters) + attention_fwd
-    else:
-        model_flops = 6 * weights + 3 * attention_fwd
-        recompute = 2 * weights + attention_fwd
-    executed = model_flops + (recompute if workload.activation_checkpointing else 0)
-    return float(model_flops), float(executed)
+    return flop_counts(model, lora_rank=lora_rank).per_token(workload.seq_len,
+                                                             recompute=workload.activation_checkpointing)
 
 
-def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int) -> float:
-    """The stated efficiency of ``layout`` (see module docstring)."""
-    eff = BASE_EFFICIENCY[layout.strategy] * OFFLOAD_FACTOR[layout.offload]
+def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int, base: float | None = None) -> float:
+    """The efficiency of ``layout``: ``base`` (a calibrated or stated compute efficiency; default the
+    ``BASE_EFFICIENCY`` of its strategy) times its offload, TP, pipeline-bubble and cross-node factors."""
+    eff = (BASE_EFFICIENCY[layout.strategy] if base is None else base) * OFFLOAD_FACTOR[layout.offload]
     if layout.dims.tp > 1:
         eff *= TP_FACTOR
     if layout.dims.pp > 1:  # the 1F1B bubble
@@ -89,14 +95,24 @@ def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int) -> floa
 
 
 def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gpu: GpuSpec, *,
-                        gpus_per_node: int = 8) -> Throughput:
-    """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation."""
+                        gpus_per_node: int = 8, base_efficiency: float | None = None,
+                        efficiency_source: str | None = None, useful_fraction: float = 1.0) -> Throughput:
+    """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation.
+
+    ``base_efficiency`` replaces the strategy's assumed one (``hf-dist plan --calibrate`` measures it);
+    ``useful_fraction`` is the share of non-padding tokens (from a dataset's lengths), for useful tokens/s.
+    """
+    if not 0 < useful_fraction <= 1:
+        raise ValueError(f"useful_fraction={useful_fraction} must be in (0, 1]")
     model_flops, executed = flops_per_token(model, workload, lora_rank=layout.lora_rank)
     accumulation = workload.gradient_accumulation_steps
     tokens = workload.tokens * layout.dims.dp * accumulation
-    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation)
+    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation, base=base_efficiency)
     world = layout.dims.world_size
     step = executed * tokens / (world * gpu.peak_bf16_flops * eff)
+    source = efficiency_source or ("assumed: BASE_EFFICIENCY table (typical published runs), not measured"
+                                   if base_efficiency is None else "given")
     return Throughput(model_flops_per_token=model_flops, executed_flops_per_token=executed, efficiency=eff,
-                      step_time_s=step, tokens_per_s=tokens / step,
-                      mfu=model_flops * tokens / (step * world * gpu.peak_bf16_flops))
+                      efficiency_source=source, step_time_s=step, tokens_per_s=tokens / step,
+                      useful_tokens_per_s=useful_fraction * tokens / step,
+                      mfu=useful_fraction * model_flops * tokens / (step * world * gpu.peak_bf16_flops))

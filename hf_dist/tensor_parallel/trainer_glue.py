@@ -22,15 +22,11 @@ from hf_dist.tensor_parallel.state import full_state_dict
 
 
 def check_tp_arguments(args) -> None:
-    """``DistTrainingArguments`` rules for the TP options (a ``ValueError`` naming the fix)."""
-    for name in ("tp_sequence_parallel", "tp_vocab_parallel"):
-        if getattr(args, name) and args.tp_size == 1:
-            raise ValueError(f"{name}=True needs tp_size > 1 (it shards over the TP ranks); set tp_size or drop it")
-        if getattr(args, name) and args.pp_size > 1:
-            raise ValueError(
-                f"{name}=True is not available with pp_size > 1 (pipeline stages apply TP without it); "
-                f"set {name}=False"
-            )
+    """``DistTrainingArguments`` rules for the TP options (``hf_dist.strategy.check_tp_options``, the one rule)."""
+    from hf_dist.strategy import check_tp_options
+
+    check_tp_options(tp=args.tp_size, pp=args.pp_size, sequence_parallel=getattr(args, "tp_sequence_parallel", False),
+                     vocab_parallel=getattr(args, "tp_vocab_parallel", False), prefix="tp_", suffix="_size")
 
 
 def whole_logits(model, logits):

@@ -10,6 +10,7 @@ Not here: applying the layout to a model (``hf_dist.trainer.layout``) or decidin
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +20,44 @@ from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.tensor_parallel.trainer_glue import check_tp_arguments
 from hf_dist.trainer import launch_env
+
+
+DEFAULT_LEARNING_RATE = 5e-5  # transformers.TrainingArguments' default
+
+
+def check_values(args) -> None:
+    """Values no layout can use, refused by name before any process group (pure)."""
+    given = args.learning_rate
+    if args.base_learning_rate is not None and given is not None and not math.isnan(given):
+        derived = resolve_contract_lr(args)
+        if derived is not None and not math.isclose(given, derived, rel_tol=1e-12):  # else the contract refuses
+            raise ValueError(
+                f"learning_rate={given:g} and base_learning_rate={args.base_learning_rate:g} were both given; the "
+                f"learning rate is derived from base_learning_rate x the global batch ({args.lr_scaling} scaling), "
+                f"so pass only one of them"
+            )
+    if given is not None and not math.isnan(given) and not (math.isfinite(given) and given >= 0):
+        raise ValueError(f"learning_rate={given!r} must be a finite non-negative number")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise ValueError(f"peak_tflops={args.peak_tflops!r} must be a positive number of TFLOP/s (one device's "
+                         f"dense peak, e.g. 312 for an A100 in bf16); leave it unset to look it up")
+    if args.pp_microbatches is not None and args.pp_microbatches < 1:
+        raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
+                         f"pipeline step); leave it unset to use the accumulation the global batch gives")
+    if (args.tp_size > 1 or args.pp_size > 1) and launch_env.deepspeed_requested(args):
+        raise ValueError(
+            f"tp_size={args.tp_size}, pp_size={args.pp_size} with DeepSpeed (from the accelerate config or "
+            f"deepspeed=): DeepSpeed ZeRO shards the whole model itself and does not compose with hf_dist's TP/PP; "
+            f"launch with accelerate_configs/fsdp.yaml or ddp.yaml for TP/PP, or drop --tp_size/--pp_size"
+        )
+
+
+def resolve_contract_lr(args) -> float | None:
+    """The learning rate ``base_learning_rate`` gives at this run's global batch (None when it cannot resolve)."""
+    try:
+        return args._resolve_contract().learning_rate
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -42,6 +81,11 @@ class DistTrainingArguments(TrainingArguments):
     lr_scaling: str = field(
         default="linear",
         metadata={"help": "How the LR follows the global batch when base_learning_rate is set.", "choices": LR_SCALINGS},
+    )
+    learning_rate: float | None = field(
+        default=None,
+        metadata={"help": f"The initial learning rate for the optimizer (default {DEFAULT_LEARNING_RATE:g}). Not "
+                  "together with base_learning_rate, from which it is derived."},
     )
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel degree (ranks that share a batch)."})
     tp_sequence_parallel: bool = field(
@@ -68,6 +112,43 @@ class DistTrainingArguments(TrainingArguments):
             "Default: the accumulation derived from global_batch_size."
         },
     )
+    fsdp2: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard the model with FSDP2 (torch fully_shard), applied by hf_dist on CPU and GPU. Filled from an "
+            "accelerate FSDP version-2 launch config or from fsdp=/fsdp_config={'version': 2}; may be set directly."
+        },
+    )
+    fsdp2_reshard_after_forward: bool = field(
+        default=True,
+        metadata={"help": "With fsdp2: True is FULL_SHARD (ZeRO-3); False is SHARD_GRAD_OP (gathered after forward)."},
+    )
+    fsdp2_activation_checkpointing: bool = field(
+        default=False, metadata={"help": "With fsdp2: recompute each sharded block in backward."}
+    )
+    fsdp2_wrap_classes: list[str] | None = field(
+        default=None,
+        metadata={"help": "With fsdp2: module class names sharded as units. Default: the model's _no_split_modules."},
+    )
+    fsdp2_cpu_offload: bool = field(
+        default=False, metadata={"help": "With fsdp2: keep the sharded parameters in CPU memory."}
+    )
+    fsdp2_dp_replicate: int = field(
+        default=1,
+        metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
+                  "all-reduce across groups."},
+    )
+    layout_canary: bool = field(
+        default=True,
+        metadata={"help": "With pp_size > 1: before training, run the requested pipeline layout on a tiny twin of "
+                  "the model's config on the real ranks and refuse to start unless loss and gradients equal the "
+                  "unsplit twin's (about a second). --layout_canary false skips it."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start fresh in an output_dir that holds checkpoints, deleting them (without it, and "
+                  "without --resume_from_checkpoint true|auto|PATH, such a run is refused before it starts)."},
+    )
     peak_tflops: float | None = field(
         default=None,
         metadata={
@@ -77,14 +158,23 @@ class DistTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        check_values(self)  # before anything reads them: no process group exists yet
         launch_env.prepare_environment(self)
+        if self.learning_rate is None:  # None: not given (kept apart from an explicit 5e-5, the Trainer's default)
+            self.learning_rate = DEFAULT_LEARNING_RATE if self.base_learning_rate is None else float("nan")
         super().__post_init__()
-        self.batch_contract = self._resolve_contract()
+        # derived from the fields above and WORLD_SIZE on every construction (so dataclasses.replace re-derives it)
+        self.batch_contract: BatchContract = self._resolve_contract()
         self.gradient_accumulation_steps = self.batch_contract.gradient_accumulation_steps
         if self.batch_contract.learning_rate is not None:
             self.learning_rate = self.batch_contract.learning_rate
         pipeline_trainer.fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
         check_tp_arguments(self)
+
+    @property
+    def hf_dist_fsdp(self) -> launch_env.FsdpRequest | None:
+        """The FSDP2 request hf_dist applies, read from the ``fsdp2*`` fields; None without ``fsdp2``."""
+        return launch_env.FsdpRequest.from_fields(self)
 
     def _resolve_contract(self) -> BatchContract:
         return resolve_contract(

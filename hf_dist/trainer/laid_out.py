@@ -27,8 +27,9 @@ class LaidOut:
     """The layout, mesh built."""
     fsdp: bool
     """Whether the data-parallel ranks shard parameters (FSDP2)."""
-    num_parameters: int
-    """Parameters of the whole model (a pipeline rank holds only its stages')."""
+    flops: object
+    """``hf_dist.planner.flops.FlopCounts`` of the whole model, counted before the layout (a pipeline rank holds
+    only its stages'), for the throughput meter."""
 
 
 def stamp(model: nn.Module, laid_out: LaidOut) -> nn.Module:

@@ -11,13 +11,20 @@ The traps this module closes (each measured on a machine without GPUs, see ENVIR
   over and applies ``fully_shard`` itself (``hf_dist.trainer.layout``) on CPU and GPU alike; an FSDP **v1**
   request without GPUs is refused with the fix.
 
-One writer (accelerate's launcher, or the user's ``TrainingArguments.fsdp``), one reader (``read_fsdp_request``).
-After the Trainer is built, ``verify_backend`` checks that the accelerator really is what was asked for.
+The launch environment is read, never changed: ``read_fsdp_request`` parses it (or ``TrainingArguments.fsdp``)
+once into the typed ``fsdp2*`` fields of ``DistTrainingArguments`` (``FsdpRequest.as_fields``/``from_fields`` are
+the one writer and the one reader of those fields), so a second arguments object, ``dataclasses.replace`` or a
+re-parse sees the same request. accelerate decides from its own flags whether to build an FSDP plugin (and on GPU
+wrap the model a second time); ``accelerate_view`` masks those flags only while the Trainer builds its
+``Accelerator`` and restores them at once. After the Trainer is built, ``verify_backend`` checks that the
+accelerator really is what was asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +48,31 @@ class FsdpRequest:
     """Replica groups (HYBRID_SHARD / HSDP): shard inside a group of world / dp_replicate ranks, all-reduce across."""
     source: str = "TrainingArguments.fsdp"
     """Where the request came from, for messages."""
+
+    def as_fields(self) -> dict[str, object]:
+        """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
+        return {
+            "fsdp2": True,
+            "fsdp2_reshard_after_forward": self.reshard_after_forward,
+            "fsdp2_activation_checkpointing": self.activation_checkpointing,
+            "fsdp2_wrap_classes": list(self.wrap_classes) if self.wrap_classes else None,
+            "fsdp2_cpu_offload": self.cpu_offload,
+            "fsdp2_dp_replicate": self.dp_replicate,
+        }
+
+    @classmethod
+    def from_fields(cls, args) -> FsdpRequest | None:
+        """The request carried by ``args``' ``fsdp2*`` fields (the only reader of them); None without ``fsdp2``."""
+        if not getattr(args, "fsdp2", False):
+            return None
+        return cls(
+            reshard_after_forward=args.fsdp2_reshard_after_forward,
+            activation_checkpointing=args.fsdp2_activation_checkpointing,
+            wrap_classes=tuple(args.fsdp2_wrap_classes) if args.fsdp2_wrap_classes else None,
+            cpu_offload=args.fsdp2_cpu_offload,
+            dp_replicate=args.fsdp2_dp_replicate,
+            source="DistTrainingArguments.fsdp2",
+        )
 
 
 def has_gpu() -> bool:
@@ -98,12 +130,26 @@ def read_fsdp_request(args) -> tuple[int, FsdpRequest] | None:
     )
 
 
-def _clear_accelerate_fsdp_env() -> None:
-    for key in list(os.environ):
-        if key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG") or key.startswith(
-            ("FSDP_", "PARALLELISM_CONFIG_")
-        ):
-            del os.environ[key]
+# accelerate builds an FSDP plugin (and a device mesh) from these flags when its Accelerator is constructed
+_ACCELERATE_LAYOUT_FLAGS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
+
+
+@contextlib.contextmanager
+def accelerate_view(args) -> Iterator[None]:
+    """While the Trainer builds its ``Accelerator``: hide accelerate's FSDP/parallelism flags when hf_dist applies
+    FSDP2 itself, so that accelerate builds no FSDP plugin and never wraps the model a second time (on GPU it would
+    wrap the hf_dist-sharded model again). The flags are restored on exit; nothing else in the process sees a change.
+    """
+    if not getattr(args, "fsdp2", False):
+        yield
+        return
+    saved = {key: os.environ[key] for key in _ACCELERATE_LAYOUT_FLAGS if key in os.environ}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _check_parallelism_env(args) -> None:
@@ -117,17 +163,21 @@ def _check_parallelism_env(args) -> None:
 
 
 def prepare_environment(args) -> None:
-    """Called first in ``DistTrainingArguments.__post_init__``: take FSDP v2 over, fix the CPU traps."""
-    args.hf_dist_fsdp = None
+    """Called first in ``DistTrainingArguments.__post_init__``: take FSDP v2 over, fix the CPU traps.
+
+    An FSDP2 request (launcher environment or ``args.fsdp``) is written into ``args``' ``fsdp2*`` fields unless they
+    already carry one (``dataclasses.replace`` of resolved arguments, or fields set by hand); the environment is
+    only read.
+    """
     _check_parallelism_env(args)
-    request = read_fsdp_request(args)
+    request = None if getattr(args, "fsdp2", False) else read_fsdp_request(args)
     if request is not None:
         version, settings = request
         if version == 2:
-            args.hf_dist_fsdp = settings
-            args.fsdp = None  # the Trainer/accelerate must not shard a second time
+            for name, value in settings.as_fields().items():
+                setattr(args, name, value)
+            args.fsdp = None  # the Trainer's own FSDP plugin stays off: hf_dist shards
             args.fsdp_config = None
-            _clear_accelerate_fsdp_env()
         elif not has_gpu():
             raise ValueError(
                 f"FSDP version {version} was requested by {settings.source}, but this machine has no GPU: accelerate "
@@ -144,7 +194,7 @@ def prepare_environment(args) -> None:
                 f"batches. Launch with `accelerate launch --config_file accelerate_configs/zero2.yaml` (or zero3.yaml) "
                 f"and drop deepspeed= from the arguments"
             )
-        if args.hf_dist_fsdp is not None:
+        if getattr(args, "fsdp2", False):
             raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
         # accelerate runs DeepSpeed; use_cpu would silently turn it off. Without a GPU accelerate picks no backend
         # and counts one process while DeepSpeed's own group has N: name gloo so both see the same world.

@@ -18,10 +18,11 @@ from hf_dist.trainer.launch_env import FsdpRequest
 
 def layout_dims(*, world_size: int, tp: int, pp: int, fsdp: bool, dp_replicate: int = 1) -> ParallelDims:
     """The ``ParallelDims`` of a DistTrainer run: data-parallel ranks shard under FSDP (HSDP: inside each of
-    ``dp_replicate`` groups), replicate otherwise."""
-    if fsdp:
-        return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=-1)
-    return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=-1, dp_shard=1)
+    ``dp_replicate`` groups), replicate otherwise (``hf_dist.strategy.strategy_dims``, the one mapping)."""
+    from hf_dist.strategy import strategy_dims
+
+    strategy = ("fsdp_hybrid_shard" if dp_replicate > 1 else "fsdp_full_shard") if fsdp else "ddp"
+    return strategy_dims(strategy, world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate)
 
 
 def find_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:

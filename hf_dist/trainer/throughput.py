@@ -2,12 +2,15 @@
 
 ``ThroughputMeter.step(model, inputs)`` wraps each micro step's ``training_step`` on every rank; ``report()`` is
 called on every rank when the Trainer logs (the Trainer's own loss gathering makes that a collective point
-already) and returns the figures to add to the log. Tokens are the tokens the model processed (padding
-included); ranks of one tensor/pipeline group process the same tokens, so the cluster figure divides by
-``tp x pp``.
+already) and returns the figures to add to the log. ``tokens_per_second`` counts every token the model processed
+(padding included); ``useful_tokens_per_second`` only the non-padding ones (``attention_mask`` ones, else labels
+that are not -100, else all). Ranks of one tensor/pipeline group process the same tokens, so the cluster figures
+divide by ``tp x pp``.
 
-MFU = 6 x parameters x tokens / (seconds x devices x peak FLOP/s): the usual dense estimate without the attention
-term, so it reads a little low at long context.
+MFU = model FLOPs of the useful tokens / (seconds x devices x peak FLOP/s), with the planner's formula
+(``hf_dist.planner.flops``: 6 x trainable and 4 x frozen matmul weights per token, plus the attention term at the
+batch's sequence length); ``hfu`` adds the recomputed forward when activation checkpointing is on, over every
+processed token. The device peak comes from the one GPU catalogue (``hf_dist.planner.catalogue``).
 
 What the step-time figures measure (per rank, mean per micro step over the log interval):
 
@@ -42,18 +45,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from hf_dist.planner.flops import FlopCounts
+
 logger = logging.getLogger(__name__)
 
-# Peak dense bf16 FLOP/s per device, by a substring of torch.cuda.get_device_name(). Vendor datasheet figures.
-_GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 125e12,
-    "A10": 125e12,
-}
 STRAGGLER_RATIO = 1.2
 
 
@@ -61,11 +56,22 @@ def default_peak_flops() -> float | None:
     """The peak dense bf16 FLOP/s of this process's GPU if known; None on CPU or an unknown device."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, flops in _GPU_PEAK_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    from hf_dist.planner.catalogue import gpu_from_device_name
+
+    spec = gpu_from_device_name(torch.cuda.get_device_name())
+    return spec.peak_bf16_flops if spec is not None else None
+
+
+def useful_tokens(inputs) -> int:
+    """Non-padding tokens of a batch: ``attention_mask`` ones, else labels other than -100, else every token."""
+    if not isinstance(inputs, Mapping):
+        return 0
+    for key, count in (("attention_mask", lambda t: int(t.sum())), ("labels", lambda t: int((t != -100).sum())),
+                       ("input_ids", lambda t: t.numel())):
+        value = inputs.get(key)
+        if isinstance(value, torch.Tensor):
+            return count(value)
+    return 0
 
 
 def peak_memory_bytes() -> int:
@@ -146,10 +152,11 @@ class ThroughputMeter:
     """Counts tokens and busy time per rank and turns them into cluster-wide figures at each log."""
 
     def __init__(
-        self, *, num_parameters: int, model_parallel: int, peak_flops: float | None,
+        self, *, flops: FlopCounts | None, model_parallel: int, peak_flops: float | None, recompute: bool = False,
         straggler_ratio: float = STRAGGLER_RATIO,
     ) -> None:
-        self.num_parameters = num_parameters
+        self.flops = flops
+        self.recompute = recompute
         self.model_parallel = model_parallel
         self.peak_flops = peak_flops
         self.straggler_ratio = straggler_ratio
@@ -162,8 +169,15 @@ class ThroughputMeter:
 
     def count(self, inputs: dict) -> None:
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
-        if ids is not None:
-            self._tokens += ids.numel()
+        if ids is None:
+            return
+        useful = useful_tokens(inputs)
+        self._tokens += ids.numel()
+        self._useful += useful
+        if self.flops is not None:
+            model, hardware = self.flops.per_token(ids.shape[-1], recompute=self.recompute)
+            self._model_flops += model * useful
+            self._hardware_flops += hardware * ids.numel()
 
     @contextlib.contextmanager
     def step(self, model, inputs: dict):
@@ -195,6 +209,9 @@ class ThroughputMeter:
     def reset(self) -> None:
         self._cuda_events: list = []
         self._tokens = 0
+        self._useful = 0
+        self._model_flops = 0.0
+        self._hardware_flops = 0.0
         self._busy = 0.0
         self._comm_wait = 0.0
         self._micro_steps = 0
@@ -205,7 +222,8 @@ class ThroughputMeter:
         elapsed = time.perf_counter() - self._since
         steps = max(self._micro_steps, 1)
         local = torch.tensor(
-            [float(self._tokens), elapsed, float(peak_memory_bytes()), self._busy / steps, self._comm_wait / steps],
+            [float(self._tokens), elapsed, float(peak_memory_bytes()), self._busy / steps, self._comm_wait / steps,
+             float(self._useful), self._model_flops, self._hardware_flops],
             dtype=torch.float64,
         )
         if dist.is_available() and dist.is_initialized():
@@ -216,9 +234,14 @@ class ThroughputMeter:
         self.reset()
         tokens = sum(t[0].item() for t in gathered) / self.model_parallel
         wall = max(t[1].item() for t in gathered)
-        logs = {"tokens_per_second": tokens / wall if wall > 0 else 0.0}
-        if self.peak_flops:
-            logs["mfu"] = 6 * self.num_parameters * tokens / (wall * len(gathered) * self.peak_flops)
+        useful = sum(t[5].item() for t in gathered) / self.model_parallel
+        logs = {"tokens_per_second": tokens / wall if wall > 0 else 0.0,
+                "useful_tokens_per_second": useful / wall if wall > 0 else 0.0}
+        if self.peak_flops and self.flops is not None and wall > 0:
+            denominator = wall * len(gathered) * self.peak_flops * self.model_parallel
+            logs["mfu"] = sum(t[6].item() for t in gathered) / denominator
+            if self.recompute:
+                logs["hfu"] = sum(t[7].item() for t in gathered) / denominator
         for rank, t in enumerate(gathered):
             logs[f"peak_memory_gb/rank{rank}"] = round(t[2].item() / 2**30, 4)
         busy = [t[3].item() for t in gathered]

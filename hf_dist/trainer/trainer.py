@@ -24,11 +24,12 @@ from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env
+from hf_dist.trainer import launch_env, resume
 from hf_dist.trainer.args import DistTrainingArguments
-from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.parallel_dims import ParallelDims
+from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.planner.flops import module_flop_counts
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -86,17 +87,20 @@ class DistTrainer(Trainer):
         if args.pp_size > 1:
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
         args.device  # initialises the process group with the backend launch_env chose
-        num_parameters = sum(p.numel() for p in model.parameters())
+        fsdp = args.hf_dist_fsdp
         self.dims = trainer_dims(args)
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
         laid_out = laid_out_by_hf_dist(model, self.dims)  # hf_dist.from_pretrained: the layout is applied already
         if laid_out is not None:
-            self.dims, num_parameters = laid_out.dims, laid_out.num_parameters
-        elif self.owns_layout:
-            model = apply_owned_layout(model, args, self.dims)
+            self.dims, flops = laid_out.dims, laid_out.flops
+        else:
+            flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
+            if self.owns_layout:
+                model = apply_owned_layout(model, args, self.dims)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
-            num_parameters=num_parameters, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak
+            flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
         )
         from hf_dist.checkpoint import trainer_hooks
 
@@ -111,6 +115,10 @@ class DistTrainer(Trainer):
             tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
         if self.args.should_log:
             print(self.describe(), flush=True)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
+            super().create_accelerator_and_postprocess()
 
     def _check_packing(self) -> None:
         """Packed batches must not let conversations attend to each other (KV cache off, varlen kwargs on flash)."""
@@ -158,8 +166,6 @@ class DistTrainer(Trainer):
 
     # -- training -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        from hf_dist.checkpoint import trainer_hooks
-
         self.throughput.reset()  # time set-up (data loader, optimizer) is not throughput
         wrapped_elsewhere = self.owns_layout or self.is_deepspeed_enabled or self.is_fsdp_enabled
         if self.model is self.model_wrapped and not wrapped_elsewhere:
@@ -172,7 +178,7 @@ class DistTrainer(Trainer):
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        resume_from_checkpoint = trainer_hooks.resolve_resume_arg(self, resume_from_checkpoint)
+        resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -232,8 +238,8 @@ class DistTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         from hf_dist.checkpoint import trainer_hooks
 
-        if not self.owns_layout:
-            return super()._save_checkpoint(model, trial)
+        if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else
+            return resume.save_native_checkpoint(self, model, trial, super()._save_checkpoint)
         trainer_hooks.save_trainer_checkpoint(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:

@@ -1,0 +1,29 @@
+"""Greedy chat answers: what the demo, the notebook and the tests print and compare before and after training.
+
+Not a serving path: one conversation at a time, no sampling, no batching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, messages: list[dict] | str, *, max_new_tokens: int = 32) -> str:
+    """The model's greedy reply to ``messages`` (a chat, or one user message as a string), rendered with the
+    tokenizer's chat template; special tokens are stripped from the reply."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()

@@ -1,0 +1,90 @@
+"""A tiny twin of a model config: same class, every behaviour field kept, only the sizes shrunk.
+
+The pipeline canary (``hf_dist.pipeline_parallel.canary``) and the coverage sweep in the tests build one to
+check, in a second or so, that a layout reproduces the unsplit model *of this architecture with these
+settings*: soft-capping, multipliers, logit scale, norms, biases, tied embeddings, rotary settings and the
+per-layer attention types stay as the user set them. Sizes that only scale the compute shrink (hidden size,
+heads, layers, vocabulary, MLA ranks), and a sliding window is cut to ``window`` tokens so that it actually
+windows the twin's short sequences (a window at least as long as the sequence would hide a missing window).
+Dropout probabilities are set to 0: two runs with dropout differ by their random masks, not by their layout.
+
+Pure: a config in, a new config out. Not for: building or running models.
+"""
+
+from __future__ import annotations
+
+HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 32, 4, 8, 64, 128
+
+# Size fields and their twin values, set only where the config has them.
+_SIZES = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "num_attention_heads": HEADS,
+    "head_dim": HEAD_DIM,
+    "vocab_size": VOCAB,
+    # multi-head latent attention (deepseek-style) ranks
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": HEAD_DIM,
+    "qk_nope_head_dim": HEAD_DIM,
+    "v_head_dim": HEAD_DIM,
+}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _twin_layer_types(layer_types: list[str], layers: int) -> list[str]:
+    """The first ``layers`` types, with every kind of the original kept (the last slots take missing kinds)."""
+    kinds = list(dict.fromkeys(layer_types))
+    types = list(layer_types[:layers])
+    missing = [k for k in kinds if k not in types]
+    for i, kind in enumerate(missing):
+        types[layers - 1 - i] = kind
+    return types
+
+
+def _kv_heads(config, width: int) -> int | None:
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv is None:
+        return None
+    heads = getattr(config, "num_attention_heads", None)
+    return HEADS * width if kv == heads else HEADS * width // 2  # multi-head stays so, grouped stays grouped
+
+
+def _token_id(value, vocab: int):
+    if isinstance(value, int) and value >= vocab:
+        return 0
+    if isinstance(value, list):
+        return [v if v < vocab else 0 for v in value]
+    return value
+
+
+def tiny_twin(config, *, layers: int = 4, window: int = 8, width: int = 1):
+    """A copy of ``config`` with twin sizes, ``layers`` decoder layers and sliding windows of ``window``.
+
+    ``width`` multiplies hidden size, heads and MLP width (e.g. the tensor-parallel degree, which must divide
+    the heads).
+    """
+    values = config.to_dict()
+    widened = {"hidden_size", "intermediate_size", "num_attention_heads"}
+    for name, size in _SIZES.items():
+        if name in values and values[name] is not None:
+            values[name] = size * width if name in widened else size
+    kv = _kv_heads(config, width)
+    if kv is not None:
+        values["num_key_value_heads"] = kv
+    values["num_hidden_layers"] = layers
+    if values.get("layer_types"):
+        values["layer_types"] = _twin_layer_types(values["layer_types"], layers)
+    if isinstance(values.get("sliding_window"), int):
+        values["sliding_window"] = min(values["sliding_window"], window)
+    if isinstance(values.get("max_window_layers"), int):
+        values["max_window_layers"] = min(values["max_window_layers"], layers // 2)
+    for name, value in values.items():
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            values[name] = 0.0  # random: a twin run with dropout cannot be compared with another run
+    for name in _TOKEN_IDS:
+        if name in values:
+            values[name] = _token_id(values[name], VOCAB)
+    for name in ("_name_or_path", "architectures", "transformers_version", "model_type"):
+        values.pop(name, None)
+    return type(config)(**values)

@@ -1,0 +1,95 @@
+"""The before-launch layout canary: the requested pipeline layout, on a tiny twin of the user's config, must
+give the unsplit twin's loss and gradients on the real ranks, or training does not start.
+
+``check_pipeline_layout`` builds ``tiny_twin(config)`` (same class, every behaviour field kept, sizes shrunk),
+runs one fp32 pipeline step of it with the requested ``ParallelDims`` and schedule (TP and FSDP included) on
+a padded batch, and compares the loss and every gradient with the same twin run whole in each process. On a
+difference it raises ``ValueError`` on every rank, naming the architecture, the layout and the size of the
+difference. It takes about a second; ``DistTrainingArguments(layout_canary=False)`` skips it.
+
+It proves the *code path* for this architecture and these settings; precision (bf16) is not its concern.
+Not for: the support decision itself (``support``), which refuses by model type before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from hf_dist.pipeline_parallel.schedules import PipelineConfig
+
+SEQ = 32
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4  # max |g_pp - g_ref| over max |g_ref|, per parameter
+
+
+def _twin_batch(rows: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows of different lengths, the same on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=g)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (rows,), generator=g)
+    lengths[0] = SEQ // 2  # at least one padded row: the mask path is exercised
+    mask = (torch.arange(SEQ).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _build_twin(config, dims, num_stages: int):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.models.twin import tiny_twin
+
+    twin_config = tiny_twin(config, layers=max(4, num_stages), width=dims.tp)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(twin_config).float()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _differences(config, dims, pipeline_config: PipelineConfig, device) -> tuple[float, float, str]:
+    """``(loss difference, worst relative grad difference, worst parameter)`` on this rank."""
+    from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
+
+    # Split points name the user's layers; the twin has fewer, so it is balanced instead.
+    twin_pipeline = dataclasses.replace(pipeline_config, split_points=None)
+    num_stages = dims.pp * twin_pipeline.virtual_stages
+    reference = _build_twin(config, dims, num_stages).to(device)
+    rows = twin_pipeline.microbatches * max(dims.dp, 1)
+    batch = {k: v.to(device) for k, v in _twin_batch(rows, reference.config.vocab_size).items()}
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    # every name of a tied weight (lm_head.weight too) maps to the one gradient
+    ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    pipe = PipelinedCausalLM(_build_twin(config, dims, num_stages), dims=dims, config=twin_pipeline, device=device)
+    dp_rank = dims.dp_rank(dist.get_rank())
+    share = rows // max(dims.dp, 1)
+    loss = pipe.train_step({k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()})
+    worst, where = 0.0, ""
+    for name, param in pipe.named_parameters():
+        grad = torch.zeros_like(_full(param)) if param.grad is None else _full(param.grad)
+        ref = ref_grads.get(name, torch.zeros_like(grad))
+        diff = float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        if diff > worst:
+            worst, where = diff, name
+    return abs(float(loss) - float(ref_loss)), worst, where
+
+
+def check_pipeline_layout(config, dims, pipeline_config: PipelineConfig, device="cpu") -> None:
+    """Raise ``ValueError`` on every rank when the layout does not reproduce the unsplit twin. Collective."""
+    loss_diff, grad_diff, where = _differences(config, dims, pipeline_config, torch.device(device))
+    mine = torch.tensor([loss_diff, grad_diff], dtype=torch.float64)
+    worst = mine.clone()
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if worst[0] <= LOSS_ATOL and worst[1] <= GRAD_RTOL:
+        return
+    named = where if float(mine[1]) == float(worst[1]) else "another rank's parameter"
+    raise ValueError(
+        f"layout canary: pp={dims.pp} (tp={dims.tp}, dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard}, "
+        f"schedule={pipeline_config.schedule}) does not reproduce {type(config).__name__} "
+        f"(model_type={config.model_type!r}) on a tiny twin of its config: loss differs by {float(worst[0]):.3g} "
+        f"(limit {LOSS_ATOL}), gradients by {float(worst[1]):.3g} relative (limit {GRAD_RTOL}, worst here: {named}). "
+        f"Training would be silently wrong; use pp_size=1, or report it. layout_canary=False skips this check"
+    )

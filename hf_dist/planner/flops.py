@@ -1,0 +1,71 @@
+"""The one FLOP formula for training a decoder-only LM: used by the planner's forecast and the trainer's runtime MFU.
+
+Per token, forward + backward, dense (causal masking not discounted), with ``s`` the sequence length:
+  * matmul weights: ``2·P`` forward, ``2·P`` for the activation gradients and ``2·P`` for the weight gradients,
+    so ``6·P`` for trainable weights and ``4·P`` for frozen ones (a LoRA base computes no weight gradients);
+    the embedding lookup is not a matmul, the lm_head is (tied or not);
+  * attention scores and values: ``4·L·s·q_dim`` forward, twice that backward: ``12·L·s·q_dim``;
+  * activation checkpointing re-runs the forward: ``2·P + 4·L·s·q_dim`` more, counted in the hardware FLOPs
+    (HFU), not in the model FLOPs (MFU).
+
+``module_flop_counts(model)`` reads ``P`` (trainable and frozen) off a live module -- ``ds_numel`` under
+DeepSpeed ZeRO-3, global sizes for DTensor shards -- and ``L``, ``q_dim`` off its config.
+
+Not here: step time or efficiency (``throughput.py``), token counting (``hf_dist.trainer.throughput``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, frozen=True)
+class FlopCounts:
+    """What the FLOP formula needs from a model."""
+
+    trainable_matmul: int
+    """Elements of matmul weights that get gradients (LoRA: the adapters)."""
+    frozen_matmul: int
+    """Elements of matmul weights that do not (LoRA: the base)."""
+    layers: int
+    """Decoder layers (L)."""
+    q_dim: int
+    """Query heads x head dim."""
+
+    def per_token(self, seq_len: int, *, recompute: bool = False) -> tuple[float, float]:
+        """``(model FLOPs, hardware FLOPs)`` per token at sequence length ``seq_len``."""
+        attention = 4 * self.layers * seq_len * self.q_dim
+        model = 6 * self.trainable_matmul + 4 * self.frozen_matmul + 3 * attention
+        hardware = model + (2 * (self.trainable_matmul + self.frozen_matmul) + attention if recompute else 0)
+        return float(model), float(hardware)
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", 0) or p.numel())  # ZeRO-3 partitions leave numel() == 0
+
+
+def module_flop_counts(model) -> FlopCounts:
+    """``FlopCounts`` of a live HF causal LM (PEFT-wrapped, FSDP2/TP-sharded or ZeRO-3-partitioned)."""
+    from torch import nn
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm_head = output.weight if output is not None else None
+    trainable = frozen = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        if len(getattr(p, "ds_shape", None) or p.shape) < 2:
+            continue  # norms and biases: no matmul
+        if id(p) in embeddings and p is not lm_head:
+            continue  # a lookup (a tied weight counts once, as the lm_head matmul)
+        if p.requires_grad:
+            trainable += _numel(p)
+        else:
+            frozen += _numel(p)
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    return FlopCounts(trainable_matmul=trainable, frozen_matmul=frozen, layers=layers, q_dim=heads * head_dim)
+
+
+__all__ = ["FlopCounts", "module_flop_counts"]

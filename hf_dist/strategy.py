@@ -1,0 +1,210 @@
+"""The one strategy model: how a job is laid out, which layouts hf_dist runs, and how each maps to ParallelDims.
+
+``Layout`` names a job's layout: the data-parallel flavour (``STRATEGIES``), GPUs per node and nodes, TP/PP
+degrees, offload, the TP options and LoRA. Its ``__post_init__`` holds every rule about which combinations
+hf_dist runs (a ``ValueError`` naming the value, the rule and the fix), and ``strategy_dims`` is the one mapping
+from a strategy to ``ParallelDims``. The planner (``hf_dist.planner``) chooses among ``Layout``s, config
+generation (``hf_dist.configs``) writes the files that launch one, and the trainer builds its mesh with
+``strategy_dims``; ``precision_that_runs`` says which tensors are bf16 and which fp32 for a layout.
+
+Not here: the model's shape rules for TP (``hf_dist.tensor_parallel.checks``), batch arithmetic
+(``hf_dist.batch``), memory, or files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hf_dist.parallel_dims import ParallelDims
+
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"]
+STRATEGIES: tuple[str, ...] = (
+    "ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard",
+)
+FSDP_STRATEGIES: tuple[str, ...] = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard")
+ZERO_STRATEGIES: tuple[str, ...] = ("zero1", "zero2", "zero3")
+Offload = Literal["none", "cpu", "cpu_optimizer", "nvme"]
+OFFLOADS: tuple[str, ...] = ("none", "cpu", "cpu_optimizer", "nvme")
+"""``cpu``: everything the strategy can move to CPU memory (ZeRO-1/2: optimizer states and gradients; ZeRO-3:
+those and the parameters; FSDP FULL_SHARD: parameter, gradient and optimizer shards, the step on CPU).
+``cpu_optimizer``: ZeRO-3 with the optimizer offloaded and the parameters left on the GPU. ``nvme``: ZeRO-3
+optimizer states and parameters on NVMe (ZeRO-Infinity)."""
+_OFFLOADS_BY_STRATEGY: dict[str, tuple[str, ...]] = {
+    "ddp": ("none",), "zero1": ("none", "cpu"), "zero2": ("none", "cpu"), "zero3": OFFLOADS,
+    "fsdp_full_shard": ("none", "cpu"), "fsdp_shard_grad_op": ("none",), "fsdp_hybrid_shard": ("none",),
+}
+_OFFLOAD_WHY = {
+    "ddp": "DDP replicates everything on every GPU; use zero2/zero3 or fsdp_full_shard to offload",
+    "zero1": "DeepSpeed offloads to NVMe and keeps parameters on the GPU only at ZeRO-3; use zero3, or offload='cpu'",
+    "zero2": "DeepSpeed offloads to NVMe and keeps parameters on the GPU only at ZeRO-3; use zero3, or offload='cpu'",
+    "fsdp_full_shard": "FSDP offloads parameters, gradients and optimizer together, to CPU only; use offload='cpu' "
+                       "or a zero3 layout",
+    "fsdp_shard_grad_op": "SHARD_GRAD_OP keeps parameters gathered on the GPU between forward and backward; use "
+                          "fsdp_full_shard with offload='cpu'",
+    "fsdp_hybrid_shard": "hf_dist offloads with fsdp_full_shard only; use fsdp_full_shard with offload='cpu'",
+}
+MixedPrecision = Literal["bf16", "fp32", "pure_bf16"]
+MIXED_PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "pure_bf16")
+"""What the user asks for: ``bf16`` (``--bf16`` with fp32 master weights), ``fp32``, or ``pure_bf16`` (a model
+loaded in bf16 and trained with no fp32 copy: bf16 parameters, gradients and Adam states, 8 bytes/parameter)."""
+
+
+def strategy_dims(strategy: str, *, world_size: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> ParallelDims:
+    """The ``ParallelDims`` of ``strategy``: DDP replicates over the data-parallel ranks; ZeRO, FULL_SHARD and
+    SHARD_GRAD_OP shard over all of them; HYBRID_SHARD replicates over ``dp_replicate`` groups (nodes) and
+    shards inside each."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
+    if strategy == "ddp":
+        return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=-1, dp_shard=1)
+    replicate = dp_replicate if strategy == "fsdp_hybrid_shard" else 1
+    return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=replicate, dp_shard=-1)
+
+
+def check_tp_options(*, tp: int, pp: int, sequence_parallel: bool, vocab_parallel: bool,
+                     prefix: str = "", suffix: str = "") -> None:
+    """Sequence and vocabulary parallelism shard over the TP ranks, and pipeline stages apply TP without them.
+
+    ``prefix``/``suffix`` spell the names as the caller's user knows them (``tp_`` and ``_size`` for the
+    training arguments ``tp_sequence_parallel``, ``tp_size``).
+    """
+    tp_name, pp_name = f"tp{suffix}", f"pp{suffix}"
+    for name, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
+        name = prefix + name
+        if value and tp == 1:
+            raise ValueError(f"{name}=True needs {tp_name} > 1 (it shards over the TP ranks); set {tp_name} or "
+                             f"drop {name}")
+        if value and pp > 1:
+            raise ValueError(f"{name}=True is not available with {pp_name}={pp} (pipeline stages apply TP without "
+                             f"it); set {name}=False")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Layout:
+    """A parallel layout hf_dist runs: invalid combinations raise ``ValueError`` here, before anything starts."""
+
+    strategy: Strategy
+    """Data-parallel flavour: ddp, zero1/2/3 (DeepSpeed) or fsdp_full_shard/shard_grad_op/hybrid_shard (FSDP2)."""
+    num_gpus: int
+    """GPUs (processes) per node."""
+    num_nodes: int = 1
+    """Nodes; the world size is ``num_gpus x num_nodes``."""
+    tp: int = 1
+    """Tensor-parallel degree, inside a node (``--tp_size``)."""
+    pp: int = 1
+    """Pipeline-parallel degree (``--pp_size``)."""
+    offload: Offload = "none"
+    """What leaves the GPU (see ``OFFLOADS``)."""
+    sequence_parallel: bool = False
+    """With TP: norms and residual-stream activations split over the TP ranks (``--tp_sequence_parallel``)."""
+    vocab_parallel: bool = False
+    """With TP: embedding and lm_head split over the vocabulary (``--tp_vocab_parallel``); else replicated."""
+    lora_rank: int = 0
+    """LoRA rank on all seven linears of every layer over a frozen base; 0: full fine-tune."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
+        for name in ("num_gpus", "num_nodes", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank!r} must be a non-negative integer (0: no LoRA)")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload={self.offload!r} is not known; use one of {', '.join(OFFLOADS)}")
+        if self.offload not in _OFFLOADS_BY_STRATEGY[self.strategy]:
+            raise ValueError(f"offload={self.offload!r} with strategy={self.strategy!r}: "
+                             f"{_OFFLOAD_WHY[self.strategy]}")
+        if self.offload != "none" and self.pp > 1:
+            raise ValueError(f"offload={self.offload!r} with pp={self.pp}: pipeline stages keep their parameters "
+                             f"on the GPU; drop the offload or set pp=1")
+        self._check_model_parallel()
+        check_tp_options(tp=self.tp, pp=self.pp, sequence_parallel=self.sequence_parallel,
+                         vocab_parallel=self.vocab_parallel)
+        self.dims  # noqa: B018 -- raises if the world does not factor
+
+    def _check_model_parallel(self) -> None:
+        if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"strategy={self.strategy} with tp={self.tp}, pp={self.pp}: hf_dist's TP/PP compose "
+                             f"with ddp and FSDP, not with DeepSpeed ZeRO; use an fsdp_* strategy, or tp=pp=1")
+        if self.strategy == "fsdp_hybrid_shard" and self.num_nodes < 2:
+            raise ValueError(f"fsdp_hybrid_shard replicates across nodes and needs num_nodes >= 2 (got "
+                             f"{self.num_nodes}); use fsdp_full_shard on one node")
+        if self.strategy == "fsdp_hybrid_shard" and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"fsdp_hybrid_shard with tp={self.tp}, pp={self.pp}: accelerate's HSDP mesh "
+                             f"(replicate x shard = world) has no room for hf_dist's TP/PP axes; use "
+                             f"fsdp_full_shard with tp/pp, or tp=pp=1")
+        if self.num_gpus % self.tp:
+            valid = [d for d in range(1, self.num_gpus + 1) if self.num_gpus % d == 0]
+            raise ValueError(f"tp={self.tp} does not divide num_gpus={self.num_gpus} per node; tensor parallelism "
+                             f"stays inside a node: use tp in {valid}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The mesh (``strategy_dims``): HYBRID_SHARD replicates across nodes."""
+        return strategy_dims(self.strategy, world_size=self.world_size, tp=self.tp, pp=self.pp,
+                             dp_replicate=self.num_nodes)
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks that model states are sharded over (1: replicated)."""
+        if self.is_deepspeed:
+            return self.dims.dp
+        return self.dims.dp_shard if self.is_fsdp else 1
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.strategy in ZERO_STRATEGIES
+
+    @property
+    def is_fsdp(self) -> bool:
+        return self.strategy in FSDP_STRATEGIES
+
+    @property
+    def name(self) -> str:
+        """Short label, e.g. ``fsdp_full_shard+tp4sp``, ``zero3+offload_cpu``, ``ddp+lora16``."""
+        parts = [self.strategy]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("sp" if self.sequence_parallel else "") + ("vp" if self.vocab_parallel
+                                                                                    else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        if self.offload != "none":
+            parts.append(f"offload_{self.offload}")
+        if self.lora_rank:
+            parts.append(f"lora{self.lora_rank}")
+        return "+".join(parts)
+
+
+Precision = Literal["fp32", "bf16_autocast", "bf16_mixed", "pure_bf16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "bf16_mixed", "pure_bf16")
+
+
+def precision_that_runs(layout: Layout, mixed_precision: str) -> Precision:
+    """Which tensors are bf16 when ``layout`` trains with ``mixed_precision`` (``MIXED_PRECISIONS``).
+
+    With ``bf16``: FSDP2 (hf_dist's ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``) and DeepSpeed keep an fp32 master and compute with bf16 parameters
+    (``bf16_mixed``); DDP and DDP x TP/PP keep fp32 parameters and compute under ``torch.autocast``
+    (``bf16_autocast``, the Trainer's ``--bf16``). Pipeline stages do not autocast: with ``pp > 1`` the model
+    is loaded in bf16 and trains in bf16 throughout (``pure_bf16``).
+    """
+    if mixed_precision not in MIXED_PRECISIONS:
+        raise ValueError(f"precision={mixed_precision!r} is not known; use one of {', '.join(MIXED_PRECISIONS)}")
+    if layout.is_deepspeed and mixed_precision == "pure_bf16":
+        return "bf16_mixed"  # DeepSpeed keeps an fp32 master partition whatever the module's dtype
+    if mixed_precision != "bf16":
+        return mixed_precision  # type: ignore[return-value]
+    if layout.pp > 1:
+        return "pure_bf16"
+    return "bf16_mixed" if layout.is_fsdp or layout.is_deepspeed else "bf16_autocast"

@@ -1,0 +1,168 @@
+"""Bad input is a ValueError naming the value, the rule and the fix, before any process group (pure).
+
+One test per case found by trying invalid inputs as a user would (issue 14): the learning rate, the device peak,
+pipeline micro-batches, DeepSpeed with TP/PP, and the Harbor recipe's data flags.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_dist import DistTrainingArguments
+from hf_dist.batch import BatchContract
+from hf_dist.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("FSDP_", "ACCELERATE_")) or key == "WORLD_SIZE":
+            monkeypatch.delenv(key)
+
+
+def _args(tmp_path, **kw):
+    return DistTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+def test_learning_rate_and_base_learning_rate_together(tmp_path):
+    for lr in (5e-5, 1e-4):  # 5e-5 is the Trainer's default: given explicitly, it is still a contradiction
+        with pytest.raises(ValueError, match=rf"learning_rate={lr:g} and base_learning_rate=2e-05 were both given.*"
+                                             r"pass only one of them"):
+            _args(tmp_path, learning_rate=lr, base_learning_rate=2e-5, base_batch_size=4, global_batch_size=8,
+                  per_device_train_batch_size=2)
+    args = _args(tmp_path, base_learning_rate=2e-5, base_batch_size=4, global_batch_size=8, per_device_train_batch_size=2)
+    assert args.learning_rate == pytest.approx(4e-5)
+    assert _args(tmp_path).learning_rate == 5e-5  # unset and no base: the Trainer's default
+    again = DistTrainingArguments(**{k: v for k, v in args.to_dict().items() if k in ("output_dir", "learning_rate",
+                                     "base_learning_rate", "base_batch_size", "global_batch_size",
+                                     "per_device_train_batch_size", "use_cpu")}, report_to=[])
+    assert again.learning_rate == pytest.approx(4e-5)  # re-created from its own values: the derived LR is accepted
+
+
+@pytest.mark.parametrize("base_lr", [-1.0, 0.0, math.nan, math.inf])
+def test_base_learning_rate_must_be_positive_and_finite(tmp_path, base_lr):
+    with pytest.raises(ValueError, match=rf"base_learning_rate={base_lr!r} must be a positive finite number"):
+        BatchContract(world_size=1, global_batch_size=8, micro_batch_size=2, base_learning_rate=base_lr,
+                      base_batch_size=8, lr_scaling="linear")
+    with pytest.raises(ValueError, match="base_learning_rate=.* must be a positive finite number"):
+        _args(tmp_path, base_learning_rate=base_lr, base_batch_size=8, global_batch_size=8)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_cli_batch_refuses_bad_base_lr(capsys, value):
+    code = cli_main(["batch", "--world-size", "2", "--global-batch", "32", "--micro-batch", "2", "--base-lr", value,
+                     "--base-batch", "32"])
+    assert code == 2
+    assert "base_learning_rate=" in capsys.readouterr().err
+
+
+def test_negative_learning_rate(tmp_path):
+    with pytest.raises(ValueError, match=r"learning_rate=-0.1 must be a finite non-negative number"):
+        _args(tmp_path, learning_rate=-0.1)
+
+
+@pytest.mark.parametrize("peak", [-1.0, 0.0, math.nan])
+def test_peak_tflops_must_be_positive(tmp_path, peak):
+    with pytest.raises(ValueError, match=rf"peak_tflops={peak!r} must be a positive number of TFLOP/s.*leave it unset"):
+        _args(tmp_path, peak_tflops=peak)
+
+
+def test_pp_microbatches_zero_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"pp_microbatches=0 must be a positive integer"):
+        _args(tmp_path, pp_microbatches=0)
+
+
+@pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(pp_size=2)])
+def test_deepspeed_with_tp_or_pp_is_refused(tmp_path, monkeypatch, sizes):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with zero2.yaml sets
+    with pytest.raises(ValueError, match=r"with DeepSpeed .* does not compose with hf_dist's TP/PP; launch with "
+                                         r"accelerate_configs/fsdp.yaml"):
+        _args(tmp_path, **sizes)
+
+
+def _harbor():
+    spec = importlib.util.spec_from_file_location("harbor_train", ROOT / "examples" / "harbor" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_data_path_needs_a_model(tmp_path):
+    with pytest.raises(ValueError, match=r"--data_path .*x.jsonl needs --model_name_or_path"):
+        _harbor().parse(["--data_path", str(tmp_path / "x.jsonl"), "--output_dir", str(tmp_path)])
+
+
+# -- hf-dist config / plan ----------------------------------------------------------------------------------
+CONFIG = ["config", "--strategy", "zero2", "--gpus", "2", "--micro-batch", "1", "--global-batch", "8"]
+PLAN = ["plan", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "512", "--global-batch", "64"]
+
+
+def test_config_out_existing_files_are_refused(tmp_path, capsys):
+    out = tmp_path / "cfg"
+    assert cli_main([*CONFIG, "--out", str(out)]) == 0
+    (out / "deepspeed.json").write_text("{\"edited\": true}")
+    assert cli_main([*CONFIG, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} already holds deepspeed.json" in err and "--overwrite" in err
+    assert (out / "deepspeed.json").read_text() == "{\"edited\": true}"  # nothing written
+    assert cli_main([*CONFIG, "--out", str(out), "--overwrite"]) == 0
+    assert "edited" not in (out / "deepspeed.json").read_text()
+
+
+def test_config_check_names_the_malformed_file(tmp_path, capsys):
+    bad = tmp_path / "ds.json"
+    bad.write_text("{bad")
+    assert cli_main(["config", "--check", str(bad)]) == 2
+    assert f"error: {bad}: " in capsys.readouterr().err
+
+
+def test_nvme_offload_needs_zero3(tmp_path, capsys):
+    for strategy in ("zero1", "zero2"):
+        args = ["config", "--strategy", strategy, "--gpus", "2", "--micro-batch", "1", "--global-batch", "8",
+                "--offload", "nvme", "--out", str(tmp_path / strategy)]
+        assert cli_main(args) == 2
+        assert f"offload='nvme' with strategy='{strategy}'" in capsys.readouterr().err
+        assert not (tmp_path / strategy).exists()
+
+
+def _config_dir(path: Path) -> Path:
+    from hf_dist.models import tiny_llama_config
+
+    tiny_llama_config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2).save_pretrained(str(path))
+    return path
+
+
+def test_plan_model_inputs(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": ')
+    assert cli_main([*PLAN, "--model", str(broken)]) == 2
+    assert f"{broken / 'config.json'} cannot be read as a model config" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main([*PLAN, "--model", str(empty)]) == 2
+    assert f"model='{empty}' is a folder without config.json" in capsys.readouterr().err
+    model = _config_dir(tmp_path / "tiny")
+    assert cli_main([*PLAN, "--model", str(model / "config.json")]) in (0, 1)  # the file is accepted: it plans
+    assert "chosen" in capsys.readouterr().out
+
+
+def test_plan_output_paths_are_checked_before_planning(tmp_path, capsys):
+    assert cli_main([*PLAN, "--model", "llama-2-13b", "--plot", str(tmp_path / "no" / "x.png")]) == 2
+    assert f"folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "launch.sh").write_text("mine")
+    assert cli_main([*PLAN, "--model", "llama-2-13b", "--out", str(out)]) == 2
+    assert f"--out {out} is not empty" in capsys.readouterr().err
+    assert (out / "launch.sh").read_text() == "mine"

@@ -1,0 +1,122 @@
+"""End to end: the Harbor recipe under `accelerate launch` resumes, never trains over checkpoints unasked, and a
+save never writes into a checkpoint of another format.
+
+One FSDP2 run of 4 steps saves checkpoint-2 and -4. From a copy of its checkpoint-2, `--resume_from_checkpoint
+true` continues to step 4 with the same losses (1e-6); a relaunch into the first run's folder without the flag
+is refused before anything starts, and its checkpoints are untouched; one process resuming the FSDP2
+checkpoint-2 replaces the hf_dist checkpoint-4 with a Trainer-native one as a whole (no file of the old one left).
+A DDP run's (Trainer-native) checkpoint exports to a verified Hub folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_launch import ROOT, TRAIN, _env
+
+COMMON = [
+    "--preset", "tiny", "--num_conversations", "96", "--max_seq_len", "48", "--eval_fraction", "0",
+    "--per_device_train_batch_size", "2", "--global_batch_size", "8", "--max_steps", "4", "--logging_steps", "1",
+    "--lr_scheduler_type", "linear", "--warmup_steps", "1", "--base_learning_rate", "2e-3", "--base_batch_size", "8",
+    "--save_strategy", "steps", "--save_steps", "2",
+]
+
+
+def _launch(out_dir: Path, *extra: str, processes: int = 2, config: str = "fsdp") -> subprocess.CompletedProcess:
+    if processes == 1:
+        cmd = [sys.executable, str(TRAIN)]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
+               str(TRAIN)]
+    cmd += [*COMMON, "--output_dir", str(out_dir), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"{' '.join(proc.args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _losses(out_dir: Path) -> dict[int, float]:
+    lines = (out_dir / "log_history.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume") / "full"
+    _ok(_launch(out))
+    return out
+
+
+def test_recipe_resumes_from_latest(first_run, tmp_path):
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copytree(first_run / "checkpoint-2", cut / "checkpoint-2")
+    (cut / "latest").write_text("checkpoint-2\n")
+    _ok(_launch(cut, "--resume_from_checkpoint", "true"))
+    full, resumed = _losses(first_run), _losses(cut)
+    assert sorted(resumed) == [3, 4]  # it continued at step 3, not from step 1
+    for step in (3, 4):
+        torch.testing.assert_close(resumed[step], full[step], atol=1e-6, rtol=0)
+    assert (cut / "latest").read_text().strip() == "checkpoint-4"
+
+
+def test_relaunch_without_flag_is_refused_and_nothing_is_touched(first_run):
+    from hf_dist.checkpoint import read_manifest
+
+    before = {p: p.read_bytes() for p in (first_run / "checkpoint-4").rglob("*") if p.is_file()}
+    proc = _launch(first_run, processes=1)
+    assert proc.returncode != 0
+    assert "already holds checkpoints (checkpoint-2, checkpoint-4, latest)" in proc.stderr
+    assert "--resume_from_checkpoint true" in proc.stderr and "--overwrite_output_dir" in proc.stderr
+    after = {p: p.read_bytes() for p in (first_run / "checkpoint-4").rglob("*") if p.is_file()}
+    assert after == before
+    assert read_manifest(first_run / "checkpoint-4").step == 4
+
+
+def test_other_format_replaces_a_checkpoint_whole(first_run, tmp_path):
+    """One process (Trainer-native saves) resumes the FSDP2 checkpoint-2 and saves step 4 over hf_dist's."""
+    run = tmp_path / "mixed"
+    shutil.copytree(first_run, run, ignore=shutil.ignore_patterns("final", "data"))
+    _ok(_launch(run, "--resume_from_checkpoint", str(run / "checkpoint-2"), processes=1))
+    files = {p.name for p in (run / "checkpoint-4").iterdir()}
+    assert "trainer_state.json" in files and "model.safetensors" in files
+    assert not files & {"manifest.json", "COMPLETE", "dcp", "rng", "hf", "train_state.pt"}, files
+    assert not (run / "latest").exists()  # it named the replaced hf_dist checkpoint
+    resumed = _losses(run)
+    for step in (3, 4):  # 2 ranks x accumulation 2 -> 1 process x accumulation 4: same global batch
+        torch.testing.assert_close(resumed[step], _losses(first_run)[step], atol=1e-5, rtol=0)
+    from hf_dist.trainer.resume import newest_checkpoint
+
+    assert newest_checkpoint(run) == run / "checkpoint-4"
+
+
+def test_ddp_checkpoint_exports_to_a_verified_hub_folder(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_dist.cli import main
+
+    run = tmp_path / "ddp"
+    _ok(_launch(run, "--max_steps", "2", config="ddp"))
+    ckpt = run / "checkpoint-2"
+    assert (ckpt / "rng_state_1.pth").is_file() and not (ckpt / "manifest.json").exists()  # the Trainer's own
+    out = tmp_path / "hub"
+    assert main(["checkpoint", "export", str(ckpt), str(out), "--max-shard-size", "200KB"]) == 0
+    printed = capsys.readouterr().out
+    assert "records no checksums" in printed and "verified with from_pretrained: max |logit diff|" in printed
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "tokenizer.json").is_file()
+    assert not (out / "optimizer.pt").exists() and not (out / "trainer_state.json").exists()
+    torch.testing.assert_close(dict(AutoModelForCausalLM.from_pretrained(str(out)).state_dict()),
+                               dict(AutoModelForCausalLM.from_pretrained(str(ckpt)).state_dict()), atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(str(out)).vocab_size == AutoTokenizer.from_pretrained(str(ckpt)).vocab_size
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])  # truncated: refused, the earlier export kept
+    assert main(["checkpoint", "export", str(ckpt), str(out), "--overwrite"]) == 2
+    assert f"{ckpt}: the model does not load" in capsys.readouterr().err
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
