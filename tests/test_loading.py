@@ -100,10 +100,11 @@ def _step(model, batch: torch.Tensor) -> None:
 
 def _case(directory: str, output_dir: str, layout: dict) -> dict:
     import hf_dist
+    from hf_dist.loading import layout_dtype
 
     args = _args(output_dir, layout)
     lora = layout.get("lora", False)
-    dtype = hf_dist.loading.layout_dtype(args, lora=lora)
+    dtype = layout_dtype(args, lora=lora)
     batch = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     torch.manual_seed(args.seed)  # the adapters' initialisation (both paths draw it from this seed)
     reference = _reference(directory, args, dtype, lora)

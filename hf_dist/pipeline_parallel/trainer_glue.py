@@ -137,7 +137,7 @@ def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
     if getattr(args, "layout_canary", True):
         from hf_dist.pipeline_parallel.canary import check_pipeline_layout
 
-        check_pipeline_layout(causal_lm_of(model).config, trainer.dims, config, device=args.device)
+        check_pipeline_layout(causal_lm_of(model).config, dims, config, device=args.device)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
     pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)
