@@ -49,28 +49,75 @@ def test_intermediate_size_checked():
         check_tp_sizes(tiny_config("llama", intermediate_size=130, num_attention_heads=4, num_key_value_heads=4), 4)
 
 
-def test_unknown_architecture_lists_supported_and_how_to_pass_a_plan():
-    from transformers import GPT2Config
+@pytest.mark.parametrize("model_type", ["gpt2", "falcon", "opt", "bloom", "gptj", "codegen"])
+def test_types_without_a_plan_are_refused_by_name_not_crashing(model_type):
+    from transformers import AutoConfig
 
-    with pytest.raises(ValueError) as info:
-        plan_names(GPT2Config())
-    message = str(info.value)
-    assert "model_type='gpt2'" in message
-    for family in supported_families():
-        assert family in message
-    assert "plan=" in message
+    config = AutoConfig.for_model(model_type)
+    assert valid_tp_sizes(config) == [1]
+    check_tp_sizes(config, 1)
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}': transformers ships no base_model_tp_plan.*plan="):
+        check_tp_sizes(config, 2)
+    with pytest.raises(ValueError, match="no base_model_tp_plan"):
+        plan_names(config)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [("mixtral", "MoE experts"), ("minicpm3", "multi-head latent attention"), ("granite_swa", "attention sinks"),
+     ("qwen3_5_text", "linear-attention.*\\(linear_attention\\)"), ("olmo_hybrid", "linear-attention"),
+     ("mamba", "linear-attention"), ("jetmoe", "MoE experts")],
+)
+def test_plans_hf_dist_cannot_shard_are_refused_with_the_reason(model_type, reason):
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}': {reason}"):
+        check_tp_sizes(AutoConfig.for_model(model_type), 2)
+
+
+def test_config_values_the_plan_gets_wrong_are_refused_by_field():
+    from transformers import CohereConfig, OlmoConfig
+
+    with pytest.raises(ValueError, match="use_qk_norm=True"):
+        check_tp_sizes(CohereConfig(use_qk_norm=True), 2)
+    with pytest.raises(ValueError, match="clip_qkv=8.0.*set clip_qkv=None"):
+        check_tp_sizes(OlmoConfig(clip_qkv=8.0), 2)
+    check_tp_sizes(CohereConfig(), 2)
+
+
+def test_sizes_come_from_what_the_plan_shards():
+    from transformers import Olmo2Config, Starcoder2Config
+
+    # StarCoder2's MLP is c_fc/c_proj under "mlp": its intermediate_size is split
+    with pytest.raises(ValueError, match="intermediate_size=6"):
+        check_tp_sizes(Starcoder2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=6), 4)
+    # OLMo-2 splits q/k/v (gathered) and the MLP: heads and MLP width both count, and only they do
+    config = Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96)
+    assert valid_tp_sizes(config) == [1, 2, 4]
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox"])
-def test_transformers_plan_is_used_where_shipped(arch):
+def test_the_models_own_plan_is_used(arch):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     config = tiny_config(arch)
-    names = plan_names(config)
-    prefix = "gpt_neox" if arch == "gpt_neox" else "model"
+    names = plan_names(config, tp=2)
+    prefix = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].base_model_prefix
     expected = {f"{prefix}.{k}": v for k, v in type(config).base_model_tp_plan.items()}
+    expected["lm_head"] = "colwise_gather_output"  # the head's own plan: untied, vocab 512 divides by 2
     assert names == expected
     styles = resolve_styles(names, config)
     assert all(isinstance(style, (ColwiseParallel, RowwiseParallel)) for name, style in styles.items()
                if not name.endswith("_norm"))
+
+
+def test_head_kept_whole_when_tied_or_uneven():
+    assert "lm_head" not in plan_names(tiny_config("qwen2", tie_word_embeddings=True), tp=2)
+    assert "lm_head" not in plan_names(tiny_config("llama", vocab_size=511), tp=2)
+
+
+def test_supported_families_are_the_tested_types():
+    assert {"llama", "phi3", "gemma2", "olmo2", "starcoder2"} <= set(supported_families())
 
 
 def test_overlays_refused_for_families_they_do_not_fit():
@@ -103,7 +150,7 @@ def test_apply_checks_sizes_before_touching_the_model():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_phi3_uses_hf_dist_plan_that_shards_fused_parts():
+def test_fused_overlay_shards_phi3_parts_instead_of_gathering():
     config = tiny_config("phi3")  # 4 heads x 16, 2 kv heads, intermediate 128
     styles = resolve_styles(plan_names(config), config)
     assert styles["model.layers.*.self_attn.qkv_proj"].parts == (64, 32, 32)

@@ -60,7 +60,9 @@ def _tp_trainer(rank, world_size, output_dir):
 
         norm = trainer.model.model.layers[0].input_layernorm.weight
         assert isinstance(norm, DTensor) == sequence_parallel  # the norms run on sequence shards only with SP
-        assert isinstance(trainer.model.lm_head.weight, DTensor) == vocab_parallel
+        # the head is column-split in every variant (its own plan: logits gathered; vocab-parallel: kept sharded)
+        assert isinstance(trainer.model.lm_head.weight, DTensor)
+        assert trainer.model._hf_dist_tp.vocab_parallel == vocab_parallel
         results[name] = _run(trainer, out)
     return results
 

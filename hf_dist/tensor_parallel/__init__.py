@@ -1,8 +1,10 @@
 """Tensor parallelism for HF decoder-only causal LMs on torch DTensor.
 
-Families with plans: Llama, Mistral, Qwen2, Qwen3, GPT-NeoX (transformers' ``base_model_tp_plan``) and
-Phi-3 (hf_dist's plan, fused ``qkv_proj``/``gate_up_proj`` split part by part). Any other model: pass
-``plan={pattern: ParallelStyle}``.
+The plan comes from the model itself (its config's ``base_model_tp_plan`` and its head's ``_tp_plan``, turned
+into DTensor styles in ``plans.py``) with hf_dist's overlays on top (fused projections split part by part,
+sequence/vocab parallelism, replicated KV heads, LoRA). ``support.py`` decides, from the config alone, which
+model types may use it (those with a TP=2 parity test; MoE, latent attention, sinks and hybrid/SSM layers are
+refused by name). Any other model: pass ``plan={pattern: ParallelStyle}``.
 
     dims = ParallelDims(world_size=4, tp=2, dp_shard=2)
     dims.build_mesh("cpu")

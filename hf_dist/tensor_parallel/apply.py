@@ -1,6 +1,6 @@
 """Apply a tensor-parallel plan to an already-built HF causal LM, in place, on a 1-D ``tp`` mesh.
 
-``apply_tensor_parallel`` checks sizes, picks the family plan (or takes the caller's), expands it over PEFT
+``apply_tensor_parallel`` checks support and sizes, translates the model's own plan (or takes the caller's), expands it over PEFT
 LoRA layers, calls torch's ``parallelize_module`` on every module a pattern names, makes the parameters that
 stay whole identical on every TP rank, and installs the vocab-parallel loss when the lm_head is sharded.
 
@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
-from hf_dist.tensor_parallel.plans import plan_names, resolve_styles
+from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, plan_names, resolve_styles
 
 TP_INFO_ATTR = "_hf_dist_tp"
 
@@ -51,14 +51,17 @@ def _pattern_regex(pattern: str) -> re.Pattern:
     return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
 
 
-def match_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[tuple[str, ParallelStyle]]:
-    """``(module_name, style)`` for every module a pattern names; a pattern naming nothing is an error."""
+def match_plan(
+    model: nn.Module, plan: dict[str, ParallelStyle], *, optional: frozenset[str] = frozenset()
+) -> list[tuple[str, ParallelStyle]]:
+    """``(module_name, style)`` for every module a pattern names; a pattern naming nothing is an error unless
+    it is in ``optional`` (the head, absent from a pipeline stage that does not own it)."""
     names = [name for name, _ in model.named_modules()]
     matched: list[tuple[str, ParallelStyle]] = []
     for pattern, style in plan.items():
         regex = _pattern_regex(pattern)
         hits = [name for name in names if regex.fullmatch(name)]
-        if not hits:
+        if not hits and pattern not in optional:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}; "
                 f"check the path (e.g. {names[1:4]}) or remove the entry"
@@ -96,7 +99,7 @@ def apply_tensor_parallel(
         model: the built model, on its device, every rank holding the same architecture.
         tp_mesh: a 1-D ``DeviceMesh`` (``ParallelDims.get_mesh("tp")``).
         plan: ``{module_pattern: ParallelStyle}``, patterns relative to the ``*ForCausalLM`` module, ``*`` for
-            one path component. Default: the family's plan (see ``plans.py``).
+            one path component. Default: the model's own plan with hf_dist's overlays (see ``plans.py``).
         sequence_parallel: run the norms on sequence shards (activations between layers are sequence-sharded).
         vocab_parallel: shard the embedding and lm_head on the vocabulary; the model then returns vocab-sharded
             logits and computes its loss with ``VocabParallelCausalLMLoss``.
@@ -106,8 +109,12 @@ def apply_tensor_parallel(
     target = unwrap_peft(model)
     config = target.config
     tp = tp_mesh.size()
+    optional: frozenset[str] = frozenset()
     if plan is None:
+        optional = HEAD_PATTERNS
         check_tp_sizes(config, tp, vocab_parallel=vocab_parallel)
+        if tp == 1:
+            return model
         names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
         plan = resolve_styles(names, config)
     elif sequence_parallel or vocab_parallel:
@@ -118,8 +125,11 @@ def apply_tensor_parallel(
     if tp == 1:
         return model
     plan = expand_plan_for_lora(target, plan, sequence_parallel=sequence_parallel)
-    for name, style in match_plan(target, plan):
-        parallelize_module(target.get_submodule(name), tp_mesh, style)
+    for name, style in match_plan(target, plan, optional=optional):
+        module = target.get_submodule(name)
+        if name in optional and not isinstance(module, nn.Linear):
+            continue  # a pipeline stage's stand-in for a head another stage owns
+        parallelize_module(module, tp_mesh, style)
     _sync_whole_parameters(target, tp_mesh)
     if vocab_parallel:
         _retie_embeddings(target)

@@ -49,7 +49,7 @@ def expand_plan_for_lora(
         raise ValueError("LoRA with sequence_parallel=True is not supported; use sequence_parallel=False with LoRA")
     expanded: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
-        hits = [name for name, _ in match_plan(model, {pattern: style})]
+        hits = [name for name, _ in match_plan(model, {pattern: style}, optional=frozenset({pattern}))]
         lora_hits = [name for name in hits if name in lora_names]
         if not lora_hits:
             expanded[pattern] = style

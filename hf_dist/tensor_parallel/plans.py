@@ -1,15 +1,23 @@
-"""Tensor-parallel plans as data: ``{module_fqn_pattern: style_name}`` per architecture family.
+"""Tensor-parallel plans from the model itself: its ``base_model_tp_plan`` and its head's ``_tp_plan``.
 
-A pattern is a dotted module path relative to the ``*ForCausalLM`` model, where ``*`` stands for one path
-component (a layer index). A style name is resolved against the model config into a torch ``ParallelStyle``
-by ``resolve_styles``, because a few styles need sizes (fused part widths) that only the config knows.
+transformers ships, per architecture, a plan ``{module_pattern: style_name}`` (``"colwise"``, ``"rowwise"``,
+``"colwise_gather_output"``, ...). ``model_plan`` reads it for a config, prefixed to be relative to the
+``*ForCausalLM`` module; ``plan_names`` adds hf_dist's overlays on top; ``resolve_styles`` turns every name
+into a torch DTensor ``ParallelStyle`` (composable with FSDP2). A pattern is a dotted module path where ``*``
+stands for one path component (a layer index). hf_dist's overlays:
 
-Where transformers ships a ``base_model_tp_plan`` that shards without gathering (Llama, Mistral, Qwen2,
-Qwen3) it is used, prefixed with ``model.``; Phi-3's own plan gathers the fused projections' output on every
-rank, so hf_dist uses its own plan that shards each fused part instead. Sequence parallelism and
-vocab parallelism are overlays applied on top of the base plan.
+- fused projections: a ``qkv_proj`` / dense ``gate_up_proj`` that the model's plan gathers on every rank
+  (Phi-3, GLM) is sharded part by part instead (``FusedColwiseParallel``), its partner row-parallel;
+- the lm_head: column-parallel with its output gathered (the head's own plan) when the vocabulary divides by
+  ``tp`` and the embeddings are not tied; whole otherwise (a tied weight is sharded only with the embedding,
+  which is what vocab parallelism does);
+- norms over one head's features that the model's plan leaves whole (Phi ``qk_layernorm``): their weight
+  gradient, a partial sum per rank, is reduced over the TP ranks;
+- sequence parallelism, vocab parallelism (with ``VocabParallelCausalLMLoss``), and replicated KV heads when
+  there are fewer KV heads than TP ranks, for the families whose module names they are written for.
 
-Not for: applying plans (``apply.py``) or size checks (``checks.py``).
+Which model types may use these plans at all is decided in ``support.py``; sizes are checked in ``checks.py``.
+Not for: applying plans (``apply.py``).
 """
 
 from __future__ import annotations
@@ -31,31 +39,16 @@ from hf_dist.tensor_parallel.styles import (
     ReplicatedKVColwise,
     ReplicatedWithGradReduce,
 )
+from hf_dist.tensor_parallel.support import TP_TESTED_MODEL_TYPES, check_tp_support, model_plan
 
-# hf_dist's own plans, for families whose transformers plan is missing or gathers activations.
-_PHI3_PLAN = {
-    "model.layers.*.self_attn": "local_head_counts",
-    "model.layers.*.self_attn.qkv_proj": "fused_colwise_qkv",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_up_proj": "fused_colwise_gate_up",
-    "model.layers.*.mlp.down_proj": "rowwise",
-}
-
-HF_DIST_PLANS: dict[str, dict[str, str]] = {"phi3": _PHI3_PLAN}
-"""Plans hf_dist owns, by ``config.model_type``; they take precedence over transformers' ones."""
-
-HF_PLAN_FAMILIES: dict[str, str] = {
-    "llama": "model", "mistral": "model", "qwen2": "model", "qwen3": "model", "gpt_neox": "gpt_neox",
-}
-"""Families whose transformers ``base_model_tp_plan`` is used as is (translated to torch styles), with the
-prefix of the base model inside the ``*ForCausalLM``. GPT-NeoX's fused ``query_key_value`` is laid out head by
-head ([q k v] per head), so a plain column split keeps whole heads together."""
+HEAD_PATTERNS: frozenset[str] = frozenset({"lm_head"})
+"""Plan entries that may name nothing (a pipeline stage without the head); other entries must match."""
 
 OVERLAY_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 """Families whose module names the sequence- and vocab-parallel overlays below are written for."""
 
 # Sequence parallelism: norms work on sequence shards; attention and MLP gather the sequence on entry and
-# reduce-scatter it on exit. Applies to every family above (they share these module names).
+# reduce-scatter it on exit.
 SEQUENCE_PARALLEL_OVERLAY = {
     "model.embed_tokens": "embedding_to_sequence_shards",
     "model.layers.*.input_layernorm": "sequence_parallel",
@@ -76,32 +69,61 @@ REPLICATED_KV_OVERLAY = {
 REPLICATED_KV_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 """Families with separate k/v projections (fused ones cannot keep one KV head per rank)."""
 
+# Norms over one head's features that the model's plan leaves out: whole on every rank, each rank sees only its
+# heads, so the weight gradient is a partial sum to reduce (model_type -> (config flag, patterns)).
+PER_HEAD_NORM_OVERLAY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "phi": ("qk_layernorm", ("model.layers.*.self_attn.q_layernorm", "model.layers.*.self_attn.k_layernorm")),
+}
+
+# Fused projections the model's own plan gathers: shard each part, make the partner row-parallel.
+_FUSED_OVERLAY = {
+    "qkv_proj": ("fused_colwise_qkv", "o_proj", "local_head_counts"),
+    "gate_up_proj": ("fused_colwise_gate_up", "down_proj", None),
+}
+
 
 def supported_families() -> tuple[str, ...]:
-    return tuple(sorted((*HF_PLAN_FAMILIES, *HF_DIST_PLANS)))
+    """Model types with tensor parallelism from their own plan (proven by a parity test; ``support.py``)."""
+    return tuple(sorted(TP_TESTED_MODEL_TYPES))
 
 
-def _unknown_family_error(model_type: str) -> ValueError:
-    return ValueError(
-        f"no tensor-parallel plan for model_type={model_type!r}; hf_dist has plans for "
-        f"{', '.join(supported_families())}. For another architecture pass your own plan: "
-        f"apply_tensor_parallel(model, tp_mesh, plan={{'model.layers.*.self_attn.q_proj': ColwiseParallel(), ...}}) "
-        f"with torch ParallelStyle objects keyed by module path ('*' matches one path component)"
-    )
+def _parent(pattern: str) -> str:
+    return pattern.rpartition(".")[0]
 
 
-def base_plan(config) -> dict[str, str]:
-    """The family's plan as ``{pattern: style_name}`` (without overlays)."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in HF_DIST_PLANS:
-        return dict(HF_DIST_PLANS[model_type])
-    if model_type in HF_PLAN_FAMILIES:
-        hf_plan = getattr(config, "base_model_tp_plan", None) or {}
-        if not hf_plan:
-            raise ValueError(f"transformers ships no base_model_tp_plan for model_type={model_type!r}")
-        prefix = HF_PLAN_FAMILIES[model_type]
-        return {f"{prefix}.{pattern}": style for pattern, style in hf_plan.items()}
-    raise _unknown_family_error(model_type)
+def _fuse(plan: dict[str, str]) -> dict[str, str]:
+    """Gathered fused projections -> part-by-part sharded ones (``_FUSED_OVERLAY``)."""
+    out = dict(plan)
+    for pattern, style in plan.items():
+        leaf = pattern.rpartition(".")[2]
+        if leaf not in _FUSED_OVERLAY or style != "colwise_gather_output":
+            continue
+        fused, partner, on_parent = _FUSED_OVERLAY[leaf]
+        partner_pattern = f"{_parent(pattern)}.{partner}"
+        if out.get(partner_pattern) != "rowwise_split_input":
+            continue
+        out[pattern], out[partner_pattern] = fused, "rowwise"
+        if on_parent:
+            out[_parent(pattern)] = on_parent
+    return out
+
+
+def _head(plan: dict[str, str], config, tp: int | None) -> dict[str, str]:
+    """Keep the head's column split only where it is exact and cheap to undo (see module docstring)."""
+    vocab = getattr(config, "vocab_size", None)
+    tied = getattr(config, "tie_word_embeddings", False)
+    keep = tp is not None and not tied and isinstance(vocab, int) and vocab % tp == 0
+    return {p: s for p, s in plan.items() if p not in HEAD_PATTERNS or (keep and s == "colwise_gather_output")}
+
+
+def base_plan(config, tp: int | None = None) -> dict[str, str]:
+    """The model's plan with the fused-projection and head overlays, as ``{pattern: style_name}``."""
+    check_tp_support(config)
+    plan = _head(_fuse(model_plan(config)), config, tp)
+    flag, patterns = PER_HEAD_NORM_OVERLAY.get(config.model_type, ("", ()))
+    if getattr(config, flag, False):
+        plan.update(dict.fromkeys(patterns, "replicated_with_grad_allreduce"))
+    return plan
 
 
 def _replicates_kv(config, tp: int | None) -> bool:
@@ -119,11 +141,9 @@ def _replicates_kv(config, tp: int | None) -> bool:
 def plan_names(
     config, *, sequence_parallel: bool = False, vocab_parallel: bool = False, tp: int | None = None
 ) -> dict[str, str]:
-    """The full plan as names: base plan, then the sequence-, vocab- and (``tp`` > KV heads) KV overlays.
-
-    Two names on one module are joined with ``+`` and applied in that order.
-    """
-    plan = base_plan(config)
+    """The full plan as names: the model's plan, then the sequence-, vocab- and (``tp`` > KV heads) KV
+    overlays. Two names on one module are joined with ``+`` and applied in that order."""
+    plan = base_plan(config, tp)
     if (sequence_parallel or vocab_parallel) and config.model_type not in OVERLAY_FAMILIES:
         raise ValueError(
             f"sequence_parallel/vocab_parallel are available for {', '.join(OVERLAY_FAMILIES)}, not for "
@@ -143,14 +163,14 @@ def plan_names(
     return plan
 
 
-def _fused_qkv(config) -> ParallelStyle:
-    head_dim = _head_dim(config)
-    kv = config.num_key_value_heads * head_dim
-    return FusedColwiseParallel((config.num_attention_heads * head_dim, kv, kv))
-
-
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _fused_qkv(config) -> ParallelStyle:
+    head_dim = _head_dim(config)
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    return FusedColwiseParallel((config.num_attention_heads * head_dim, kv, kv))
 
 
 def _replicated_kv(config) -> ParallelStyle:
@@ -163,9 +183,13 @@ def _fused_gate_up(config) -> ParallelStyle:
 
 _SEQ = Shard(1)
 STYLE_BUILDERS = {
+    # transformers' names (the model's own plans)
     "colwise": lambda config: ColwiseParallel(),
     "rowwise": lambda config: RowwiseParallel(),
+    "colwise_gather_output": lambda config: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda config: RowwiseParallel(input_layouts=Replicate()),
     "replicated_with_grad_allreduce": lambda config: ReplicatedWithGradReduce(input_dim=-2),
+    # hf_dist's overlays
     "local_head_counts": lambda config: LocalHeadCounts(),
     "fused_colwise_qkv": _fused_qkv,
     "fused_colwise_gate_up": _fused_gate_up,
@@ -195,7 +219,7 @@ STYLE_BUILDERS = {
         input_layouts=_SEQ, output_layouts=Shard(-1), use_local_output=True
     ),
 }
-"""Style name -> ``config -> ParallelStyle``. Names from transformers plans map to the same torch styles."""
+"""Style name -> ``config -> ParallelStyle``: transformers' plan names first, then hf_dist's own."""
 
 
 def resolve_styles(names: dict[str, str], config) -> dict[str, ParallelStyle]:

@@ -1,0 +1,152 @@
+"""Which models hf_dist runs tensor-parallel: the one support decision for TP, from the config alone.
+
+A model type is supported when transformers ships a ``base_model_tp_plan`` for it, its plan uses only styles
+hf_dist translates into DTensor styles (``plans.py``), its layers are all attention layers, and a TP=2 parity
+test against one process passes for it (``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
+Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
+linear-attention or state-space layers, no plan, no parity test yet. A few config values that the model's
+plan does not shard correctly are refused by field (``_FIELD_RULES``).
+
+Pure: a config in, a reason or ``None`` out; ``check_tp_support`` raises the ``ValueError`` before any process
+group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
+    "apertus", "arcee", "cohere", "cohere2", "cohere_compass_text", "cwm", "ernie4_5", "exaone4", "gemma",
+    "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hrm_text", "hyperclovax",
+    "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
+    "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
+})
+"""Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
+
+_MOE = "MoE experts (expert parallelism is not in hf_dist)"
+_STYLE_REASONS = {
+    "moe_tp_experts": _MOE,
+    "packed_colwise": _MOE,
+    "packed_rowwise": _MOE,
+    "moe_identity_expert": _MOE,
+    "mla_kv_a_proj": "multi-head latent attention (the shared rotary key needs its own gradient reduction)",
+    "local_params": "attention sinks (a per-head parameter outside any Linear)",
+}
+TRANSLATED_STYLES: frozenset[str] = frozenset({
+    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+})
+"""transformers' style names that ``plans.STYLE_BUILDERS`` turns into DTensor styles."""
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def causal_lm_class(config) -> type:
+    """The ``*ForCausalLM`` class transformers builds for ``config`` (``ValueError`` when there is none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise ValueError(
+            f"{type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) has no causal-LM "
+            f"class in transformers; tensor parallelism in hf_dist is for *ForCausalLM models"
+        ) from None
+
+
+def model_plan(config) -> dict[str, str]:
+    """The model's own plan relative to its ``*ForCausalLM``: ``base_model_tp_plan`` under the base model's
+    attribute name, plus the head's ``_tp_plan``. Empty when transformers ships no base plan."""
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    if not base:
+        return {}
+    cls = causal_lm_class(config)
+    plan = {f"{cls.base_model_prefix}.{pattern}": style for pattern, style in base.items()}
+    plan.update(getattr(cls, "_tp_plan", None) or {})
+    return plan
+
+
+def _layer_kinds(config) -> set[str]:
+    names = ("layer_types", "layers_block_type", "block_types")
+    kinds = [kind for name in names for kind in getattr(config, name, None) or ()]
+    return {kind for kind in kinds if isinstance(kind, str)} - _ATTENTION_LAYERS - {"attention"}
+
+
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+_STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "attention_hidden_size")
+
+
+def _family_refusal(config) -> str | None:
+    """MoE and state-space / hybrid models, named as such whether or not they ship a plan."""
+    moe = [f"{name}={getattr(config, name)}" for name in _MOE_FIELDS if (getattr(config, name, None) or 0) > 1]
+    if moe:
+        return f"{_MOE}: {moe[0]}"
+    if kinds := _layer_kinds(config):
+        return f"linear-attention, recurrent or state-space layers ({', '.join(sorted(kinds))}) that TP does not shard"
+    ssm = [name for name in _STATE_SPACE_FIELDS if getattr(config, name, None) is not None]
+    if ssm:
+        return f"state-space / recurrent layers ({ssm[0]}) that no plan shards"
+    return None
+
+
+_FIELD_RULES: dict[str, list[tuple[str, Callable[[object], bool], str]]] = {
+    "cohere": [("use_qk_norm", bool, "its q/k norms hold one weight row per head, which the plan does not shard")],
+    "olmo": [("clip_qkv", lambda v: v is not None, "it clamps the sharded q/k/v outputs in place, which DTensor's "
+              "local views do not allow; set clip_qkv=None")],
+}
+"""``model_type -> [(field, refused(value), why)]``: config values the translated plan gets wrong."""
+
+
+def tp_refusal(config) -> str | None:
+    """Why ``config``'s model cannot run tensor-parallel in hf_dist, or ``None`` when it can."""
+    model_type = getattr(config, "model_type", None)
+    try:
+        plan = model_plan(config)
+    except ValueError as err:
+        return str(err)
+    reasons = sorted({_STYLE_REASONS[s] for s in plan.values() if s in _STYLE_REASONS})
+    if reasons:
+        return "; ".join(reasons)
+    if family := _family_refusal(config):
+        return family
+    if not plan:
+        return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
+    unknown = sorted({s for s in plan.values() if s not in TRANSLATED_STYLES})
+    if unknown:
+        return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
+    if model_type not in TP_TESTED_MODEL_TYPES:
+        return f"no TP parity test in hf_dist for model_type={model_type!r} yet"
+    for field, refused, why in _FIELD_RULES.get(model_type, ()):
+        value = getattr(config, field, None)
+        if refused(value):
+            return f"{field}={value!r}: {why}"
+    return None
+
+
+def check_tp_support(config) -> None:
+    """Raise ``ValueError`` naming the model type and the reason when TP is not available for ``config``."""
+    reason = tp_refusal(config)
+    if reason is None:
+        return
+    raise ValueError(
+        f"tensor parallelism is not available for model_type={getattr(config, 'model_type', None)!r}: {reason}. "
+        f"Use tp_size=1 (FSDP2 or DDP shard this model), or pass apply_tensor_parallel(model, tp_mesh, "
+        f"plan={{pattern: ParallelStyle}}) with your own torch styles ('*' matches one path component)"
+    )
+
+
+def model_type_tp_refusal(model_type: str) -> str | None:
+    """``tp_refusal`` for the default config of ``model_type`` (what is known of a model before its config)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception as error:  # noqa: BLE001 - a config class that cannot be built has no TP either
+        return f"model_type={model_type!r} has no default config in installed transformers ({type(error).__name__})"
+    return tp_refusal(config)
+
+
+def tp_coverage() -> dict[str, str]:
+    """``{model_type: "yes" or the refusal reason}`` for every causal-LM model type of installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {t: model_type_tp_refusal(t) or "yes" for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}

@@ -1,0 +1,97 @@
+"""Tiny configs, with non-default values, for every dense causal-LM model type with a tensor-parallel plan.
+
+``sweep_config(model_type)`` builds the config class of ``model_type`` with tiny sizes (hidden 64, 4 heads,
+2 KV heads, head_dim 8 so that heads x head_dim != hidden, 2 layers, vocab 256) and, wherever the config
+has the field, a value other than its default for every knob read outside the decoder layers or inside
+attention (biases, rotary, scaling, soft-capping, multipliers, windows, qk-norms, tied embeddings). Dropout
+is zero everywhere (the comparison is exact). Shared by ``test_tp_sweep.py`` and ``bench/coverage.py``.
+"""
+
+from __future__ import annotations
+
+SEQ = 16
+SIZES = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+)
+NON_DEFAULT = {
+    "attention_bias": True,
+    "mlp_bias": True,
+    "use_bias": True,
+    "partial_rotary_factor": 0.5,
+    "rotary_pct": 0.5,
+    "logit_scale": 0.5,
+    "final_logit_softcapping": 5.0,
+    "attn_logit_softcapping": 20.0,
+    "query_pre_attn_scalar": 12,
+    "embedding_multiplier": 12.0,
+    "logits_scaling": 8.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.0078,
+    "sliding_window": 8,
+    "use_qk_norm": True,
+    "qk_layernorm": True,
+    "clip_qkv": 0.5,
+    "hidden_act": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-5,
+}
+"""Field -> a value other than the usual default, applied where the config has the field."""
+PER_TYPE: dict[str, dict] = {
+    "helium": {"head_dim": 16},  # its o_proj is hidden x hidden: heads x head_dim must equal hidden
+    "cohere": {"use_qk_norm": False},  # True is refused (support.py); the refusal has its own test
+    "olmo": {"clip_qkv": None},  # set, it is refused (support.py); the refusal has its own test
+    "hyperclovax": {"logits_scaling": 0.125},  # a multiplier here (MuP): 8 would scale fp32 rounding past 1e-5
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
+    "qwen2": {"use_sliding_window": True, "max_window_layers": 1},
+    "qwen3": {"use_sliding_window": True, "max_window_layers": 1},
+    "gpt_neox": {"use_parallel_residual": False},
+}
+
+
+def _has(config, field: str) -> bool:
+    try:
+        return hasattr(config, field)
+    except Exception:  # per-layer attributes of heterogeneous configs raise their own error type
+        return False
+
+
+def _rope(config_cls) -> dict:
+    """A non-default rotary base, in whichever form the config takes it."""
+    params = getattr(config_cls(), "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return {"rope_parameters": {**params, "rope_theta": 5000.0}}
+    return {}
+
+
+def sweep_config(model_type: str):
+    """A tiny config of ``model_type`` with non-default values (see module docstring)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    defaults = config_cls()
+    kwargs = {k: v for k, v in SIZES.items() if _has(defaults, k)}
+    for field, value in NON_DEFAULT.items():
+        settable = not isinstance(getattr(config_cls, field, None), property)
+        if settable and _has(defaults, field) and getattr(defaults, field) != value:
+            kwargs[field] = value
+    pad = getattr(defaults, "pad_token_id", None)
+    if isinstance(pad, int) and pad >= SIZES["vocab_size"]:
+        kwargs["pad_token_id"] = 0
+    kwargs["tie_word_embeddings"] = not getattr(defaults, "tie_word_embeddings", False)
+    kwargs.update(_rope(config_cls))
+    kwargs.update(PER_TYPE.get(model_type, {}))
+    for field in defaults.to_dict():
+        if "dropout" in field or field.endswith("pdrop"):
+            kwargs[field] = 0.0
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
+def dense_plan_types() -> list[str]:
+    """Causal-LM model types of the installed transformers whose config ships a ``base_model_tp_plan``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None))
