@@ -75,25 +75,30 @@ def test_a_tp_measured_efficiency_is_not_charged_the_assumed_tp_factor():
 
 
 def test_calibration_runs_the_layouts_parallelism_on_two_gloo_ranks():
-    from hf_dist.cli.calibrate_ranks import calibrate_for_plan
+    from hf_dist.cli.calibrate_ranks import calibrate_layouts_on_ranks
 
     spec = _tiny()
     workload = Workload(seq_len=16, micro_batch_size=2, precision="fp32", activation_checkpointing=True)
-    for layout, described, dp, tp in (
+    cases = (  # (chosen layout, what runs on 2 ranks, dp, tp): both in one process group
         (make_layout("zero3", 8), "FSDP2 FULL_SHARD over dp=2 (standing in for zero3", 2, 1),
         (make_layout("ddp", 4, tp=2, sequence_parallel=True), "DDP over dp=1 x TP2 (sequence parallel)", 1, 2),
-    ):
-        result = calibrate_for_plan(spec, workload, layout, ranks=2, layers=2, steps=2)
+    )
+    from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
+
+    full = build_tiny_model(tiny_llama_config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, vocab_size=256)).num_parameters()
+    results = calibrate_layouts_on_ranks(spec, workload, [c[0] for c in cases], ranks=2, layers=2, steps=2)
+    for (_, described, dp, tp), result in zip(cases, results, strict=True):
         assert "calibrated on 2 gloo ranks with real collectives" in result.source, result.source
         assert described in result.source and "2-layer" in result.source
-        assert (result.ranks, result.measured_tp) == (2, tp)
+        assert (result.ranks, result.measured_tp) == (2, tp) and result.step_time_s > 0
+        assert full // 2 <= result.local_parameters < full  # the layout was applied: rank 0 holds a shard
         assert result.efficiency == pytest.approx(efficiency_from(
             spec, workload, layers=2, tokens=32 * dp, step_time_s=result.step_time_s, peak_flops=result.peak_flops))
         req = PlanRequest(model=spec, gpu=gpu_spec("a100-80gb"), num_gpus=4, seq_len=16, global_batch=8,
                           base_efficiency=result.efficiency, efficiency_source=result.source,
                           efficiency_measured_tp=result.measured_tp)
-        chosen = choose_layout(req).chosen
-        assert chosen.throughput.efficiency_source == result.source
+        assert choose_layout(req).chosen.throughput.efficiency_source == result.source
 
 
 def test_plan_cli_says_which_calibration_ran(tmp_path, capsys):
@@ -109,7 +114,7 @@ def test_plan_cli_says_which_calibration_ran(tmp_path, capsys):
     assert main([*args, "--calibrate-ranks", "1", "--json"]) == 0
     captured = capsys.readouterr()
     source = json.loads(captured.out)["candidates"][0]["throughput"]["efficiency_source"]
-    assert source.startswith("calibrated on one device (communication factors assumed; one rank available)")
+    assert source.startswith("calibrated on one device (communication factors assumed; --calibrate-ranks 1)")
     assert "s/step, efficiency" in captured.err
     assert main([*args, "--calibrate-ranks", "0"]) == 2
     assert "--calibrate-ranks=0 must be positive" in capsys.readouterr().err

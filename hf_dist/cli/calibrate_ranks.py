@@ -37,11 +37,11 @@ from hf_dist.strategy import FSDP_STRATEGIES, Layout, strategy_dims
 
 @dataclass(frozen=True)
 class _Job:
-    """What every rank runs (pickled to the spawned processes)."""
+    """What every rank runs (pickled to the spawned processes): each layout in turn, in one process group."""
 
     model: ModelSpec
     workload: Workload
-    layout: Layout
+    layouts: tuple[Layout, ...]
     layers: int
     steps: int
     device_type: str
@@ -57,6 +57,7 @@ def default_ranks(layout: Layout) -> int:
 def calibrate_for_plan(model: ModelSpec, workload: Workload, layout: Layout, *, ranks: int | None = None,
                        layers: int = 2, steps: int = 3) -> Calibration:
     """The chosen ``layout`` measured on ``ranks`` processes (default ``default_ranks``), or on one device."""
+    why_one = "one rank available" if ranks is None else "--calibrate-ranks 1"
     ranks = default_ranks(layout) if ranks is None else ranks
     if ranks < 1:
         raise ValueError(f"--calibrate-ranks={ranks} must be positive")
@@ -65,7 +66,7 @@ def calibrate_for_plan(model: ModelSpec, workload: Workload, layout: Layout, *, 
                          f"use at most that")
     if ranks == 1:
         return calibrate(model, workload, layers=layers, steps=steps,
-                         note="; one rank available" if layout.dims.world_size > 1 else "")
+                         note=f"; {why_one}" if layout.dims.world_size > 1 else "")
     try:
         return calibrate_on_ranks(model, workload, layout, ranks=ranks, layers=layers, steps=steps)
     except Exception as err:  # stated in the source line and on stderr, then the one-device path
@@ -79,30 +80,42 @@ def calibrate_for_plan(model: ModelSpec, workload: Workload, layout: Layout, *, 
 def calibrate_on_ranks(model: ModelSpec, workload: Workload, layout: Layout, *, ranks: int, layers: int = 2,
                        steps: int = 3) -> Calibration:
     """Run ``layout`` scaled to ``ranks`` processes with its real collectives and measure the efficiency."""
+    return calibrate_layouts_on_ranks(model, workload, [layout], ranks=ranks, layers=layers, steps=steps)[0]
+
+
+def calibrate_layouts_on_ranks(model: ModelSpec, workload: Workload, layouts: list[Layout], *, ranks: int,
+                               layers: int = 2, steps: int = 3) -> list[Calibration]:
+    """``calibrate_on_ranks`` for several layouts, one after the other in one set of processes."""
     if layers < 1 or steps < 1:
         raise ValueError(f"layers={layers} and steps={steps} must be positive")
-    run = calibration_layout(layout, ranks)
+    runs = tuple(calibration_layout(layout, ranks) for layout in layouts)
     layers = min(layers, model.num_hidden_layers)
-    job = _Job(model=model, workload=workload, layout=run, layers=layers, steps=steps,
+    job = _Job(model=model, workload=workload, layouts=runs, layers=layers, steps=steps,
                device_type="cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory(prefix="hf_dist_calibrate_") as tmp:
         out = Path(tmp) / "rank0.json"
         torch.multiprocessing.start_processes(_rank_main, args=(ranks, _free_port(), job, str(out)), nprocs=ranks,
                                               join=True, start_method="spawn")
         measured = json.loads(out.read_text())
-    dp = run.dims.dp
-    eff = efficiency_from(model, workload, layers=layers, tokens=workload.tokens * dp,
+    return [_calibration(model, workload, layout, run, m, job) for layout, run, m in zip(layouts, runs, measured)]
+
+
+def _calibration(model: ModelSpec, workload: Workload, layout: Layout, run: Layout, measured: dict,
+                 job: _Job) -> Calibration:
+    ranks = run.dims.world_size
+    eff = efficiency_from(model, workload, layers=job.layers, tokens=workload.tokens * run.dims.dp,
                           step_time_s=measured["step_time_s"], peak_flops=measured["peak_flops"])
     backend = "NCCL" if job.device_type == "cuda" else "gloo"
     what = _describe(run)
     if run.strategy != layout.strategy:
         what += f" (standing in for {layout.strategy}: same collectives)"
-    source = (f"calibrated on {ranks} {backend} ranks with real collectives: {what}, {steps} steps of a "
-              f"{layers}-layer {model.name} on {job.device_type} ({measured['peak_flops'] / 1e12:.2f} TFLOP/s peak "
-              f"over the ranks, {measured['peak_source']}), micro batch {workload.micro_batch_size} x "
+    source = (f"calibrated on {ranks} {backend} ranks with real collectives: {what}, {job.steps} steps of a "
+              f"{job.layers}-layer {model.name} on {job.device_type} ({measured['peak_flops'] / 1e12:.2f} TFLOP/s "
+              f"peak over the ranks, {measured['peak_source']}), micro batch {workload.micro_batch_size} x "
               f"{workload.seq_len} tokens per dp rank")
     return Calibration(efficiency=eff, step_time_s=measured["step_time_s"], peak_flops=measured["peak_flops"],
-                       source=source, ranks=ranks, measured_tp=run.tp)
+                       source=source, ranks=ranks, measured_tp=run.tp,
+                       local_parameters=measured["local_parameters"])
 
 
 def _describe(run: Layout) -> str:
@@ -131,7 +144,8 @@ def _rank_main(rank: int, ranks: int, port: int, job: _Job, out: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ranks)
     try:
-        result = _measure(torch.device("cuda", rank) if cuda else torch.device("cpu"), ranks, job)
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        result = [_measure(device, ranks, job, run) for run in job.layouts]
         if rank == 0:
             Path(out).write_text(json.dumps(result))
         dist.barrier()
@@ -139,9 +153,9 @@ def _rank_main(rank: int, ranks: int, port: int, job: _Job, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _measure(device: torch.device, ranks: int, job: _Job) -> dict:
+def _measure(device: torch.device, ranks: int, job: _Job, run: Layout) -> dict:
     """Build, lay out and time the scaled-down model on this rank; the slowest step and the summed peak."""
-    run, workload = job.layout, job.workload
+    workload = job.workload
     fsdp = run.strategy in FSDP_STRATEGIES
     dtype, param_dtype, autocast = compute_dtypes(workload, device, fsdp=fsdp)
     torch.manual_seed(0)  # the same weights and batch on every rank
@@ -151,6 +165,7 @@ def _measure(device: torch.device, ranks: int, job: _Job) -> dict:
     net = _apply(net, dims, run, activation_checkpointing=workload.activation_checkpointing,
                  param_dtype=param_dtype)
     ids = torch.randint(0, job.model.vocab_size, (workload.micro_batch_size, workload.seq_len)).to(device)
+    local = sum(getattr(p, "_local_tensor", p).numel() for p in net.parameters())  # shards under FSDP2/TP
     times = timed_steps(net, ids, steps=job.steps, autocast=autocast)
     dist.barrier()  # every rank measures its peak at once, as it trained: sharing the cores
     peak, peak_source = device_peak_flops(device, dtype)
@@ -158,7 +173,8 @@ def _measure(device: torch.device, ranks: int, job: _Job) -> dict:
     total_peak = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
     dist.all_reduce(total_peak, op=dist.ReduceOp.SUM)
-    return {"step_time_s": step.item(), "peak_flops": total_peak.item(), "peak_source": peak_source}
+    return {"step_time_s": step.item(), "peak_flops": total_peak.item(), "peak_source": peak_source,
+            "local_parameters": local}
 
 
 def _apply(net: torch.nn.Module, dims, run: Layout, *, activation_checkpointing: bool,
@@ -177,4 +193,4 @@ def _apply(net: torch.nn.Module, dims, run: Layout, *, activation_checkpointing:
     return net
 
 
-__all__ = ["calibrate_for_plan", "calibrate_on_ranks", "default_ranks"]
+__all__ = ["calibrate_for_plan", "calibrate_layouts_on_ranks", "calibrate_on_ranks", "default_ranks"]

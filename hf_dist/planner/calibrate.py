@@ -49,6 +49,8 @@ class Calibration:
     measured_tp: int = 1
     """The TP degree whose collectives the measured step time includes (1: none; the forecast applies
     ``TP_FACTOR`` only when this is 1)."""
+    local_parameters: int = 0
+    """Parameter elements rank 0 held after the layout was applied (its shard under FSDP2/TP); 0: one device."""
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
