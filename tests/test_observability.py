@@ -109,9 +109,10 @@ def test_log_history_keeps_this_runs_lines_and_a_resumes_earlier_steps(tmp_path)
     path.write_text('{"loss": 9.0, "step": 1}\n{"loss": 8.0, "step": 2}\n{"loss": 7.0, "step": 3}\n')
     resumed = LogHistoryCallback()
     resumed.on_log(args, state(0), None, logs={"before_loss": 5.0})  # evaluate() before train()
-    resumed.on_train_begin(args, state(2), None)  # resumed at step 2: the old run's steps 2 and 3 go
+    resumed.on_train_begin(args, state(2), None)  # resumed from checkpoint-2: the old run's step 3 goes
     resumed.on_log(args, state(3), None, logs={"loss": 1.5})
-    assert lines() == [{"loss": 9.0, "step": 1}, {"before_loss": 5.0, "step": 0}, {"loss": 1.5, "step": 3}]
+    assert lines() == [{"loss": 9.0, "step": 1}, {"loss": 8.0, "step": 2}, {"before_loss": 5.0, "step": 0},
+                       {"loss": 1.5, "step": 3}]
 
     fresh = LogHistoryCallback()
     fresh.on_train_begin(args, state(0), None)  # a new run in the same directory starts the file anew

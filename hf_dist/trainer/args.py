@@ -19,7 +19,7 @@ from transformers import TrainingArguments
 from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.tensor_parallel.trainer_glue import check_tp_arguments
-from hf_dist.trainer import launch_env
+from hf_dist.trainer import launch_env, preemption
 
 
 DEFAULT_LEARNING_RATE = 5e-5  # transformers.TrainingArguments' default
@@ -44,6 +44,7 @@ def check_values(args) -> None:
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
         raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
                          f"pipeline step); leave it unset to use the accumulation the global batch gives")
+    preemption.parse_signals(args.preemption_signals)
     if (args.tp_size > 1 or args.pp_size > 1) and launch_env.deepspeed_requested(args):
         raise ValueError(
             f"tp_size={args.tp_size}, pp_size={args.pp_size} with DeepSpeed (from the accelerate config or "
@@ -137,6 +138,11 @@ class DistTrainingArguments(TrainingArguments):
         default=1,
         metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
                   "all-reduce across groups."},
+    )
+    preemption_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={"help": "Signals that mean 'preempted': every rank finishes its step, a checkpoint is saved and "
+                  "the process exits with 75 (hf_dist/trainer/preemption.py). Comma-separated, or 'none'."},
     )
     layout_canary: bool = field(
         default=True,

@@ -22,9 +22,10 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
+from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env, resume
+from hf_dist.trainer import launch_env, preemption, resume
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
 from hf_dist.planner.flops import module_flop_counts
@@ -52,6 +53,8 @@ class DistTrainer(Trainer):
             raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
         if args.pp_size > 1:
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
+        if args.tp_size > 1:  # before any process group: the model's own plan must be supported and fit
+            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
         args.device  # initialises the process group with the backend launch_env chose
         contract = args.batch_contract
         flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
@@ -74,6 +77,10 @@ class DistTrainer(Trainer):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
         self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
+        signals = preemption.parse_signals(args.preemption_signals)
+        self.preemption = preemption.PreemptionCallback(signals) if signals else None
+        if self.preemption is not None:  # SIGTERM/SIGUSR1: finish the step, save, exit 75
+            self.add_callback(self.preemption)
         self._check_packing()
         if self.dims.pp_enabled:
             pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
@@ -164,7 +171,9 @@ class DistTrainer(Trainer):
                 if isinstance(module, FSDPModule):
                     module.reshard()
         resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        preemption.exit_if_preempted(self, self.preemption)  # saved at a signal: SystemExit(75)
+        return output
 
     def evaluate(self, *args, **kwargs):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
