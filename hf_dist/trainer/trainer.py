@@ -27,6 +27,8 @@ from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
 from hf_dist.trainer import launch_env, preemption, resume
 from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.parallel_dims import ParallelDims
+from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
 from hf_dist.planner.flops import module_flop_counts
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
@@ -44,6 +46,38 @@ def as_dist_args(args: TrainingArguments | None) -> DistTrainingArguments:
     return DistTrainingArguments(**values)
 
 
+def trainer_dims(args: DistTrainingArguments) -> ParallelDims:
+    """The layout ``args`` ask for (mesh not built)."""
+    fsdp = args.hf_dist_fsdp
+    return layout_dims(
+        world_size=args.batch_contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
+        dp_replicate=fsdp.dp_replicate if fsdp is not None else 1,
+    )
+
+
+def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
+    """Lay ``model`` out for ``dims`` (FSDP2 / TP / PP, the layouts hf_dist owns): the one path DistTrainer and
+    ``hf_dist.from_pretrained`` use. A model on ``meta`` stays there (it is filled after the layout)."""
+    device = args.device
+    dims.build_mesh(device.type)
+    if not any(p.is_meta for p in model.parameters()):
+        model = model.to(device)
+    if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
+        return pipeline_trainer.apply_pipeline(dims, model, args)
+    param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    model = apply_layout(
+        model,
+        dims,
+        fsdp=args.hf_dist_fsdp,
+        activation_checkpointing=args.gradient_checkpointing,
+        param_dtype=param_dtype,
+        sequence_parallel=args.tp_sequence_parallel,
+        vocab_parallel=args.tp_vocab_parallel,
+    )
+    mark_distribution_owned(model)
+    return model
+
+
 class DistTrainer(Trainer):
     """``transformers.Trainer`` with hf_dist's parallel layouts, batch contract and throughput logging."""
 
@@ -56,16 +90,16 @@ class DistTrainer(Trainer):
         if args.tp_size > 1:  # before any process group: the model's own plan must be supported and fit
             check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
         args.device  # initialises the process group with the backend launch_env chose
-        contract = args.batch_contract
-        flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
         fsdp = args.hf_dist_fsdp
-        self.dims = layout_dims(
-            world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
-            dp_replicate=fsdp.dp_replicate if fsdp is not None else 1,
-        )
+        self.dims = trainer_dims(args)
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
-        if self.owns_layout:
-            model = self._apply_owned_layout(model, args)
+        laid_out = laid_out_by_hf_dist(model, self.dims)  # hf_dist.from_pretrained: the layout is applied already
+        if laid_out is not None:
+            self.dims, flops = laid_out.dims, laid_out.flops
+        else:
+            flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
+            if self.owns_layout:
+                model = apply_owned_layout(model, args, self.dims)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
         recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
@@ -92,25 +126,6 @@ class DistTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
             super().create_accelerator_and_postprocess()
-
-    def _apply_owned_layout(self, model, args: DistTrainingArguments):
-        device = args.device
-        self.dims.build_mesh(device.type)
-        model = model.to(device)
-        if self.dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
-            return pipeline_trainer.apply_pipeline(self, model, args)
-        param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        model = apply_layout(
-            model,
-            self.dims,
-            fsdp=args.hf_dist_fsdp,
-            activation_checkpointing=args.gradient_checkpointing,
-            param_dtype=param_dtype,
-            sequence_parallel=args.tp_sequence_parallel,
-            vocab_parallel=args.tp_vocab_parallel,
-        )
-        mark_distribution_owned(model)
-        return model
 
     def _check_packing(self) -> None:
         """Packed batches must not let conversations attend to each other (KV cache off, varlen kwargs on flash)."""
