@@ -314,6 +314,8 @@ class DistTrainer(Trainer):
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
+        if self.owns_layout and state_dict is None and not hasattr(self.model, "peft_config"):
+            return self._save_streaming(output_dir or self.args.output_dir)
         if self.dims.tp_enabled and state_dict is None:  # fused projections back in HF row order
             state_dict = tensor_parallel_trainer.gathered_state_dict(self.model)
         if self.owns_layout and state_dict is None:
@@ -323,3 +325,17 @@ class DistTrainer(Trainer):
             state_dict = get_model_state_dict(self.model, options=options)
             state_dict = {k: v.clone() for k, v in state_dict.items()}  # cpu_offload may alias live tensors
         super()._save(output_dir, state_dict=state_dict)
+
+    def _save_streaming(self, output_dir: str) -> None:
+        """Weights one gathered tensor at a time (rank 0 never holds the whole model), then what ``_save`` adds."""
+        import os
+
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        from hf_dist.loading.save import save_streaming
+
+        save_streaming(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
