@@ -2,6 +2,7 @@
 
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
 ``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
+``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices),
 ``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``).
 These are imported on first use, so the CLI and the pure planners start without transformers.
 """
@@ -17,6 +18,7 @@ __all__ = [
     "DistTrainingArguments",
     "FsdpRequest",
     "ParallelDims",
+    "from_pretrained",
     "parallelize",
     "scale_learning_rate",
     "__version__",
@@ -32,4 +34,8 @@ def __getattr__(name: str):
         from hf_dist import parallelism
 
         return getattr(parallelism, name)
+    if name == "from_pretrained":
+        from hf_dist.loading import from_pretrained
+
+        return from_pretrained
     raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

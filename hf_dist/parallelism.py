@@ -211,7 +211,8 @@ def replicate(model: nn.Module, dp_mesh) -> nn.Module:
     src = dist.get_global_rank(group, 0)
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        dist.broadcast(local.data, src=src, group=group)
+        if not local.is_meta:  # meta: filled later by the streaming load, the same on every rank
+            dist.broadcast(local.data, src=src, group=group)
 
     def average(param: torch.Tensor) -> None:
         grad = param.grad

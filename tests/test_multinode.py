@@ -61,12 +61,13 @@ def test_dry_run_prints_each_nodes_command(tmp_path):
     for rank, line in enumerate(nodes):
         argv = shlex.split(line.split(" && ", 1)[1])
         assert argv[:2] == ["accelerate", "launch"]
-        flags = dict(zip(argv[2:20:2], argv[3:20:2]))
+        flags = dict(zip(argv[2:22:2], argv[3:22:2]))
         assert flags == {
             "--config_file": "accelerate_configs/harbor_13b_fsdp_2x8.yaml", "--num_machines": "2",
             "--num_processes": "16", "--machine_rank": str(rank), "--main_process_ip": "gpu-01",
             "--main_process_port": "29500", "--rdzv_backend": "static",
-            "examples/harbor/train.py": "--preset", "13b": "--model_name_or_path",
+            "examples/harbor/train.py": "--preset", "13b": "--resume_from_checkpoint",
+            "auto": "--model_name_or_path",  # a requeued job resumes
         }
         assert argv[-2:] == ["--data_path", "/shared/my data.jsonl"]  # quoted through, one argument
 

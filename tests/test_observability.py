@@ -48,7 +48,7 @@ def _slow_rank_run(rank, world_size):
         args = DistTrainingArguments(
             output_dir=out, max_steps=3, global_batch_size=8, per_device_train_batch_size=2, logging_steps=1,
             save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
-            learning_rate=1e-3,
+            learning_rate=1e-3, dist_logging=True,
         )
         model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
         trainer = SlowRankTrainer(model=model, args=args, train_dataset=token_dataset())
@@ -109,9 +109,10 @@ def test_log_history_keeps_this_runs_lines_and_a_resumes_earlier_steps(tmp_path)
     path.write_text('{"loss": 9.0, "step": 1}\n{"loss": 8.0, "step": 2}\n{"loss": 7.0, "step": 3}\n')
     resumed = LogHistoryCallback()
     resumed.on_log(args, state(0), None, logs={"before_loss": 5.0})  # evaluate() before train()
-    resumed.on_train_begin(args, state(2), None)  # resumed at step 2: the old run's steps 2 and 3 go
+    resumed.on_train_begin(args, state(2), None)  # resumed from checkpoint-2: the old run's step 3 goes
     resumed.on_log(args, state(3), None, logs={"loss": 1.5})
-    assert lines() == [{"loss": 9.0, "step": 1}, {"before_loss": 5.0, "step": 0}, {"loss": 1.5, "step": 3}]
+    assert lines() == [{"loss": 9.0, "step": 1}, {"loss": 8.0, "step": 2}, {"before_loss": 5.0, "step": 0},
+                       {"loss": 1.5, "step": 3}]
 
     fresh = LogHistoryCallback()
     fresh.on_train_begin(args, state(0), None)  # a new run in the same directory starts the file anew

@@ -21,8 +21,8 @@ LOG_FILE = "log_history.jsonl"
 class LogHistoryCallback(TrainerCallback):
     """Append every ``Trainer.log`` dict (with its ``step``) to ``args.output_dir/log_history.jsonl``.
 
-    When training begins, lines an earlier run left behind are dropped unless they come before the step this
-    run starts at (a resume keeps the history up to its checkpoint); lines this run already wrote (an
+    When training begins, lines an earlier run left behind are dropped unless they come at or before the step
+    this run starts at (a resume keeps the history up to its checkpoint); lines this run already wrote (an
     ``evaluate()`` before ``train()``) stay. Logs outside any ``train()`` call are appended.
     """
 
@@ -35,7 +35,9 @@ class LogHistoryCallback(TrainerCallback):
         path = Path(args.output_dir) / LOG_FILE
         records = _read_jsonl(path)
         split = len(records) - self._written
-        kept = [r for r in records[:split] if r.get("step", 0) < state.global_step] + records[split:]
+        # A resume at step N keeps lines up to N: step N trained and logged before its checkpoint was saved.
+        kept = [r for r in records[:split] if 0 < state.global_step and r.get("step", 0) <= state.global_step]
+        kept += records[split:]
         if path.is_file():
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._written = len(kept)
@@ -80,6 +82,7 @@ def read_log_history(run_dir: str | Path) -> list[dict]:
     if states:
         return json.loads(states[-1].read_text()).get("log_history", [])
     raise ValueError(
-        f"{str(run_dir)!r} holds neither {LOG_FILE} nor a trainer_state.json; train with DistTrainer (it writes "
-        f"{LOG_FILE}) or add hf_dist.report.LogHistoryCallback() to a plain Trainer's callbacks"
+        f"{str(run_dir)!r} holds neither {LOG_FILE} nor a trainer_state.json; train with DistTrainer and "
+        f"--dist_logging true (it writes {LOG_FILE}) or add hf_dist.report.LogHistoryCallback() to a plain "
+        f"Trainer's callbacks"
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
-from hf_dist.trainer import launch_env
+from hf_dist.trainer import launch_env, preemption
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
 from hf_dist.trainer.tensor_parallel_glue import check_tp_arguments
 
@@ -44,6 +44,7 @@ def check_values(args) -> None:
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
         raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
                          f"pipeline step); leave it unset to use the accumulation the global batch gives")
+    preemption.parse_signals(args.preemption_signals)
     if (args.tp_size > 1 or args.pp_size > 1) and launch_env.deepspeed_requested(args):
         raise ValueError(
             f"tp_size={args.tp_size}, pp_size={args.pp_size} with DeepSpeed (from the accelerate config or "
@@ -138,6 +139,11 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
                   "all-reduce across groups."},
     )
+    preemption_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={"help": "Signals that mean 'preempted': every rank finishes its step, a checkpoint is saved and "
+                  "the process exits with 75 (hf_dist/trainer/preemption.py). Comma-separated, or 'none'."},
+    )
     layout_canary: bool = field(
         default=True,
         metadata={"help": "With pp_size > 1: before training, run the requested pipeline layout on a tiny twin of "
@@ -148,6 +154,13 @@ class DistTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Start fresh in an output_dir that holds checkpoints, deleting them (without it, and "
                   "without --resume_from_checkpoint true|auto|PATH, such a run is refused before it starts)."},
+    )
+    dist_logging: bool = field(
+        default=False,
+        metadata={
+            "help": "Add tokens/s, MFU, per-rank peak memory and step times to each training log and append every "
+            "log to OUTPUT_DIR/log_history.jsonl (what `hf-dist report` draws). Off: logs and files are the Trainer's."
+        },
     )
     peak_tflops: float | None = field(
         default=None,
