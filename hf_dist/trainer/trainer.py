@@ -24,7 +24,7 @@ from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env, preemption, resume
+from hf_dist.trainer import launch_env, preemption, resume, teardown
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
 from hf_dist.planner.flops import module_flop_counts
@@ -53,6 +53,7 @@ class DistTrainer(Trainer):
         if args.pp_size > 1:
             check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
         args.device  # initialises the process group with the backend launch_env chose
+        teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
         contract = args.batch_contract
         flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
         fsdp = args.hf_dist_fsdp
