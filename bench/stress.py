@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         for hog in hogs:
             hog.terminate()
     print(f"{'layout':<8} {'runs':>5} {'clean':>6}  {'median s':>8}  abnormal exits  (hog: {args.hog} busy loops, "
-          f"load average before: {os.getloadavg()[0]:.1f})")
+          f"1-min load average at the end: {os.getloadavg()[0]:.1f})")
     for layout, runs, clean, bad, median in rows:
         print(f"{layout:<8} {runs:>5} {clean:>6}  {median:>8.1f}  {bad}")
     print(f"runs in {root}")
