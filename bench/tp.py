@@ -17,6 +17,9 @@ Measured 2026-11-21 on a 2-core CPU machine without GPU, shared with other jobs 
 ``--steps 5 --repeats 2`` (6.0M-parameter model, batch 4 x 256): step time hf_dist / transformers 1.26
 (lm_head whole on each rank) and 0.92 with ``vocab_parallel``; peak RSS growth 0.79 and 0.66 of
 transformers' (which gathers full logits on every rank). Not yet measured on a GPU (bf16).
+These figures predate 2026-11-23, when hf_dist's default plan became the model's own (the lm_head now
+column-split with its logits gathered, as in transformers' plan, where the vocabulary divides by tp and the
+embeddings are not tied); not re-measured since.
 """
 
 from __future__ import annotations

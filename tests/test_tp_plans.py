@@ -56,7 +56,8 @@ def test_types_without_a_plan_are_refused_by_name_not_crashing(model_type):
     config = AutoConfig.for_model(model_type)
     assert valid_tp_sizes(config) == [1]
     check_tp_sizes(config, 1)
-    with pytest.raises(ValueError, match=rf"model_type='{model_type}': transformers ships no base_model_tp_plan.*plan="):
+    refusal = rf"model_type='{model_type}': transformers ships no base_model_tp_plan.*plan="
+    with pytest.raises(ValueError, match=refusal):
         check_tp_sizes(config, 2)
     with pytest.raises(ValueError, match="no base_model_tp_plan"):
         plan_names(config)
@@ -90,7 +91,9 @@ def test_sizes_come_from_what_the_plan_shards():
 
     # StarCoder2's MLP is c_fc/c_proj under "mlp": its intermediate_size is split
     with pytest.raises(ValueError, match="intermediate_size=6"):
-        check_tp_sizes(Starcoder2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=6), 4)
+        check_tp_sizes(
+            Starcoder2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=6), 4
+        )
     # OLMo-2 splits q/k/v (gathered) and the MLP: heads and MLP width both count, and only they do
     config = Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96)
     assert valid_tp_sizes(config) == [1, 2, 4]

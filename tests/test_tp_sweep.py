@@ -8,6 +8,7 @@ One 2-rank spawn runs all supported model types (tiny configs with non-default v
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 
@@ -22,7 +23,8 @@ SWEEP_TYPES = sorted(TP_TESTED_MODEL_TYPES)
 
 @functools.lru_cache(maxsize=None)
 def _sweep() -> list[dict]:
-    return run_distributed(sweep_rank, 2, SWEEP_TYPES, timeout_s=900)
+    with tempfile.TemporaryDirectory() as output_dir:
+        return run_distributed(sweep_rank, 2, SWEEP_TYPES, output_dir, timeout_s=900)
 
 
 @pytest.mark.parametrize("model_type", SWEEP_TYPES)
@@ -33,6 +35,13 @@ def test_tp2_equals_one_process(model_type):
         assert "refused" not in result, f"rank {rank} refused a supported type: {result.get('refused')}"
         for what in ("loss", "logits", "grads"):
             assert result[what] <= TOL, f"rank {rank} {model_type}: {what} differs by {result[what]:.3g}"
+
+
+def test_dist_trainer_refuses_an_unsupported_type_before_touching_it():
+    for by_type in _sweep():
+        message = by_type["trainer_refusal"]["message"]
+        assert "model_type='gpt2': transformers ships no base_model_tp_plan" in message, message
+        assert message.endswith("[model untouched: True]"), message
 
 
 def test_the_sweep_is_large_enough():

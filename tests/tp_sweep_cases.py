@@ -94,4 +94,5 @@ def dense_plan_types() -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None))
+    types = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(t for t in types if getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None))

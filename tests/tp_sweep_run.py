@@ -88,7 +88,28 @@ def compare(model_type: str, tp_mesh) -> dict:
     return diffs
 
 
-def sweep_rank(rank: int, world_size: int, model_types: list[str]) -> dict[str, dict]:
+def trainer_refusal(output_dir: str) -> str:
+    """What ``DistTrainer(tp_size=world)`` says for a model type without a plan (GPT-2), and the proof that
+    it said so before touching the model."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = DistTrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=2, global_batch_size=2, tp_size=dist.get_world_size(),
+        use_cpu=True, report_to=[],
+    )
+    try:
+        DistTrainer(model=model, args=args)
+    except ValueError as err:
+        untouched = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        return f"{err} [model untouched: {untouched}]"
+    return "accepted"
+
+
+def sweep_rank(rank: int, world_size: int, model_types: list[str], output_dir: str) -> dict[str, dict]:
     """Run ``compare`` for every model type on this rank; an exception is recorded, not raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -100,4 +121,5 @@ def sweep_rank(rank: int, world_size: int, model_types: list[str]) -> dict[str, 
         except Exception:  # noqa: BLE001 - one architecture's crash is that architecture's result
             results[model_type] = {"error": traceback.format_exc(limit=-6)}
             dist.barrier()  # the other rank may have failed elsewhere; realign before the next type
+    results["trainer_refusal"] = {"message": trainer_refusal(output_dir)}
     return results

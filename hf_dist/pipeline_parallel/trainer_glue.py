@@ -112,8 +112,8 @@ class PipelineModel(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
-    """Split ``model`` into this rank's stages for ``trainer.dims`` (mesh built) and wrap it for the Trainer.
+def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
+    """Split ``model`` into this rank's stages for ``dims`` (mesh built) and wrap it for the Trainer.
 
     Activation checkpointing (``gradient_checkpointing`` or the FSDP request's) is enabled per decoder layer
     before the split; FSDP's ``reshard_after_forward`` is honoured. Mixed precision: the pipeline does not
@@ -137,9 +137,9 @@ def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
     if getattr(args, "layout_canary", True):
         from hf_dist.pipeline_parallel.canary import check_pipeline_layout
 
-        check_pipeline_layout(causal_lm_of(model).config, trainer.dims, config, device=args.device)
+        check_pipeline_layout(causal_lm_of(model).config, dims, config, device=args.device)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
-    pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device, reshard_after_forward=reshard)
+    pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)
     # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
     wrapped.is_distributed_loading_by_transformers = True

@@ -1,8 +1,9 @@
 """Apply a tensor-parallel plan to an already-built HF causal LM, in place, on a 1-D ``tp`` mesh.
 
-``apply_tensor_parallel`` checks support and sizes, translates the model's own plan (or takes the caller's), expands it over PEFT
-LoRA layers, calls torch's ``parallelize_module`` on every module a pattern names, makes the parameters that
-stay whole identical on every TP rank, and installs the vocab-parallel loss when the lm_head is sharded.
+``apply_tensor_parallel`` checks support and sizes, translates the model's own plan (or takes the caller's),
+expands it over PEFT LoRA layers, calls torch's ``parallelize_module`` on every module a pattern names, makes
+the parameters that stay whole identical on every TP rank, and installs the vocab-parallel loss when the
+lm_head is vocab-sharded.
 
 Not for: data parallelism or FSDP (``compose.py``), saving (``state.py``).
 """
@@ -75,7 +76,7 @@ def _sync_whole_parameters(model: nn.Module, tp_mesh) -> None:
     group = tp_mesh.get_group()
     src = dist.get_global_rank(group, 0)
     for param in model.parameters():
-        if not isinstance(param, DTensor):
+        if not isinstance(param, DTensor) and not param.is_meta:  # meta: filled later, the same on every rank
             dist.broadcast(param.data, src=src, group=group)
 
 

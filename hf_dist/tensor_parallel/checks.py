@@ -112,7 +112,8 @@ def check_tp_sizes(config, tp: int, *, vocab_parallel: bool = False) -> None:
     valid = valid_tp_sizes(config, vocab_parallel=vocab_parallel)
     problems = [f"tp={tp} does not divide {', '.join(f'{n}={v}' for n, v in bad.items())}"] if bad else []
     if kv_bad:
-        rule = "neither divides nor is divided by" if config.model_type in REPLICATED_KV_FAMILIES else "is not divisible by"
+        replicable = config.model_type in REPLICATED_KV_FAMILIES
+        rule = "neither divides nor is divided by" if replicable else "is not divisible by"
         problems.append(f"num_key_value_heads={kv} {rule} tp={tp}")
     hint = ""
     if "vocab_size" in bad:
