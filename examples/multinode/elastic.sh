@@ -15,6 +15,11 @@
 # elasticPolicy; the pods need RDZV_ENDPOINT to reach the first one.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# torch 2.13: with the rendezvous TCP store shared with the ranks (the default), an agent that was rank 0 keeps its
+# round-0 address info and never publishes MASTER_ADDR for a later round, so a node joining later waits for it
+# forever (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, `_bootstrap_store_info` cache). Publishing
+# it every round (no shared store) lets nodes join.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 exec torchrun --nnodes "${MIN_NODES:-1}:${MAX_NODES:-2}" --nproc_per_node "${NPROC_PER_NODE:-1}" \
   --max-restarts "${MAX_RESTARTS:-3}" --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:-127.0.0.1:29400}" \
   --rdzv-id "${RDZV_ID:-harbor}" --rdzv-conf "last_call_timeout=${LAST_CALL:-10}" \
