@@ -43,6 +43,25 @@ Reading: utilisation rises with m as the fill-drain bound says, but stays 0.1-0.
 gloo the sends/receives and the schedule's bookkeeping are not overlapped with compute, and the two ranks
 share 2 cores with other jobs. The interleaved and zero-bubble schedules do not beat 1F1B here: their
 extra sends (2x the stage boundaries) cost more than the bubble they remove at this model size.
+
+Re-measured 2026-11-23 after the stages began running the model's own forward (``CausalLMStage`` as a view
+of the HF model), same defaults, m=16, median of 5 steps, alternating rounds with the previous stage module
+(the Llama re-implementation, commit fb7e0ec) on the same loaded machine (load average 15-22 on 2 cores,
+other sessions' tests running: not a quiet window)::
+
+    round  stages   schedule           m   step s  util min  util mean  theory
+    1      new      1f1b              16    1.482      0.75       0.80    0.94
+    1      old      1f1b              16    1.511      0.56       0.70    0.94
+    1      new      interleaved_1f1b  16    2.470      0.66       0.68    0.94
+    1      old      interleaved_1f1b  16    1.780      0.65       0.74    0.94
+    2      new      1f1b              16    1.575      0.80       0.84    0.94
+    2      old      1f1b              16    1.267      0.76       0.78    0.94
+    2      new      interleaved_1f1b  16    1.944      0.78       0.81    0.94
+    2      old      interleaved_1f1b  16    1.944      0.64       0.72    0.94
+
+Reading: the new stages keep the utilisation of the old ones (within the noise of the load; mean 0.80-0.84
+for 1F1B, 0.68-0.81 interleaved). The target 0.9 x theory = 0.85 at m=16 was not reached on this loaded
+2-core machine by either stage module; it needs a quiet window to judge.
 """
 
 from __future__ import annotations

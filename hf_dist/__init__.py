@@ -1,7 +1,8 @@
 """hf_dist: take Hugging Face causal LMs from one GPU to many.
 
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
-``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes).
+``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
+``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices).
 The Trainer classes are imported on first use, so the CLI and the pure planners start without transformers.
 """
 
@@ -15,6 +16,7 @@ __all__ = [
     "DistTrainer",
     "DistTrainingArguments",
     "ParallelDims",
+    "from_pretrained",
     "scale_learning_rate",
     "__version__",
 ]
@@ -25,4 +27,8 @@ def __getattr__(name: str):
         from hf_dist import trainer
 
         return getattr(trainer, name)
+    if name == "from_pretrained":
+        from hf_dist.loading import from_pretrained
+
+        return from_pretrained
     raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

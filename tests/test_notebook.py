@@ -1,4 +1,5 @@
-"""examples/notebooks/finetune_hub_model.ipynb executed top to bottom with nbclient, as CI runs it (CPU, tiny model).
+"""examples/notebooks/finetune_hub_model.ipynb executed top to bottom with nbclient, as CI runs it: CPU, offline, the
+real pretrained SmolLM2-135M-Instruct (hf_dist.models.demo_model_dir).
 
 The notebook asserts on itself (world size seen by each run, perplexity lowered, exports reload with the
 distributed perplexity); this test also reads what it wrote. Parameters are overridden papermill-style: a cell
@@ -24,8 +25,11 @@ def _with_parameters(nb, **values):
     return nb
 
 
+pytestmark = pytest.mark.real_model
+
+
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
+def executed(tmp_path_factory, demo_model):  # demo_model: the converted folder exists before the kernel starts
     work = tmp_path_factory.mktemp("notebook")
     nb = _with_parameters(nbformat.read(NOTEBOOK, as_version=4), MASTER_PORT=str(free_port()), OUTPUT_DIR="run")
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(work)}}).execute()
@@ -35,7 +39,10 @@ def executed(tmp_path_factory):
 def test_notebook_trains_full_and_lora_on_two_processes(executed):
     _, run = executed
     results = json.loads((run / "results.json").read_text())
+    answers = results.pop("answers")
     assert set(results) == {"full", "lora"}
+    assert set(answers) == {"before", "full", "lora"} and all(len(a) == 2 for a in answers.values())
+    assert all(text.strip() for a in answers.values() for text in a)  # a pretrained chat model answers
     for mode, r in results.items():
         assert r["num_processes"] == r["world_size"] == 2, (mode, r)
         assert r["layout"] == "DDP (MULTI_CPU)"
@@ -52,7 +59,8 @@ def test_exports_are_hub_ready_directories(executed):
         export = run / "export" / mode
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in export.iterdir()}
         assert not (export / "adapter_config.json").exists()  # the LoRA export is merged, loadable without peft
-        AutoModelForCausalLM.from_pretrained(export)
+        model = AutoModelForCausalLM.from_pretrained(export)
+        assert (model.config.num_hidden_layers, model.config.vocab_size) == (30, 49152)  # the real model
         assert AutoTokenizer.from_pretrained(export).chat_template
 
 

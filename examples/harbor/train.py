@@ -39,6 +39,7 @@ PRESETS: dict[str, list[str]] = {
         "--lr_scheduler_type", "cosine", "--warmup_ratio", "0.03", "--weight_decay", "0.0",
         "--logging_steps", "10", "--eval_strategy", "steps", "--eval_steps", "500", "--save_strategy", "no",
         "--per_device_eval_batch_size", "1", "--output_dir", "runs/harbor-13b", "--report_to", "tensorboard",
+        "--dist_logging", "true",  # tokens/s, MFU, memory in each log + OUTPUT_DIR/log_history.jsonl
     ],
     "tiny": [
         "--max_seq_len", "256", "--per_device_train_batch_size", "1", "--global_batch_size", "64",
@@ -48,6 +49,7 @@ PRESETS: dict[str, list[str]] = {
         "--per_device_eval_batch_size", "8", "--output_dir", "runs/harbor-tiny", "--report_to", "none",
         "--num_conversations", "1600", "--seed", "0", "--dataloader_num_workers", "0",
         "--ddp_find_unused_parameters", "false", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
+        "--dist_logging", "true",
     ],
 }
 
@@ -127,12 +129,13 @@ def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
 
 def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer):
     if script.model_name_or_path is not None:
-        import torch
+        import hf_dist
 
-        # Full fine-tune: fp32 master weights, bf16 compute (FSDP2 param_dtype / autocast), as the Harbor run did.
-        # LoRA: the frozen base may stay bf16; PEFT keeps the adapters in fp32.
-        dtype = torch.bfloat16 if args.bf16 and script.lora else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=dtype)
+        # Laid out for args as it loads: FSDP2/TP/PP ranks read only their slices (built on meta, no rank holds the
+        # whole model). The dtype is the layout's: fp32 master weights for a full fine-tune (bf16 compute through
+        # FSDP2 param_dtype / autocast); a LoRA base stays bf16 with --bf16, PEFT keeping the adapters in fp32.
+        peft_config = lora_config(script) if script.lora else None
+        return hf_dist.from_pretrained(script.model_name_or_path, args, peft_config=peft_config)
     else:
         from hf_dist.models import build_tiny_model
 
@@ -149,18 +152,23 @@ def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer)
 
 
 def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     if script.model_name_or_path is None:  # the adapter needs its base on disk to be reloadable
         base_dir = Path(args.output_dir) / "base"
         if args.process_index == 0:
             model.save_pretrained(base_dir)
         model.name_or_path = model.config.name_or_path = str(base_dir.resolve())  # recorded in adapter_config
-    config = LoraConfig(
+    return get_peft_model(model, lora_config(script))
+
+
+def lora_config(script: ScriptArguments):
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=script.lora_r, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout, task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
-    return get_peft_model(model, config)
 
 
 def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | None = None, answer_tokens: int = 32):

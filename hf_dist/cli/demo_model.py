@@ -14,8 +14,10 @@ def register(subparsers) -> None:
         "demo-model",
         help="turn the pip-installed SmolLM2-135M-Instruct GGUF into a cached HF model directory; print its path",
     )
-    parser.add_argument("--dir", default=None,
-                        help="model directory (default: $HF_DIST_DEMO_MODEL_DIR or ~/.cache/hf_dist/SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--dir", default=None,
+        help="model directory (default: $HF_DIST_DEMO_MODEL_DIR or ~/.cache/hf_dist/SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--rebuild", action="store_true", help="convert again even when the directory is complete")
     parser.set_defaults(func=run)
 

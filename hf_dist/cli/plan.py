@@ -1,6 +1,6 @@
 """``hf-dist plan``: rank the layouts for a model on some GPUs, say what fits and why, write the chosen configs.
 
-Exit code 0 when a layout fits, 1 when none does, 2 on bad input.
+Exit code 0 when a layout fits, 1 when none does, 2 on bad input, 3 when a ``--calibrate`` run fails.
 """
 
 from __future__ import annotations
@@ -41,11 +41,16 @@ def register(subparsers) -> None:
                         help="every_rank (default: from_pretrained on each rank) or streaming (meta init, each rank "
                         "reads its slices): the host-RAM peak while loading")
     parser.add_argument("--calibrate", action="store_true",
-                        help="measure the compute efficiency on this machine: a few training steps of the model "
-                        "scaled down to --calibrate-layers layers, in the chosen layout's precision; the forecast "
-                        "then uses it instead of the assumed table")
+                        help="measure the efficiency on this machine: a few training steps of the model scaled down "
+                        "to --calibrate-layers layers, in the chosen layout's precision, run with the layout's "
+                        "parallelism (DDP/FSDP2/TP, real collectives) on --calibrate-ranks processes, or on one "
+                        "device when only one is available; the forecast then uses it instead of the assumed table "
+                        "and says which ran")
     parser.add_argument("--calibrate-layers", type=int, default=2, help="layers of the scaled-down model (2)")
     parser.add_argument("--calibrate-steps", type=int, default=3, help="measured steps after one warm-up (3)")
+    parser.add_argument("--calibrate-ranks", type=int, default=None,
+                        help="processes for --calibrate (default: this node's GPUs, or 2 gloo ranks on a CPU with "
+                        "2+ cores; at most the layout's GPUs per node); 1: the one-device path")
     parser.add_argument("--lengths", default=None, metavar="FILE",
                         help="the dataset's sequence lengths (JSON list or one per line): useful tokens/s "
                         "discounts the padding")
@@ -116,19 +121,21 @@ def write_chosen_configs(plan, out_dir: str, overwrite: bool = True) -> list:
 
 
 def _calibrated(plan, args: argparse.Namespace):
-    """Measure the chosen layout's compute efficiency here and plan again with it."""
+    """Measure the chosen layout's efficiency here (its parallelism on several ranks, or one device) and plan
+    again with it."""
     import dataclasses
 
+    from hf_dist.cli.calibrate_ranks import calibrate_for_plan
     from hf_dist.planner import Workload, choose_layout
-    from hf_dist.planner.calibrate import calibrate
 
     chosen, req = plan.chosen, plan.request
     workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch, precision=chosen.workload_precision,
                         attention=req.attention, activation_checkpointing=req.activation_checkpointing)
-    result = calibrate(req.model, workload, layers=args.calibrate_layers, steps=args.calibrate_steps)
+    result = calibrate_for_plan(req.model, workload, chosen.layout, ranks=args.calibrate_ranks,
+                                layers=args.calibrate_layers, steps=args.calibrate_steps)
     print(f"{result.source}: {result.step_time_s:.3f} s/step, efficiency {result.efficiency:.1%}", file=sys.stderr)
-    return choose_layout(dataclasses.replace(req, base_efficiency=result.efficiency,
-                                             efficiency_source=result.source))
+    return choose_layout(dataclasses.replace(req, base_efficiency=result.efficiency, efficiency_source=result.source,
+                                             efficiency_measured_tp=result.measured_tp))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"hf-dist plan: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # the calibration processes failed
+        print(f"hf-dist plan: error: {err}", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps(plan_json(plan), indent=2))
     else:

@@ -130,7 +130,9 @@ def _plain_rows(dataset, tokenizer, shape: str, *, max_seq_len: int, loss_on: Lo
     return rows
 
 
-def tokenize_examples(dataset, tokenizer, *, max_seq_len: int, loss_on: LossOn = "assistant", where: str = "the dataset"):
+def tokenize_examples(
+    dataset, tokenizer, *, max_seq_len: int, loss_on: LossOn = "assistant", where: str = "the dataset"
+):
     """Tokenize a dataset of any of the three shapes into ``input_ids`` / ``attention_mask`` / ``labels`` rows."""
     from datasets import Dataset
 
@@ -176,7 +178,8 @@ def build_datasets(
     where = str(source) if isinstance(source, (str, Path)) else "the dataset"
     parts = _split(load_examples(source), eval_fraction=eval_fraction, seed=seed, where=where)
     out = [
-        None if part is None else tokenize_examples(part, tokenizer, max_seq_len=max_seq_len, loss_on=loss_on, where=where)
+        None if part is None
+        else tokenize_examples(part, tokenizer, max_seq_len=max_seq_len, loss_on=loss_on, where=where)
         for part in parts
     ]
     if packed:

@@ -14,6 +14,8 @@ Not for: the support decision itself (``support``), which refuses by model type 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from hf_dist.pipeline_parallel.schedules import PipelineConfig
 SEQ = 32
 LOSS_ATOL = 1e-5
 GRAD_RTOL = 1e-4  # max |g_pp - g_ref| over max |g_ref|, per parameter
+
+logger = logging.getLogger(__name__)
 
 
 def _twin_batch(rows: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -79,11 +83,18 @@ def _differences(config, dims, pipeline_config: PipelineConfig, device) -> tuple
 
 def check_pipeline_layout(config, dims, pipeline_config: PipelineConfig, device="cpu") -> None:
     """Raise ``ValueError`` on every rank when the layout does not reproduce the unsplit twin. Collective."""
+    start = time.perf_counter()
     loss_diff, grad_diff, where = _differences(config, dims, pipeline_config, torch.device(device))
     mine = torch.tensor([loss_diff, grad_diff], dtype=torch.float64)
     worst = mine.clone()
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if worst[0] <= LOSS_ATOL and worst[1] <= GRAD_RTOL:
+        if dist.get_rank() == 0:
+            logger.info(
+                "layout canary: pp=%d %s reproduces the unsplit %s twin (loss %.2g, gradients %.2g relative) in %.1f s",
+                dims.pp, pipeline_config.schedule, config.model_type, float(worst[0]), float(worst[1]),
+                time.perf_counter() - start,
+            )
         return
     named = where if float(mine[1]) == float(worst[1]) else "another rank's parameter"
     raise ValueError(

@@ -117,7 +117,9 @@ class PipelinedCausalLM:
         )
         self.stage_ids = self.plan.local_stages(self.pp_rank)
         self.tied_sync = TiedEmbeddingSync(dims, self.plan, self.pp_rank) if tied else None
-        self.modules = [CausalLMStage(model, self.plan.stages[i]).to(self.device) for i in self.stage_ids]
+        self.modules = [CausalLMStage(model, self.plan.stages[i]) for i in self.stage_ids]
+        if not any(p.is_meta for p in model.parameters()):  # a meta model is filled after the split
+            self.modules = [m.to(self.device) for m in self.modules]
         if release_unowned:
             _release_unowned(model, self.plan, {n for i in self.stage_ids for n in self.plan.stages[i]})
         self.hidden_dtype = next(causal_lm_of(model).parameters()).dtype

@@ -95,6 +95,10 @@ class PipelineModel(nn.Module):
         if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
             raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
 
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for the model card (``PreTrainedModel`` API; TRL calls it): kept on the HF model the stages share."""
+        self.pipeline.source_model.add_model_tags(tags)
+
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):
         from transformers.modeling_outputs import CausalLMOutput
 
@@ -112,8 +116,8 @@ class PipelineModel(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
-    """Split ``model`` into this rank's stages for ``trainer.dims`` (mesh built) and wrap it for the Trainer.
+def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
+    """Split ``model`` into this rank's stages for ``dims`` (mesh built) and wrap it for the Trainer.
 
     Activation checkpointing (``gradient_checkpointing`` or the FSDP request's) is enabled per decoder layer
     before the split; FSDP's ``reshard_after_forward`` is honoured. Mixed precision: the pipeline does not
@@ -137,9 +141,9 @@ def apply_pipeline(trainer, model: nn.Module, args) -> PipelineModel:
     if getattr(args, "layout_canary", True):
         from hf_dist.pipeline_parallel.canary import check_pipeline_layout
 
-        check_pipeline_layout(causal_lm_of(model).config, trainer.dims, config, device=args.device)
+        check_pipeline_layout(causal_lm_of(model).config, dims, config, device=args.device)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
-    pipe = PipelinedCausalLM(model, dims=trainer.dims, config=config, device=args.device, reshard_after_forward=reshard)
+    pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard)
     wrapped = PipelineModel(pipe)
     # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
     wrapped.is_distributed_loading_by_transformers = True

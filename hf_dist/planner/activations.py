@@ -32,6 +32,10 @@ MLP backward) and, with eager attention, the softmax backward's two fp32 ``(b, h
 incoming one upcast from the probabilities' dtype and the scores' gradient it produces, ``8·b·heads·s²/t``). Sequence parallel splits norm and residual terms by t; linear inputs stay full (torch's DTensor
 sequence parallel all-gathers before the column-parallel linears, and they save the gathered input).
 
+Against Korthikanti et al.'s ``s·b·h·(34 + 5·a·s/h)`` (a GPT layer with dropout and a 4h GeLU MLP) these terms
+are that accounting with the Llama substitutions (no dropout masks, fp32 softmax, SwiGLU, RMSNorm, DTensor SP
+saving gathered linear inputs): ``tests/test_planner_korthikanti.py`` derives both and checks them.
+
 Not here: parameters, gradients, optimizer states or buffers (``memory.py``).
 """
 

@@ -8,15 +8,19 @@ on a CPU or an unknown GPU it is measured: the best of a few large matmuls in th
 
 What it measures is one device's compute efficiency for this model shape; the layout's communication is then
 applied by ``throughput.efficiency`` (TP, pipeline bubble, cross-node gathers, offload), as for the assumed
-table. ``useful_fraction`` turns a dataset's sequence lengths into the share of non-padding tokens.
+table. This is the fallback: with more than one device or rank, ``hf-dist plan --calibrate`` runs the chosen
+layout's parallelism across real processes instead (``hf_dist.cli.calibrate_ranks``, on the layout
+``calibration_layout`` scales to the ranks at hand), and ``Calibration.source`` says which of the two ran.
+``useful_fraction`` turns a dataset's sequence lengths into the share of non-padding tokens.
 
-Not here: the forecast itself (``throughput.py``) or multi-process runs.
+Not here: the forecast itself (``throughput.py``) or starting processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hf_dist.planner.catalogue import ModelSpec, gpu_from_device_name, spec_config
-from hf_dist.planner.layout import Workload
+from hf_dist.planner.layout import Layout, Workload
 from hf_dist.planner.throughput import flops_per_token
 
 
@@ -40,6 +44,13 @@ class Calibration:
     """The device peak used."""
     source: str
     """One line saying what ran where."""
+    ranks: int = 1
+    """Processes that ran: 1 is the one-device path (communication factors assumed); more: real collectives."""
+    measured_tp: int = 1
+    """The TP degree whose collectives the measured step time includes (1: none; the forecast applies
+    ``TP_FACTOR`` only when this is 1)."""
+    local_parameters: int = 0
+    """Parameter elements rank 0 held after the layout was applied (its shard under FSDP2/TP); 0: one device."""
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -65,7 +76,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _scaled_model(model: ModelSpec, layers: int, dtype: torch.dtype, device: torch.device):
+def scaled_model(model: ModelSpec, layers: int, dtype: torch.dtype, device: torch.device):
+    """``model``'s architecture with ``layers`` decoder layers, built from its config (random weights, train mode)."""
     from transformers import AutoModelForCausalLM
 
     config = spec_config(model).__class__.from_dict(spec_config(model).to_dict())
@@ -75,21 +87,10 @@ def _scaled_model(model: ModelSpec, layers: int, dtype: torch.dtype, device: tor
     return built
 
 
-def calibrate(model: ModelSpec, workload: Workload, *, layers: int = 2, steps: int = 3,
-              device: torch.device | str | None = None) -> Calibration:
-    """Measure the compute efficiency of ``model`` (scaled to ``layers``) under ``workload`` on ``device``."""
-    if layers < 1 or steps < 1:
-        raise ValueError(f"layers={layers} and steps={steps} must be positive")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    bf16 = workload.precision in ("bf16_mixed", "pure_bf16") and device.type == "cuda"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    scaled = dataclasses.replace(model, num_hidden_layers=min(layers, model.num_hidden_layers))
-    net = _scaled_model(model, scaled.num_hidden_layers, dtype, device)
-    if workload.activation_checkpointing:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def timed_steps(net: torch.nn.Module, ids: torch.Tensor, *, steps: int, autocast: bool) -> list[float]:
+    """Seconds of each of ``steps`` training steps (forward, loss, backward, AdamW) after one warm-up step."""
+    device = ids.device
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
-    ids = torch.randint(0, model.vocab_size, (workload.micro_batch_size, workload.seq_len), device=device)
-    autocast = workload.precision == "bf16_autocast" and device.type == "cuda"
     times = []
     for step in range(steps + 1):  # the first step warms up (allocations, kernels)
         _sync(device)
@@ -102,13 +103,75 @@ def calibrate(model: ModelSpec, workload: Workload, *, layers: int = 2, steps: i
         _sync(device)
         if step:
             times.append(time.perf_counter() - start)
-    step_time = sum(times) / len(times)
+    return times
+
+
+def compute_dtypes(workload: Workload, device: torch.device, *, fsdp: bool = False) -> tuple[torch.dtype,
+                                                                                                torch.dtype | None, bool]:
+    """``(model dtype, FSDP2 param_dtype, autocast)`` of ``workload``'s precision as it runs on ``device``.
+
+    On a CPU everything runs in fp32 (bf16 is slower than fp32 there and would not say what a GPU does). On a
+    GPU ``bf16_mixed`` is FSDP2's fp32 model computing in bf16 parameters, or a bf16 model elsewhere.
+    """
+    if device.type != "cuda" or workload.precision == "fp32":
+        return torch.float32, None, False
+    if workload.precision == "bf16_autocast":
+        return torch.float32, None, True
+    if workload.precision == "bf16_mixed" and fsdp:
+        return torch.float32, torch.bfloat16, False
+    return torch.bfloat16, None, False
+
+
+def calibration_layout(layout: Layout, ranks: int) -> Layout:
+    """The chosen ``layout`` scaled to ``ranks`` processes on one node, for a measured calibration.
+
+    TP keeps the largest degree dividing both (``gcd``; it divides the heads since ``layout.tp`` does); the
+    data-parallel ranks are the rest. Pipeline stages, offload and LoRA are not run: the bubble and offload are
+    applied by ``throughput.efficiency`` and LoRA's FLOPs are not what is calibrated. ZeRO runs as its FSDP2
+    counterpart with the same collectives (ZeRO-3: FULL_SHARD; ZeRO-1/2: SHARD_GRAD_OP), and HYBRID_SHARD on one
+    node as FULL_SHARD.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks} must be positive")
+    tp = math.gcd(layout.tp, ranks)
+    strategy = {"zero3": "fsdp_full_shard", "zero1": "fsdp_shard_grad_op", "zero2": "fsdp_shard_grad_op",
+                "fsdp_hybrid_shard": "fsdp_full_shard"}.get(layout.strategy, layout.strategy)
+    return Layout(strategy=strategy, num_gpus=ranks, tp=tp,
+                  sequence_parallel=layout.sequence_parallel and tp > 1,
+                  vocab_parallel=layout.vocab_parallel and tp > 1)
+
+
+def efficiency_from(model: ModelSpec, workload: Workload, *, layers: int, tokens: int, step_time_s: float,
+                    peak_flops: float) -> float:
+    """Executed FLOP/s of ``tokens`` per step on the ``layers``-layer model, over ``peak_flops`` (all ranks)."""
+    scaled = dataclasses.replace(model, num_hidden_layers=min(layers, model.num_hidden_layers))
     _, executed = flops_per_token(scaled, workload)
+    return executed * tokens / (step_time_s * peak_flops)
+
+
+def calibrate(model: ModelSpec, workload: Workload, *, layers: int = 2, steps: int = 3,
+              device: torch.device | str | None = None, note: str = "") -> Calibration:
+    """Measure the compute efficiency of ``model`` (scaled to ``layers``) under ``workload`` on one ``device``.
+
+    ``note`` is added to the source line (why the one-device path ran).
+    """
+    if layers < 1 or steps < 1:
+        raise ValueError(f"layers={layers} and steps={steps} must be positive")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype, _, autocast = compute_dtypes(workload, device)
+    layers = min(layers, model.num_hidden_layers)
+    net = scaled_model(model, layers, dtype, device)
+    if workload.activation_checkpointing:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, model.vocab_size, (workload.micro_batch_size, workload.seq_len), device=device)
+    times = timed_steps(net, ids, steps=steps, autocast=autocast)
+    step_time = sum(times) / len(times)
     peak, peak_source = device_peak_flops(device, dtype)
-    eff = executed * workload.tokens / (step_time * peak)
-    source = (f"calibrated: {steps} steps of a {scaled.num_hidden_layers}-layer {model.name} on {device.type} "
-              f"({peak / 1e12:.2f} TFLOP/s peak, {peak_source}), micro batch {workload.micro_batch_size} x "
-              f"{workload.seq_len} tokens")
+    eff = efficiency_from(model, workload, layers=layers, tokens=workload.tokens, step_time_s=step_time,
+                          peak_flops=peak)
+    source = (f"calibrated on one device (communication factors assumed{note}): {steps} steps of a {layers}-layer "
+              f"{model.name} on {device.type} ({peak / 1e12:.2f} TFLOP/s peak, {peak_source}), micro batch "
+              f"{workload.micro_batch_size} x {workload.seq_len} tokens")
     return Calibration(efficiency=eff, step_time_s=step_time, peak_flops=peak, source=source)
 
 
@@ -129,4 +192,7 @@ def useful_fraction(lengths: list[int], seq_len: int) -> float:
     return sum(min(n, seq_len) for n in lengths) / (len(lengths) * seq_len)
 
 
-__all__ = ["Calibration", "calibrate", "device_peak_flops", "read_lengths", "useful_fraction"]
+__all__ = [
+    "Calibration", "calibrate", "calibration_layout", "compute_dtypes", "device_peak_flops", "efficiency_from",
+    "read_lengths", "scaled_model", "timed_steps", "useful_fraction",
+]

@@ -80,6 +80,8 @@ class PlanRequest:
     """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
     efficiency_source: str | None = None
     """Where ``base_efficiency`` comes from, for the report."""
+    efficiency_measured_tp: int = 1
+    """The TP degree ``base_efficiency`` was measured with (``Calibration.measured_tp``); 1: TP factor assumed."""
     useful_fraction: float = 1.0
     """Share of non-padding tokens (from the dataset's lengths), for useful tokens/s and MFU."""
 
@@ -216,7 +218,7 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
     throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus,
                                      base_efficiency=req.base_efficiency, efficiency_source=req.efficiency_source,
-                                     useful_fraction=req.useful_fraction)
+                                     useful_fraction=req.useful_fraction, measured_tp=req.efficiency_measured_tp)
     gpu_fits, host_fits = memory.fit_bytes <= req.memory_limit, host.offload <= req.host_ram
     reasons = [] if gpu_fits else [
         f"does not fit: needs {gib(memory.fit_bytes):.1f} GiB per GPU (in use {gib(memory.total):.1f} + largest "

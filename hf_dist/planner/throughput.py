@@ -81,11 +81,13 @@ def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0)
                                                              recompute=workload.activation_checkpointing)
 
 
-def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int, base: float | None = None) -> float:
+def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int, base: float | None = None,
+               measured_tp: int = 1) -> float:
     """The efficiency of ``layout``: ``base`` (a calibrated or stated compute efficiency; default the
-    ``BASE_EFFICIENCY`` of its strategy) times its offload, TP, pipeline-bubble and cross-node factors."""
+    ``BASE_EFFICIENCY`` of its strategy) times its offload, TP, pipeline-bubble and cross-node factors.
+    ``measured_tp > 1``: ``base`` was measured with real TP collectives, so ``TP_FACTOR`` is not applied again."""
     eff = (BASE_EFFICIENCY[layout.strategy] if base is None else base) * OFFLOAD_FACTOR[layout.offload]
-    if layout.dims.tp > 1:
+    if layout.dims.tp > 1 and measured_tp == 1:
         eff *= TP_FACTOR
     if layout.dims.pp > 1:  # the 1F1B bubble
         eff *= accumulation / (accumulation + layout.dims.pp - 1)
@@ -96,18 +98,21 @@ def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int, base: f
 
 def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gpu: GpuSpec, *,
                         gpus_per_node: int = 8, base_efficiency: float | None = None,
-                        efficiency_source: str | None = None, useful_fraction: float = 1.0) -> Throughput:
+                        efficiency_source: str | None = None, useful_fraction: float = 1.0,
+                        measured_tp: int = 1) -> Throughput:
     """Step time and rates on ``layout``; the global batch is micro x dp x ``workload`` accumulation.
 
     ``base_efficiency`` replaces the strategy's assumed one (``hf-dist plan --calibrate`` measures it);
-    ``useful_fraction`` is the share of non-padding tokens (from a dataset's lengths), for useful tokens/s.
+    ``useful_fraction`` is the share of non-padding tokens (from a dataset's lengths), for useful tokens/s;
+    ``measured_tp`` as in ``efficiency``.
     """
     if not 0 < useful_fraction <= 1:
         raise ValueError(f"useful_fraction={useful_fraction} must be in (0, 1]")
     model_flops, executed = flops_per_token(model, workload, lora_rank=layout.lora_rank)
     accumulation = workload.gradient_accumulation_steps
     tokens = workload.tokens * layout.dims.dp * accumulation
-    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation, base=base_efficiency)
+    eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation, base=base_efficiency,
+                     measured_tp=measured_tp)
     world = layout.dims.world_size
     step = executed * tokens / (world * gpu.peak_bf16_flops * eff)
     source = efficiency_source or ("assumed: BASE_EFFICIENCY table (typical published runs), not measured"

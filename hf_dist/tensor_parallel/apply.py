@@ -76,7 +76,7 @@ def _sync_whole_parameters(model: nn.Module, tp_mesh) -> None:
     group = tp_mesh.get_group()
     src = dist.get_global_rank(group, 0)
     for param in model.parameters():
-        if not isinstance(param, DTensor):
+        if not isinstance(param, DTensor) and not param.is_meta:  # meta: filled later, the same on every rank
             dist.broadcast(param.data, src=src, group=group)
 
 

@@ -75,7 +75,8 @@ def _broadcast_parameters(model: nn.Module, dp_mesh) -> None:
     src = dist.get_global_rank(group, 0)
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        dist.broadcast(local.data, src=src, group=group)
+        if not local.is_meta:  # meta: filled later by the streaming load, the same on every rank
+            dist.broadcast(local.data, src=src, group=group)
 
 
 def parallelize_causal_lm(

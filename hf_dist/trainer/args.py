@@ -155,6 +155,13 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "Start fresh in an output_dir that holds checkpoints, deleting them (without it, and "
                   "without --resume_from_checkpoint true|auto|PATH, such a run is refused before it starts)."},
     )
+    dist_logging: bool = field(
+        default=False,
+        metadata={
+            "help": "Add tokens/s, MFU, per-rank peak memory and step times to each training log and append every "
+            "log to OUTPUT_DIR/log_history.jsonl (what `hf-dist report` draws). Off: logs and files are the Trainer's."
+        },
+    )
     peak_tflops: float | None = field(
         default=None,
         metadata={

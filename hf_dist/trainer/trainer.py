@@ -8,7 +8,12 @@ What changes:
 - layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, in ``apply_layout``'s order, and the
   Trainer is told not to wrap the model again; DDP and DeepSpeed stay with accelerate;
 - a launch that would silently run as something else stops with an error (``launch_env``);
-- each training log carries tokens/s, MFU (when the device peak is known) and per-rank peak memory.
+- ``model_init`` works as with the Trainer: each new model gets the layout (so ``hyperparameter_search`` runs).
+
+Nothing else a Trainer user observes changes: the callbacks, the files in ``output_dir`` and in checkpoints
+(for the layouts the Trainer checkpoints itself) and ``state.log_history`` are the Trainer's.
+``dist_logging=True`` adds tokens/s, MFU (when the device peak is known), per-rank peak memory and step times to each training log and
+appends every log to ``OUTPUT_DIR/log_history.jsonl`` (what ``hf-dist report`` draws).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
 from hf_dist.trainer import launch_env, preemption, resume
 from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.parallel_dims import ParallelDims
+from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
 from hf_dist.planner.flops import module_flop_counts
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
@@ -44,43 +51,61 @@ def as_dist_args(args: TrainingArguments | None) -> DistTrainingArguments:
     return DistTrainingArguments(**values)
 
 
+def trainer_dims(args: DistTrainingArguments) -> ParallelDims:
+    """The layout ``args`` ask for (mesh not built)."""
+    fsdp = args.hf_dist_fsdp
+    return layout_dims(
+        world_size=args.batch_contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
+        dp_replicate=fsdp.dp_replicate if fsdp is not None else 1,
+    )
+
+
+def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
+    """Lay ``model`` out for ``dims`` (FSDP2 / TP / PP, the layouts hf_dist owns): the one path DistTrainer and
+    ``hf_dist.from_pretrained`` use. A model on ``meta`` stays there (it is filled after the layout)."""
+    device = args.device
+    dims.build_mesh(device.type)
+    if not any(p.is_meta for p in model.parameters()):
+        model = model.to(device)
+    if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
+        return pipeline_trainer.apply_pipeline(dims, model, args)
+    param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    model = apply_layout(
+        model,
+        dims,
+        fsdp=args.hf_dist_fsdp,
+        activation_checkpointing=args.gradient_checkpointing,
+        param_dtype=param_dtype,
+        sequence_parallel=args.tp_sequence_parallel,
+        vocab_parallel=args.tp_vocab_parallel,
+    )
+    mark_distribution_owned(model)
+    return model
+
+
 class DistTrainer(Trainer):
     """``transformers.Trainer`` with hf_dist's parallel layouts, batch contract and throughput logging."""
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kwargs):
         args = as_dist_args(args)
-        if model is None:
-            raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
-        if args.pp_size > 1:
-            check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
-        if args.tp_size > 1:  # before any process group: the model's own plan must be supported and fit
-            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
+        if model is not None:  # before any process group (model_init's models are checked when made)
+            self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
-        contract = args.batch_contract
-        flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
-        fsdp = args.hf_dist_fsdp
-        self.dims = layout_dims(
-            world_size=contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
-            dp_replicate=fsdp.dp_replicate if fsdp is not None else 1,
-        )
+        self.dims = trainer_dims(args)
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
-        if self.owns_layout:
-            model = self._apply_owned_layout(model, args)
-        peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
-        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
-        self.throughput = ThroughputMeter(
-            flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
-        )
+        if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead
+            model = self._prepare_model(model, args)
         from hf_dist.checkpoint import trainer_hooks
 
         with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
-        self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
+        if args.dist_logging:
+            self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
         signals = preemption.parse_signals(args.preemption_signals)
+        # SIGTERM/SIGUSR1: finish the step, save, exit 75. A callback only while train() runs, where its signal
+        # handlers live: outside it the callback list is the Trainer's.
         self.preemption = preemption.PreemptionCallback(signals) if signals else None
-        if self.preemption is not None:  # SIGTERM/SIGUSR1: finish the step, save, exit 75
-            self.add_callback(self.preemption)
         self._check_packing()
         if self.dims.pp_enabled:
             pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
@@ -89,28 +114,43 @@ class DistTrainer(Trainer):
         if self.args.should_log:
             print(self.describe(), flush=True)
 
+    @staticmethod
+    def _check_model(model, args: DistTrainingArguments) -> None:
+        if args.pp_size > 1:  # stages must reproduce the model
+            check_pipeline_support(model.config)
+        if args.tp_size > 1:  # the model's own plan must be supported and fit
+            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
+
+    def _prepare_model(self, model, args: DistTrainingArguments):
+        """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
+        laid_out = laid_out_by_hf_dist(model, self.dims)  # hf_dist.from_pretrained: the layout is applied already
+        if laid_out is not None:
+            self.dims, flops = laid_out.dims, laid_out.flops
+        else:
+            flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
+            if self.owns_layout:
+                model = apply_owned_layout(model, args, self.dims)
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        fsdp = args.hf_dist_fsdp
+        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
+        self.throughput = ThroughputMeter(
+            flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
+        )
+        return model
+
+    def call_model_init(self, trial=None):
+        """``model_init``'s new model with the layout applied (at start, and again per train() / search trial)."""
+        model = super().call_model_init(trial)
+        self._check_model(model, self.args)
+        model = self._prepare_model(model, self.args)
+        previous = getattr(self, "model", None)  # None during __init__; the replaced model in train()
+        if self.dims.pp_enabled and previous is not None:
+            model.logits_everywhere = previous.logits_everywhere
+        return model
+
     def create_accelerator_and_postprocess(self) -> None:
         with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
             super().create_accelerator_and_postprocess()
-
-    def _apply_owned_layout(self, model, args: DistTrainingArguments):
-        device = args.device
-        self.dims.build_mesh(device.type)
-        model = model.to(device)
-        if self.dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
-            return pipeline_trainer.apply_pipeline(self, model, args)
-        param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        model = apply_layout(
-            model,
-            self.dims,
-            fsdp=args.hf_dist_fsdp,
-            activation_checkpointing=args.gradient_checkpointing,
-            param_dtype=param_dtype,
-            sequence_parallel=args.tp_sequence_parallel,
-            vocab_parallel=args.tp_vocab_parallel,
-        )
-        mark_distribution_owned(model)
-        return model
 
     def _check_packing(self) -> None:
         """Packed batches must not let conversations attend to each other (KV cache off, varlen kwargs on flash)."""
@@ -171,7 +211,13 @@ class DistTrainer(Trainer):
                 if isinstance(module, FSDPModule):
                     module.reshard()
         resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.preemption is not None:
+            self.add_callback(self.preemption)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self.preemption is not None:
+                self.remove_callback(self.preemption)
         preemption.exit_if_preempted(self, self.preemption)  # saved at a signal: SystemExit(75)
         return output
 
@@ -188,7 +234,8 @@ class DistTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        with self.throughput.step(model, inputs):  # tokens, busy time, DDP all-reduce wait
+        metering = self.throughput.step(model, inputs) if self.args.dist_logging else contextlib.nullcontext()
+        with metering:  # tokens, busy time, DDP all-reduce wait
             if self.dims.pp_enabled:
                 return pipeline_trainer.training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
@@ -223,7 +270,7 @@ class DistTrainer(Trainer):
             self.model.set_requires_gradient_sync(True)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: every rank is here (the Trainer just gathered the loss)
+        if self.args.dist_logging and "loss" in logs:  # a training log: every rank is here (loss just gathered)
             logs.update(self.throughput.report())
         super().log(logs, start_time)
 
@@ -267,6 +314,8 @@ class DistTrainer(Trainer):
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
+        if self.owns_layout and state_dict is None and not hasattr(self.model, "peft_config"):
+            return self._save_streaming(output_dir or self.args.output_dir)
         if self.dims.tp_enabled and state_dict is None:  # fused projections back in HF row order
             state_dict = tensor_parallel_trainer.gathered_state_dict(self.model)
         if self.owns_layout and state_dict is None:
@@ -276,3 +325,17 @@ class DistTrainer(Trainer):
             state_dict = get_model_state_dict(self.model, options=options)
             state_dict = {k: v.clone() for k, v in state_dict.items()}  # cpu_offload may alias live tensors
         super()._save(output_dir, state_dict=state_dict)
+
+    def _save_streaming(self, output_dir: str) -> None:
+        """Weights one gathered tensor at a time (rank 0 never holds the whole model), then what ``_save`` adds."""
+        import os
+
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        from hf_dist.loading.save import save_streaming
+
+        save_streaming(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

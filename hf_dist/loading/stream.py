@@ -1,0 +1,186 @@
+"""Fill a laid-out model, built on ``meta``, from an HF safetensors checkpoint: each rank reads its own slices.
+
+``load_checkpoint(model, directory)`` does not care which function laid the model out. It takes a model whose
+parameters are DTensors (FSDP2, TP, both) or plain tensors (pipeline stages, replicated ones), some or all on
+``meta``, gives the ``meta`` ones storage (``nn.Module.to_empty`` semantics, through FSDP2's own ``_apply`` so
+its padded shards stay consistent), and copies into every local shard the block of the HF tensor it holds, cast
+to the parameter's dtype. Tensors that already hold values (non-persistent buffers such as rotary ``inv_freq``
+computed by the model's own ``__init__``, LoRA adapters initialised by PEFT) keep them; a ``meta`` tensor with
+no checkpoint entry is an error (no silent random weights), as are shape mismatches. Tied weights are one
+Parameter, filled once; where a rank holds only the tied alias (the last pipeline stage's lm_head) the
+model's ``_tied_weights_keys`` name its source.
+
+Not for: building the model or applying the layout (``pretrained.py``, the layout path), or saving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hf_dist.loading.checkpoint_files import CheckpointFiles
+from hf_dist.loading.slices import checkpoint_key, local_blocks, local_tensor
+from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class LoadReport:
+    """What ``load_checkpoint`` did, in ``from_pretrained``'s terms."""
+
+    loaded: list[str] = field(default_factory=list)
+    """Checkpoint keys copied into this rank's tensors."""
+    kept: list[str] = field(default_factory=list)
+    """Tensors of the model that were not on ``meta`` and kept their values (buffers, adapters)."""
+    unexpected: list[str] = field(default_factory=list)
+    """Checkpoint keys no tensor of the whole model uses (reported on every rank the same way)."""
+    bytes_read: int = 0
+    """Bytes this rank read from the checkpoint."""
+
+
+def module_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules whose ``_apply`` must run to re-register FSDP2 shards: a pipeline's stage modules, else the model."""
+    pipeline = getattr(model, "pipeline", None)
+    stages = getattr(pipeline, "modules", None)
+    return list(stages) if isinstance(stages, list) else [model]
+
+
+def _named_tensors(roots: list[nn.Module]) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(fqn, owning module, attribute, tensor)`` for every parameter and buffer, each tensor once."""
+    seen: set[int] = set()
+    out = []
+    for root in roots:
+        for module_name, module in root.named_modules(remove_duplicate=False):
+            for kind in ("_parameters", "_buffers"):
+                for name, tensor in getattr(module, kind).items():
+                    if tensor is None or id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    fqn = f"{module_name}.{name}" if module_name else name
+                    out.append((fqn, module, name, tensor))
+    return out
+
+
+def _shared_parameters(roots: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of ``(module, name)`` slots holding one Parameter (tied weights), two slots or more."""
+    groups: dict[int, dict[tuple[int, str], tuple[nn.Module, str]]] = {}
+    for root in roots:
+        for module in root.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    groups.setdefault(id(param), {})[(id(module), name)] = (module, name)
+    return [list(g.values()) for g in groups.values() if len(g) > 1]
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
+    """Give every ``meta`` parameter and buffer empty storage on ``device``; return their names.
+
+    ``_apply`` gives each slot of a tied Parameter its own new tensor; the ties are restored afterwards.
+    """
+    roots = module_roots(model)
+    pending = {fqn for fqn, _, _, tensor in _named_tensors(roots) if tensor.is_meta}
+    tied = _shared_parameters(roots)
+
+    def empty_if_meta(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor
+
+    with torch.no_grad():
+        for root in roots:
+            root._apply(empty_if_meta)  # FSDP2 modules re-pad and re-register their shards in their _apply
+    for (first, first_name), *others in tied:
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    return pending
+
+
+def _tied_sources(model: nn.Module) -> dict[str, str]:
+    """``{tied key: source key}`` from the HF model's ``_tied_weights_keys`` when its config ties weights."""
+    for module in model.modules():
+        keys = getattr(type(module), "_tied_weights_keys", None)
+        config = getattr(module, "config", None)
+        if isinstance(keys, dict) and getattr(config, "tie_word_embeddings", False):
+            return dict(keys)
+    source = getattr(getattr(model, "pipeline", None), "source_model", None)
+    return _tied_sources(source) if source is not None and source is not model else {}
+
+
+def _resolve_key(fqn: str, files: CheckpointFiles, tied: dict[str, str]) -> str | None:
+    key = checkpoint_key(fqn)
+    for candidate in (key, tied.get(key)):
+        if candidate is not None and candidate in files:
+            return candidate
+    return None
+
+
+def _fill(tensor: torch.Tensor, module: nn.Module, key: str, files: CheckpointFiles) -> int:
+    expected = files.shape_of[key]
+    if tuple(tensor.shape) != expected:
+        raise ValueError(
+            f"checkpoint tensor {key!r} has shape {expected} but the model's is {tuple(tensor.shape)}; the config "
+            f"does not match the checkpoint in {files.directory!r} (check the config overrides passed to from_pretrained)"
+        )
+    target = local_tensor(tensor)
+    fused = getattr(module, FUSED_PARTS_ATTR, None)
+    read = 0
+    for local_index, source_index in local_blocks(tensor, fused):
+        block = files.read(key, source_index)
+        target[local_index].copy_(block)
+        read += block.numel() * block.element_size()
+    return read
+
+
+def load_checkpoint(
+    model: nn.Module, directory: str | os.PathLike, *, device: torch.device | str = "cpu", strict: bool = True
+) -> LoadReport:
+    """Materialise ``model``'s ``meta`` tensors on ``device`` and fill every rank's shards from ``directory``.
+
+    ``strict``: a ``meta`` tensor the checkpoint lacks is a ``ValueError`` (it would otherwise keep garbage).
+    Unexpected checkpoint keys are logged as ``from_pretrained`` does. Collective only where FSDP2 is (its
+    ``_apply`` resharding); the reads themselves are local.
+    """
+    files = CheckpointFiles(directory)
+    pending = materialize(model, device)
+    tied = _tied_sources(model)
+    report = LoadReport()
+    missing = []
+    with torch.no_grad():
+        for fqn, module, _, tensor in _named_tensors(module_roots(model)):
+            key = _resolve_key(fqn, files, tied)
+            if fqn not in pending:
+                report.kept.append(fqn)
+                if key is not None:
+                    report.loaded.append(key)  # already holds its value; the key is used, not unexpected
+                continue
+            if key is None:
+                missing.append(fqn)
+                continue
+            report.bytes_read += _fill(tensor, module, key, files)
+            report.loaded.append(key)
+    if missing and strict:
+        raise ValueError(
+            f"{len(missing)} tensors of the model are not in the checkpoint {files.directory!r}: {missing[:6]}; "
+            f"the checkpoint does not match the architecture (load with transformers' from_pretrained to have "
+            f"them initialised randomly, or pass the matching config)"
+        )
+    report.unexpected = _unexpected(model, files, set(report.loaded), tied)
+    if report.unexpected:
+        logger.warning("Some weights of the checkpoint were not used: %s", report.unexpected[:20])
+    return report
+
+
+def _unexpected(model: nn.Module, files: CheckpointFiles, used: set[str], tied: dict[str, str]) -> list[str]:
+    """Checkpoint keys no rank uses. Under PP a rank holds few keys: compare with every rank's names."""
+    import torch.distributed as dist
+
+    names = set(used)
+    if dist.is_available() and dist.is_initialized() and module_roots(model)[0] is not model:
+        gathered: list[set[str]] = [set() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, names)
+        names = set().union(*gathered)
+    names |= {tied[k] for k in names if k in tied} | {k for k, v in tied.items() if v in names}
+    return sorted(k for k in files.keys() if k not in names)

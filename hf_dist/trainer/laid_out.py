@@ -1,0 +1,64 @@
+"""The mark a model carries once hf_dist has laid it out, so that nothing lays it out a second time.
+
+``hf_dist.from_pretrained`` returns a model already sharded for its ``DistTrainingArguments``; ``DistTrainer``
+reads the mark (``laid_out_by_hf_dist``), checks it is the layout its own arguments ask for, and reuses the
+mesh instead of applying the layout again. A model whose parameters are DTensors without the mark was laid
+out by something else and is refused: hf_dist cannot tell what was done to it.
+
+Not for: applying a layout (the layout path) or loading weights (``hf_dist.loading``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from hf_dist.parallel_dims import ParallelDims
+
+LAYOUT_ATTR = "_hf_dist_laid_out"
+
+
+@dataclass(kw_only=True, frozen=True)
+class LaidOut:
+    """What was applied to a model; stored on it as ``model._hf_dist_laid_out``."""
+
+    dims: ParallelDims
+    """The layout, mesh built."""
+    fsdp: bool
+    """Whether the data-parallel ranks shard parameters (FSDP2)."""
+    flops: object
+    """``hf_dist.planner.flops.FlopCounts`` of the whole model, counted before the layout (a pipeline rank holds
+    only its stages'), for the throughput meter."""
+
+
+def stamp(model: nn.Module, laid_out: LaidOut) -> nn.Module:
+    object.__setattr__(model, LAYOUT_ATTR, laid_out)  # not a submodule, not a parameter
+    return model
+
+
+def _factors(dims: ParallelDims) -> dict[str, int]:
+    return {name: getattr(dims, name) for name in ("world_size", "pp", "dp_replicate", "dp_shard", "tp")}
+
+
+def laid_out_by_hf_dist(model: nn.Module, wanted: ParallelDims) -> LaidOut | None:
+    """The mark of a model hf_dist laid out for ``wanted``; ``None`` for a model nobody laid out.
+
+    A mark for another layout, or DTensor parameters without a mark, is a ``ValueError``.
+    """
+    laid_out = model.__dict__.get(LAYOUT_ATTR)
+    if laid_out is None:
+        if hasattr(model, "pipeline") or any(hasattr(p, "device_mesh") for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} is already sharded (DTensor parameters or pipeline stages) but not by "
+                f"hf_dist.from_pretrained, so DistTrainer cannot tell its layout; pass the model before any "
+                f"sharding, or load it with hf_dist.from_pretrained(name_or_dir, args)"
+            )
+        return None
+    have, want = _factors(laid_out.dims), _factors(wanted)
+    if have != want:
+        raise ValueError(
+            f"the model was laid out for {have} but these arguments ask for {want}; build it with "
+            f"hf_dist.from_pretrained(name_or_dir, args) using the same arguments you pass to DistTrainer"
+        )
+    return laid_out
