@@ -136,3 +136,23 @@ def test_two_ranks_match_one_process_sft_trainer(references, distributed, layout
             torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
         if layout == "lora":
             assert 0 < trainable == ref_trainable  # only the adapter trains
+
+
+@pytest.mark.parametrize("option", ["tp_vocab_parallel", "tp_sequence_parallel"])
+def test_tp_options_trl_cannot_run_are_refused_before_start(tmp_path, option):
+    from hf_dist.trainer.sft import DistSFTConfig
+
+    with pytest.raises(ValueError, match=f"{option}=True with tp_size=2 .* drop --{option}"):
+        DistSFTConfig(output_dir=str(tmp_path), tp_size=2, **{option: True})
+
+
+def test_an_sft_config_converts_field_by_field(tmp_path):
+    from trl import SFTConfig
+
+    from hf_dist.trainer.sft import DistSFTConfig, as_dist_sft_config
+
+    plain = SFTConfig(output_dir=str(tmp_path), learning_rate=3e-4, max_length=20, packing=True, use_cpu=True)
+    converted = as_dist_sft_config(plain)
+    assert isinstance(converted, DistSFTConfig)
+    assert (converted.learning_rate, converted.max_length, converted.packing) == (3e-4, 20, True)
+    assert DistSFTConfig(output_dir=str(tmp_path), use_cpu=True).learning_rate == SFTConfig.learning_rate  # TRL's

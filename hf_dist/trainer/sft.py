@@ -29,6 +29,15 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
     """``trl.SFTConfig`` plus hf_dist's batch contract and layout fields (see ``DistTrainingArguments``)."""
 
     def __post_init__(self):
+        # before any process group: TRL's fused LM head (used for the loss and its metrics) multiplies plain hidden
+        # states by the whole lm_head weight, which these two TP options turn into sharded DTensors
+        for name in ("tp_vocab_parallel", "tp_sequence_parallel"):
+            if getattr(self, name) and self.tp_size > 1:
+                raise ValueError(
+                    f"{name}=True with tp_size={self.tp_size} in DistSFTConfig: TRL's fused LM head needs the whole "
+                    f"lm_head weight and hidden states, which {name.removeprefix('tp_')} parallelism shards; drop "
+                    f"--{name} (the decoder blocks stay tensor-parallel)"
+                )
         if self.learning_rate is None and self.base_learning_rate is None:
             self.learning_rate = _SFT_LEARNING_RATE  # SFTConfig's default, not the Trainer's
         super().__post_init__()
