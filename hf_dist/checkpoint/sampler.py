@@ -1,11 +1,17 @@
-"""A deterministic, resumable data order that survives a change of data-parallel degree.
+"""A deterministic, resumable data order that survives a change of data-parallel degree: the one data sharding.
 
 The global order is a stream of epochs, each a permutation of ``range(num_samples)`` drawn from
-``seed + epoch``. Training consumes it in rounds of ``micro_batch_size x dp`` samples (one micro step on every
+``seed + epoch`` (or ``range(num_samples)`` itself, unshuffled). Training consumes it in rounds of ``micro_batch_size x dp`` samples (one micro step on every
 data-parallel rank); in a round, dp rank ``r`` takes the ``r``-th slice of ``micro_batch_size``. The only state
 is the global count of samples consumed, so a checkpoint taken after ``k`` optimizer steps resumes at sample
 ``k x global_batch_size`` on any dp degree whose rounds divide the global batch: no sample is repeated or
 skipped across a reshard.
+
+``DataParallelBatchSampler`` is the same order cut into epochs, as batches for one dp rank: what ``DistTrainer``
+trains from on every layout (``hf_dist.trainer.dp_data``). An epoch's last round, when short, is completed from
+the start of that epoch, so every rank gets the same number of batches -- the order accelerate's sharding of the
+Trainer's seeded sampler yields (so a ``DistTrainer`` run reads what a one-process ``Trainer`` reads). When the
+round divides the dataset, the epochs concatenated are exactly ``ResumableSampler``'s stream.
 
 Not here: tokenisation, padding or collation (a ``DataLoader`` does that with this sampler).
 """
@@ -18,8 +24,10 @@ import torch
 from torch.utils.data import Sampler
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The permutation used in ``epoch`` (same in every process)."""
+def epoch_order(num_samples: int, seed: int, epoch: int, *, shuffle: bool = True) -> torch.Tensor:
+    """The permutation used in ``epoch`` (same in every process); ``shuffle=False``: ``range(num_samples)``."""
+    if not shuffle:
+        return torch.arange(num_samples)
     generator = torch.Generator().manual_seed(seed + epoch)
     return torch.randperm(num_samples, generator=generator)
 
@@ -34,6 +42,14 @@ def global_slice(num_samples: int, seed: int, start: int, count: int) -> list[in
         ids += epoch_order(num_samples, seed, epoch)[offset : offset + take].tolist()
         position += take
     return ids
+
+
+def _check_sizes(num_samples: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
+    for name, value in (("num_samples", num_samples), ("dp_size", dp_size), ("micro_batch_size", micro_batch_size)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be a positive integer")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
 
 
 class ResumableSampler(Sampler[int]):
@@ -54,11 +70,7 @@ class ResumableSampler(Sampler[int]):
         micro_batch_size: int,
         samples_consumed: int = 0,
     ) -> None:
-        for name, value in (("num_samples", num_samples), ("dp_size", dp_size), ("micro_batch_size", micro_batch_size)):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be a positive integer")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        _check_sizes(num_samples, dp_rank, dp_size, micro_batch_size)
         round_size = micro_batch_size * dp_size
         if samples_consumed % round_size != 0:
             raise ValueError(
@@ -84,3 +96,49 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         while True:
             yield from self.next_micro_batch()
+
+
+class DataParallelBatchSampler(Sampler[list[int]]):
+    """This dp rank's micro-batches of one epoch at a time (``set_epoch``); the Trainer's train batch sampler.
+
+    Round ``r`` of epoch ``e`` covers epoch positions ``[r x micro x dp, (r + 1) x micro x dp)``; dp rank ``k``
+    takes ``micro`` of them from ``k x micro`` on. Positions past the end wrap to the epoch's start (or, with
+    ``drop_last``, an incomplete round is dropped). Skipping ``s`` batches thus skips ``s x micro x dp``
+    positions on any dp degree: a resume lands on the same global sample.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        seed: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        _check_sizes(num_samples, dp_rank, dp_size, micro_batch_size)
+        if drop_last and num_samples < micro_batch_size * dp_size:
+            raise ValueError(
+                f"drop_last with num_samples={num_samples} < micro_batch_size={micro_batch_size} x dp_size={dp_size}: "
+                f"every round would be dropped; use a smaller batch or dataloader_drop_last=False"
+            )
+        self.num_samples, self.seed, self.shuffle, self.drop_last = num_samples, seed, shuffle, drop_last
+        self.dp_rank, self.dp_size, self.micro_batch_size = dp_rank, dp_size, micro_batch_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        rounds, rest = divmod(self.num_samples, self.micro_batch_size * self.dp_size)
+        return rounds + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = epoch_order(self.num_samples, self.seed, self.epoch, shuffle=self.shuffle)
+        round_size = self.micro_batch_size * self.dp_size
+        for r in range(len(self)):
+            start = r * round_size + self.dp_rank * self.micro_batch_size
+            positions = torch.arange(start, start + self.micro_batch_size) % self.num_samples
+            yield order[positions].tolist()

@@ -1,11 +1,18 @@
-"""Data and eval metrics by data-parallel rank, for layouts whose model-parallel ranks share a batch (TP, PP).
+"""Data and eval metrics by data-parallel rank: the train loader of every layout, eval sharding under TP and PP.
 
-accelerate shards the data loaders and gathers eval results over every process. Under tensor or pipeline
-parallelism the ranks of one model-parallel group must read the same batch and hold the same eval results,
-so both are done over the dp group instead. Used by DistTrainer for TP and PP.
+Training data (``train_dataloader``): on every layout, ``DistTrainer`` trains from
+``hf_dist.checkpoint.sampler.DataParallelBatchSampler`` -- the resumable order, sharded by dp rank (the ranks of
+one TP group or pipeline read the same batch) -- and accelerate only places the batches on the device. The
+Trainer's own skipping of trained batches on resume then continues at the same global sample on any dp degree.
+Datasets without a length, and the ``group_by_length`` / ``batch_rebalance`` strategies, keep the Trainer's path.
+
+Evaluation: accelerate shards eval loaders and gathers eval results over every process; under TP or PP both are
+done over the dp group instead (``shard_data_by_dp``, ``dp_gather_for_metrics``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -46,32 +53,76 @@ def dp_gather_for_metrics(trainer):
     return gather_for_metrics
 
 
-def shard_data_by_dp(trainer) -> None:
-    """Make the Trainer's data loaders shard by the dp rank only (accelerate would shard by world rank)."""
-    import torch.distributed as dist
+def _prepare(accelerator, data_loader, *, num_processes: int, process_index: int, device_placement=None,
+             slice_fn_for_dispatch=None):
+    """``accelerate.data_loader.prepare_data_loader`` with this accelerator's settings and the given sharding."""
     from accelerate.data_loader import prepare_data_loader
+
+    prepared = prepare_data_loader(
+        data_loader,
+        accelerator.device,
+        num_processes=num_processes,
+        process_index=process_index,
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=accelerator.dispatch_batches,
+        even_batches=accelerator.even_batches,
+        slice_fn_for_dispatch=slice_fn_for_dispatch,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+    accelerator._dataloaders.append(prepared)
+    return prepared
+
+
+def shard_data_by_dp(trainer) -> None:
+    """Make the Trainer's other data loaders (eval, iterable) shard by the dp rank only, not by world rank."""
+    import torch.distributed as dist
 
     accelerator, dims = trainer.accelerator, trainer.dims
     dp_rank = dims.dp_rank(dist.get_rank())
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        prepared = prepare_data_loader(
-            data_loader,
-            accelerator.device,
-            num_processes=dims.dp,
-            process_index=dp_rank,
-            split_batches=accelerator.split_batches,
-            put_on_device=accelerator.device_placement if device_placement is None else device_placement,
-            rng_types=accelerator.rng_types.copy(),
-            dispatch_batches=accelerator.dispatch_batches,
-            even_batches=accelerator.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=accelerator.use_seedable_sampler,
-            data_seed=accelerator.dataloader_config.data_seed,
-            non_blocking=accelerator.non_blocking,
-            use_stateful_dataloader=accelerator.use_stateful_dataloader,
-        )
-        accelerator._dataloaders.append(prepared)
-        return prepared
+        return _prepare(accelerator, data_loader, num_processes=dims.dp, process_index=dp_rank,
+                        device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch)
 
     accelerator.prepare_data_loader = prepare
+
+
+def train_dataloader(trainer):
+    """The train loader from ``DataParallelBatchSampler`` for ``trainer`` (None: use the Trainer's own path)."""
+    import datasets
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, IterableDataset
+    from transformers.trainer_utils import has_length, seed_worker
+
+    from hf_dist.checkpoint.sampler import DataParallelBatchSampler
+
+    args, dataset = trainer.args, trainer.train_dataset
+    strategy = str(getattr(args, "train_sampling_strategy", "random")).lower()
+    if dataset is None or isinstance(dataset, IterableDataset) or not has_length(dataset):
+        return None
+    if strategy not in ("random", "sequential"):
+        return None
+    collator = trainer.data_collator
+    if isinstance(dataset, datasets.Dataset):
+        dataset = trainer._remove_unused_columns(dataset, description="training")
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sampler = DataParallelBatchSampler(
+        len(dataset), seed=args.data_seed if args.data_seed is not None else args.seed,
+        dp_rank=trainer.dims.dp_rank(rank), dp_size=trainer.dims.dp, micro_batch_size=trainer._train_batch_size,
+        shuffle=strategy == "random", drop_last=args.dataloader_drop_last,
+    )
+    loader = DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
+        prefetch_factor=args.dataloader_prefetch_factor, multiprocessing_context=args.dataloader_multiprocessing_context,
+        worker_init_fn=functools.partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+        in_order=args.dataloader_in_order,
+    )
+    return _prepare(trainer.accelerator, loader, num_processes=1, process_index=0)  # already sharded: place only

@@ -32,10 +32,11 @@ from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.state_dict import full_state_dict
 from hf_dist.tensor_parallel.checks import check_tp_sizes
-from hf_dist.trainer import checkpoint_glue, launch_env, preemption, resume, teardown
+from hf_dist.trainer import checkpoint_glue, dp_data, launch_env, preemption, resume, teardown
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
 from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
 from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.trainer.layout import layout_dims, mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
@@ -89,6 +90,7 @@ class DistTrainer(Trainer):
     """``transformers.Trainer`` with hf_dist's parallel layouts, batch contract and throughput logging."""
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kwargs):
+        check_internals()  # a private Trainer method overridden below that transformers removed: stop now
         args = as_dist_args(args)
         if model is not None:  # before any process group (model_init's models are checked when made)
             self._check_model(model, args)
@@ -216,6 +218,11 @@ class DistTrainer(Trainer):
         preemption.exit_if_preempted(self, self.preemption)  # saved at a signal: SystemExit(75)
         return output
 
+    def get_train_dataloader(self):
+        """The resumable, dp-sharded order (``dp_data.train_dataloader``); the Trainer's own for other datasets."""
+        loader = dp_data.train_dataloader(self)
+        return loader if loader is not None else super().get_train_dataloader()
+
     def evaluate(self, *args, **kwargs):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         if zero_stage is not None and zero_stage < 3 and self.deepspeed is None:
@@ -270,6 +277,7 @@ class DistTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------
+    # Every private method overridden in this class is listed, with why, in hf_dist.trainer.internals.
     # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
     def _save_checkpoint(self, model, trial) -> None:
         if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else
