@@ -102,8 +102,9 @@ class DataParallelBatchSampler(Sampler[list[int]]):
     """This dp rank's micro-batches of one epoch at a time (``set_epoch``); the Trainer's train batch sampler.
 
     Round ``r`` of epoch ``e`` covers epoch positions ``[r x micro x dp, (r + 1) x micro x dp)``; dp rank ``k``
-    takes ``micro`` of them from ``k x micro`` on. Positions past the end wrap to the epoch's start (or, with
-    ``drop_last``, an incomplete round is dropped). Skipping ``s`` batches thus skips ``s x micro x dp``
+    takes ``micro`` of them from ``k x micro`` on. Positions past the end wrap to the epoch's start so every rank
+    gets full batches (with one dp rank the last batch is short instead; with ``drop_last`` an incomplete round is
+    dropped). Skipping ``s`` batches thus skips ``s x micro x dp``
     positions on any dp degree: a resume lands on the same global sample.
     """
 
@@ -140,5 +141,8 @@ class DataParallelBatchSampler(Sampler[list[int]]):
         round_size = self.micro_batch_size * self.dp_size
         for r in range(len(self)):
             start = r * round_size + self.dp_rank * self.micro_batch_size
-            positions = torch.arange(start, start + self.micro_batch_size) % self.num_samples
+            end = start + self.micro_batch_size
+            if self.dp_size == 1:  # one reader: a short last batch, as a plain DataLoader (nothing to even out)
+                end = min(end, self.num_samples)
+            positions = torch.arange(start, end) % self.num_samples
             yield order[positions].tolist()

@@ -113,8 +113,11 @@ def train_dataloader(trainer):
     else:
         collator = trainer._get_collator_with_removed_columns(collator, description="training")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # accelerate seeds the Trainer's sampler with data_seed, else torch's current initial seed (the last
+    # manual_seed: set_seed(args.seed), or a model_init that seeds): the same here, so the order is the Trainer's
+    seed = args.data_seed if args.data_seed is not None else torch.random.initial_seed()
     sampler = DataParallelBatchSampler(
-        len(dataset), seed=args.data_seed if args.data_seed is not None else args.seed,
+        len(dataset), seed=seed,
         dp_rank=trainer.dims.dp_rank(rank), dp_size=trainer.dims.dp, micro_batch_size=trainer._train_batch_size,
         shuffle=strategy == "random", drop_last=args.dataloader_drop_last,
     )
