@@ -3,9 +3,9 @@
     python bench/overhead.py [--world-size 2] [--steps 30] [--rounds 3]
 
 Both trainers train the same tiny Llama on the same data with the same arguments (DistTrainer adds only its
-contract, layout checks and throughput logging). Rounds alternate plain/dist to share machine noise; the
-table gives median optimizer-step times and their ratio (target <= 1.03). With --world-size 2 both run as DDP
-on 2 gloo ranks (the plain Trainer with use_cpu=True, which it needs on CPU).
+contract, layout checks and, with dist_logging=True as here, throughput logging). Rounds alternate plain/dist
+to share machine noise; the table gives median optimizer-step times and their ratio (target <= 1.03). With
+--world-size 2 both run as DDP on 2 gloo ranks (the plain Trainer with use_cpu=True, which it needs on CPU).
 
 Measured 2026-11-21 on the 2-core x86_64 CPU machine (no GPU, otherwise idle), default sizes:
 
@@ -58,6 +58,7 @@ def _step_times(trainer_cls, args_cls, steps: int) -> list[float]:
             output_dir=out, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
             learning_rate=1e-3, logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True,
             use_cpu=not torch.cuda.is_available(), dataloader_pin_memory=False, ddp_find_unused_parameters=False,
+            **({"dist_logging": True} if args_cls.__name__ == "DistTrainingArguments" else {}),
         )
         model = build_tiny_model(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4)
         trainer = trainer_cls(model=model, args=args, train_dataset=token_dataset(n=512), callbacks=[timer])

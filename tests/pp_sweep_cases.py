@@ -27,7 +27,11 @@ NON_DEFAULT = {
     "embedding_scale": 2.5,
     "scale_emb": 3.0,
     "scale_depth": 1.7,
+    "dim_model_base": 16,
 }
+
+# Fields a model type's default config leaves unset although its model needs them (ministral: head_dim=None).
+NEEDED = {"ministral": {"head_dim": 128}}
 
 # The issue's named cases, as the user would write them (defaults where the issue says "default").
 NAMED = {
@@ -50,8 +54,10 @@ def non_default_config(model_type: str, **extra):
     from hf_dist.models.twin import tiny_twin
 
     default = AutoConfig.for_model(model_type)
-    values = {k: v for k, v in NON_DEFAULT.items() if hasattr(default, k)}
+    derived = {k for k in NON_DEFAULT if isinstance(getattr(type(default), k, None), property)}
+    values = {k: v for k, v in NON_DEFAULT.items() if hasattr(default, k) and k not in derived}
     values["tie_word_embeddings"] = not getattr(default, "tie_word_embeddings", False)
+    values.update(NEEDED.get(model_type, {}))
     values.update(extra)
     return tiny_twin(AutoConfig.for_model(model_type, **values))
 

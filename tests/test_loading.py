@@ -125,7 +125,35 @@ def _case(directory: str, output_dir: str, layout: dict) -> dict:
     _step(reference, batch)
     _step(streamed, batch)
     result["after_step"] = (_logits(reference, batch), _logits(streamed, batch))
+    if not layout.get("pp") and not lora:
+        _check_streaming_save(reference, streamed, f"{output_dir}/saved")
     return result
+
+
+def _check_streaming_save(reference, streamed, directory: str) -> None:
+    """``save_streaming`` (several files) writes what the full-state-dict gatherer returns; it loads as HF."""
+    from hf_dist.state_dict import save_streaming
+
+    save_streaming(streamed, directory, max_shard_bytes=30_000)
+    _check_saved(reference, directory, several_files=True)
+
+
+def _check_saved(model, directory: str, several_files: bool = False) -> None:
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.state_dict import full_state_dict
+
+    want = full_state_dict(model)
+    if dist.get_rank() == 0:
+        files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+        assert len(files) > 1 if several_files else files, files
+        got = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+        assert sorted(got) == sorted(want), set(got) ^ set(want)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value.float(), rtol=1e-6, atol=1e-6, msg=key)
 
 
 def _trainer_case(directory: str, output_dir: str) -> dict:
@@ -151,6 +179,8 @@ def _trainer_case(directory: str, output_dir: str) -> dict:
             assert trainer.model is model and [id(p) for p in trainer.model.parameters()] == before
         trainer.train()
         out[name] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    trainer.save_model(f"{output_dir}/final")  # the streaming save, through the Trainer
+    _check_saved(trainer.model, f"{output_dir}/final")
     with pytest.raises(ValueError, match="laid out for"):  # laid out for FSDP2, asked for TP=2
         hf_dist.DistTrainer(model=model, args=_args(f"{output_dir}/tp", {"tp": 2}), train_dataset=data)
     return {"losses": (torch.tensor(out["plain"]), torch.tensor(out["streamed"]))}
@@ -233,3 +263,10 @@ def test_a_model_laid_out_for_other_arguments_is_refused():
     with pytest.raises(ValueError, match="laid out for"):
         laid_out_by_hf_dist(model, ParallelDims(world_size=2, dp_shard=2))
     assert laid_out_by_hf_dist(nn.Linear(2, 2), ParallelDims(world_size=2, dp_shard=2)) is None
+
+
+def test_save_shards_are_planned_in_order_within_the_limit():
+    from hf_dist.state_dict import plan_shards
+
+    assert plan_shards({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
+    assert plan_shards({"a": 1}, 8) == [["a"]]

@@ -48,7 +48,7 @@ def _slow_rank_run(rank, world_size):
         args = DistTrainingArguments(
             output_dir=out, max_steps=3, global_batch_size=8, per_device_train_batch_size=2, logging_steps=1,
             save_strategy="no", report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0,
-            learning_rate=1e-3,
+            learning_rate=1e-3, dist_logging=True,
         )
         model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
         trainer = SlowRankTrainer(model=model, args=args, train_dataset=token_dataset())

@@ -101,7 +101,7 @@ def test_calibration_runs_the_layouts_parallelism_on_two_gloo_ranks():
         assert choose_layout(req).chosen.throughput.efficiency_source == result.source
 
 
-def test_plan_cli_says_which_calibration_ran(tmp_path, capsys):
+def test_plan_cli_says_which_calibration_ran(tmp_path, capsys, monkeypatch):
     from hf_dist.cli import main
 
     spec_dir = tmp_path / "tiny"
@@ -118,3 +118,16 @@ def test_plan_cli_says_which_calibration_ran(tmp_path, capsys):
     assert "s/step, efficiency" in captured.err
     assert main([*args, "--calibrate-ranks", "0"]) == 2
     assert "--calibrate-ranks=0 must be positive" in capsys.readouterr().err
+    # a failed multi-rank run is an error naming the one-device flag, not a silent switch to it
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from hf_dist.cli import calibrate_ranks
+
+    def crash(*args, **kwargs):
+        raise ProcessRaisedException("Traceback ...\nRuntimeError: gloo connect timed out", 1, 4242)
+
+    monkeypatch.setattr(calibrate_ranks, "calibrate_on_ranks", crash)
+    assert main([*args, "--calibrate-ranks", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "the 2-rank calibration failed (RuntimeError: gloo connect timed out)" in err
+    assert "--calibrate-ranks 1" in err

@@ -78,7 +78,34 @@ def _canary(rank, world_size):
             results[name] = str(error)
         finally:
             pipeline_module.CausalLMStage = CausalLMStage
+    results["trainer"] = _through_dist_trainer(pipeline_module)
     return results
+
+
+def _through_dist_trainer(pipeline_module):
+    """DistTrainer runs the canary before training (refusing the wrong stage); ``layout_canary=False`` skips it."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist import DistTrainer, DistTrainingArguments
+    from hf_dist.models.twin import tiny_twin
+
+    outcome = {}
+    pipeline_module.CausalLMStage = OldHeadStage
+    try:
+        for canary in (True, False):
+            model = AutoModelForCausalLM.from_config(tiny_twin(_user_config("cohere")))
+            args = DistTrainingArguments(output_dir=tempfile.mkdtemp(), pp_size=2, use_cpu=True, report_to=[],
+                                         per_device_train_batch_size=1, pp_microbatches=4, layout_canary=canary)
+            try:
+                DistTrainer(model=model, args=args)
+                outcome[canary] = "built"
+            except ValueError as error:
+                outcome[canary] = str(error)
+    finally:
+        pipeline_module.CausalLMStage = CausalLMStage
+    return outcome
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +120,10 @@ def test_canary_stops_a_wrong_stage_on_every_rank(canary_run, name):
         assert message is not None, f"{name}: the canary let {CASES[name]} through on rank {rank}"
         assert f"model_type={name!r}" in message and "pp=2" in message and "schedule=1f1b" in message
         assert "loss differs by" in message and "layout_canary=False" in message
+
+
+def test_dist_trainer_runs_the_canary_and_the_flag_skips_it(canary_run):
+    for rank in (0, 1):
+        outcome = canary_run[rank]["trainer"]
+        assert outcome[True].startswith("layout canary: pp=2") and "model_type='cohere'" in outcome[True]
+        assert outcome[False] == "built"  # --layout_canary false: the (deliberately wrong) stages are trusted

@@ -42,6 +42,7 @@ PRESETS: dict[str, list[str]] = {
         "--lr_scheduler_type", "cosine", "--warmup_ratio", "0.03", "--weight_decay", "0.0",
         "--logging_steps", "10", "--eval_strategy", "steps", "--eval_steps", "500", "--save_strategy", "no",
         "--per_device_eval_batch_size", "1", "--output_dir", "runs/harbor-13b", "--report_to", "tensorboard",
+        "--dist_logging", "true",  # tokens/s, MFU, memory in each log + OUTPUT_DIR/log_history.jsonl
     ],
     "tiny": [
         "--max_seq_len", "256", "--per_device_train_batch_size", "1", "--global_batch_size", "64",
@@ -51,6 +52,7 @@ PRESETS: dict[str, list[str]] = {
         "--per_device_eval_batch_size", "8", "--output_dir", "runs/harbor-tiny", "--report_to", "none",
         "--num_conversations", "1600", "--seed", "0", "--dataloader_num_workers", "0",
         "--ddp_find_unused_parameters", "false", "--disable_tqdm", "true", "--dataloader_pin_memory", "false",
+        "--dist_logging", "true",
     ],
 }
 

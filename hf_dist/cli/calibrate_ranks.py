@@ -4,11 +4,12 @@
 ranks when it has two cores; ``--calibrate-ranks`` sets it), ``calibrate_on_ranks`` scales the chosen layout to
 those ranks (``hf_dist.planner.calibrate.calibration_layout``), starts one process per rank (gloo on CPU, NCCL
 with one GPU each), builds the scaled-down model on each, lays it out with the package's own apply path
-(``hf_dist.trainer.layout.apply_layout``: TP, activation checkpointing, FSDP2, as DistTrainer runs them; DDP is
+(``hf_dist.parallelize``: TP, activation checkpointing, FSDP2, as DistTrainer runs them; DDP is
 torch's ``DistributedDataParallel``, which accelerate wraps for DistTrainer), times a few training steps with
 the real collectives, and derives the efficiency: executed FLOPs of every data-parallel rank's tokens over the
-slowest rank's mean step time times the sum of the ranks' peaks. Otherwise the one-device path of
-``hf_dist.planner.calibrate.calibrate`` runs, and its source line says so (and why).
+slowest rank's mean step time times the sum of the ranks' peaks. With one rank (one GPU, a one-core CPU, a
+one-GPU layout, or ``--calibrate-ranks 1``) the one-device path of ``hf_dist.planner.calibrate.calibrate`` runs,
+and its source line says so and why. A failed multi-rank run is an error naming that flag, never a silent switch.
 
 Under cli/ because the apply path lives in ``hf_dist.trainer``, which imports the planner.
 
@@ -20,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessException
 
 from hf_dist.planner.calibrate import (Calibration, calibrate, calibration_layout, compute_dtypes,
                                        device_peak_flops, efficiency_from, scaled_model, timed_steps)
@@ -69,12 +70,11 @@ def calibrate_for_plan(model: ModelSpec, workload: Workload, layout: Layout, *, 
                          note=f"; {why_one}" if layout.dims.world_size > 1 else "")
     try:
         return calibrate_on_ranks(model, workload, layout, ranks=ranks, layers=layers, steps=steps)
-    except Exception as err:  # stated in the source line and on stderr, then the one-device path
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        print(f"hf-dist plan: the {ranks}-rank calibration failed ({reason}); measuring on one device",
-              file=sys.stderr)
-        return calibrate(model, workload, layers=layers, steps=steps,
-                         note=f"; the {ranks}-rank run failed: {reason}")
+    except (ProcessException, OSError) as err:  # no silent switch to the other path
+        lines = str(err).strip().splitlines()
+        reason = lines[-1] if lines else type(err).__name__
+        raise RuntimeError(f"the {ranks}-rank calibration failed ({reason}); fix that, or pass --calibrate-ranks 1 "
+                           f"to measure on one device with assumed communication factors") from err
 
 
 def calibrate_on_ranks(model: ModelSpec, workload: Workload, layout: Layout, *, ranks: int, layers: int = 2,
@@ -180,15 +180,15 @@ def _measure(device: torch.device, ranks: int, job: _Job, run: Layout) -> dict:
 def _apply(net: torch.nn.Module, dims, run: Layout, *, activation_checkpointing: bool,
            param_dtype: torch.dtype | None) -> torch.nn.Module:
     """Lay ``net`` out as DistTrainer would: the package's apply path, and torch DDP where accelerate wraps it."""
-    from hf_dist.trainer.launch_env import FsdpRequest
-    from hf_dist.trainer.layout import apply_layout
+    from hf_dist.parallelism import FsdpRequest, parallelize
 
     fsdp = FsdpRequest(reshard_after_forward=run.strategy != "fsdp_shard_grad_op", source="hf-dist plan --calibrate") \
         if run.strategy in FSDP_STRATEGIES else None
-    net = apply_layout(net, dims, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
-                       param_dtype=param_dtype, sequence_parallel=run.sequence_parallel,
-                       vocab_parallel=run.vocab_parallel)
-    if fsdp is None and not dims.tp_enabled and dims.dp > 1:
+    ddp = fsdp is None and not dims.tp_enabled and dims.dp > 1  # accelerate's DDP, as DistTrainer leaves it
+    net = parallelize(net, dims, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
+                      param_dtype=param_dtype, sequence_parallel=run.sequence_parallel,
+                      vocab_parallel=run.vocab_parallel, replicate_gradients=not ddp)
+    if ddp:
         net = torch.nn.parallel.DistributedDataParallel(net)
     return net
 

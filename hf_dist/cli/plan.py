@@ -1,6 +1,6 @@
 """``hf-dist plan``: rank the layouts for a model on some GPUs, say what fits and why, write the chosen configs.
 
-Exit code 0 when a layout fits, 1 when none does, 2 on bad input.
+Exit code 0 when a layout fits, 1 when none does, 2 on bad input, 3 when a ``--calibrate`` run fails.
 """
 
 from __future__ import annotations
@@ -150,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"hf-dist plan: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # the calibration processes failed
+        print(f"hf-dist plan: error: {err}", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps(plan_json(plan), indent=2))
     else:

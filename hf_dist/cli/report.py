@@ -9,9 +9,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "report",
         help="draw loss, throughput and memory curves of a run to PNG",
-        description="Read RUN_DIR/log_history.jsonl (written by DistTrainer; else the newest trainer_state.json) "
-        "and RUN_DIR/summary.json if present, and draw loss, tokens/s (+MFU), per-rank peak memory and per-rank "
-        "busy time to one PNG.",
+        description="Read RUN_DIR/log_history.jsonl (written by DistTrainer with --dist_logging true; else the "
+        "newest trainer_state.json) and RUN_DIR/summary.json if present, and draw loss, tokens/s (+MFU), per-rank "
+        "peak memory and per-rank busy time to one PNG.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the training output_dir")
     parser.add_argument("--out", default=None, metavar="PNG", help="image path (default RUN_DIR/report.png)")

@@ -82,6 +82,7 @@ def read_log_history(run_dir: str | Path) -> list[dict]:
     if states:
         return json.loads(states[-1].read_text()).get("log_history", [])
     raise ValueError(
-        f"{str(run_dir)!r} holds neither {LOG_FILE} nor a trainer_state.json; train with DistTrainer (it writes "
-        f"{LOG_FILE}) or add hf_dist.report.LogHistoryCallback() to a plain Trainer's callbacks"
+        f"{str(run_dir)!r} holds neither {LOG_FILE} nor a trainer_state.json; train with DistTrainer and "
+        f"--dist_logging true (it writes {LOG_FILE}) or add hf_dist.report.LogHistoryCallback() to a plain "
+        f"Trainer's callbacks"
     )

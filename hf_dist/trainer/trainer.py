@@ -5,10 +5,15 @@ What changes:
 
 - the global-batch contract decides accumulation and the learning rate (``DistTrainingArguments``), and its
   table is printed once at start by the main process;
-- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, in ``apply_layout``'s order, and the
+- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, by ``hf_dist.parallelize``, and the
   Trainer is told not to wrap the model again; DDP and DeepSpeed stay with accelerate;
 - a launch that would silently run as something else stops with an error (``launch_env``);
-- each training log carries tokens/s, MFU (when the device peak is known) and per-rank peak memory.
+- ``model_init`` works as with the Trainer: each new model gets the layout (so ``hyperparameter_search`` runs).
+
+Nothing else a Trainer user observes changes: the callbacks, the files in ``output_dir`` and in checkpoints
+(for the layouts the Trainer checkpoints itself) and ``state.log_history`` are the Trainer's.
+``dist_logging=True`` adds tokens/s, MFU (when the device peak is known), per-rank peak memory and step times to each training log and
+appends every log to ``OUTPUT_DIR/log_history.jsonl`` (what ``hf-dist report`` draws).
 """
 
 from __future__ import annotations
@@ -20,17 +25,19 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
-from hf_dist.pipeline_parallel.support import check_pipeline_support
-from hf_dist.tensor_parallel.checks import check_tp_sizes
-from hf_dist.report.log_history import LogHistoryCallback
-from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env, preemption, resume
-from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.parallel_dims import ParallelDims
-from hf_dist.trainer.laid_out import laid_out_by_hf_dist
-from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.parallelism import parallelize
+from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.planner.flops import module_flop_counts
+from hf_dist.report.log_history import LogHistoryCallback
+from hf_dist.state_dict import full_state_dict
+from hf_dist.tensor_parallel.checks import check_tp_sizes
+from hf_dist.trainer import checkpoint_glue, launch_env, preemption, resume, teardown
+from hf_dist.trainer import pipeline_glue as pipeline_trainer
+from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
+from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.laid_out import laid_out_by_hf_dist
+from hf_dist.trainer.layout import layout_dims, mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -65,7 +72,7 @@ def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
     if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
         return pipeline_trainer.apply_pipeline(dims, model, args)
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    model = apply_layout(
+    model = parallelize(
         model,
         dims,
         fsdp=args.hf_dist_fsdp,
@@ -83,16 +90,40 @@ class DistTrainer(Trainer):
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kwargs):
         args = as_dist_args(args)
-        if model is None:
-            raise ValueError("DistTrainer needs a model (model_init is not supported: the layout is applied once)")
-        if args.pp_size > 1:
-            check_pipeline_support(model.config)  # before any process group: stages must reproduce the model
-        if args.tp_size > 1:  # before any process group: the model's own plan must be supported and fit
-            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
+        if model is not None:  # before any process group (model_init's models are checked when made)
+            self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
-        fsdp = args.hf_dist_fsdp
+        teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
         self.dims = trainer_dims(args)
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
+        if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead
+            model = self._prepare_model(model, args)
+        with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
+            super().__init__(model, args, *positional, **kwargs)
+        launch_env.verify_backend(self)
+        if args.dist_logging:
+            self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
+        signals = preemption.parse_signals(args.preemption_signals)
+        # SIGTERM/SIGUSR1: finish the step, save, exit 75. A callback only while train() runs, where its signal
+        # handlers live: outside it the callback list is the Trainer's.
+        self.preemption = preemption.PreemptionCallback(signals) if signals else None
+        self._check_packing()
+        if self.dims.pp_enabled:
+            pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
+        elif self.dims.tp_enabled:
+            tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
+        if self.args.should_log:
+            print(self.describe(), flush=True)
+
+    @staticmethod
+    def _check_model(model, args: DistTrainingArguments) -> None:
+        if args.pp_size > 1:  # stages must reproduce the model
+            check_pipeline_support(model.config)
+        if args.tp_size > 1:  # the model's own plan must be supported and fit
+            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
+
+    def _prepare_model(self, model, args: DistTrainingArguments):
+        """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
         laid_out = laid_out_by_hf_dist(model, self.dims)  # hf_dist.from_pretrained: the layout is applied already
         if laid_out is not None:
             self.dims, flops = laid_out.dims, laid_out.flops
@@ -101,27 +132,22 @@ class DistTrainer(Trainer):
             if self.owns_layout:
                 model = apply_owned_layout(model, args, self.dims)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
+        fsdp = args.hf_dist_fsdp
         recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
             flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
         )
-        from hf_dist.checkpoint import trainer_hooks
+        return model
 
-        with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
-            super().__init__(model, args, *positional, **kwargs)
-        launch_env.verify_backend(self)
-        self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
-        signals = preemption.parse_signals(args.preemption_signals)
-        self.preemption = preemption.PreemptionCallback(signals) if signals else None
-        if self.preemption is not None:  # SIGTERM/SIGUSR1: finish the step, save, exit 75
-            self.add_callback(self.preemption)
-        self._check_packing()
-        if self.dims.pp_enabled:
-            pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
-        elif self.dims.tp_enabled:
-            tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
-        if self.args.should_log:
-            print(self.describe(), flush=True)
+    def call_model_init(self, trial=None):
+        """``model_init``'s new model with the layout applied (at start, and again per train() / search trial)."""
+        model = super().call_model_init(trial)
+        self._check_model(model, self.args)
+        model = self._prepare_model(model, self.args)
+        previous = getattr(self, "model", None)  # None during __init__; the replaced model in train()
+        if self.dims.pp_enabled and previous is not None:
+            model.logits_everywhere = previous.logits_everywhere
+        return model
 
     def create_accelerator_and_postprocess(self) -> None:
         with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
@@ -179,14 +205,14 @@ class DistTrainer(Trainer):
             # evaluate() before train() marks the bare model prepared (inference only): accelerate would then
             # skip the DDP wrap and every rank would train alone, gradients never reduced. Let train() wrap it.
             self.model.__dict__.pop("_is_accelerate_prepared", None)
-        if self.owns_layout:  # an evaluate() forward leaves FSDP2's root unsharded: the optimizer must see shards
-            from torch.distributed.fsdp import FSDPModule
-
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
         resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self.preemption is not None:
+            self.add_callback(self.preemption)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self.preemption is not None:
+                self.remove_callback(self.preemption)
         preemption.exit_if_preempted(self, self.preemption)  # saved at a signal: SystemExit(75)
         return output
 
@@ -203,7 +229,8 @@ class DistTrainer(Trainer):
         return super().evaluate(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        with self.throughput.step(model, inputs):  # tokens, busy time, DDP all-reduce wait
+        metering = self.throughput.step(model, inputs) if self.args.dist_logging else contextlib.nullcontext()
+        with metering:  # tokens, busy time, DDP all-reduce wait
             if self.dims.pp_enabled:
                 return pipeline_trainer.training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
@@ -238,56 +265,56 @@ class DistTrainer(Trainer):
             self.model.set_requires_gradient_sync(True)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: every rank is here (the Trainer just gathered the loss)
+        if self.args.dist_logging and "loss" in logs:  # a training log: every rank is here (loss just gathered)
             logs.update(self.throughput.report())
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------
     # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
     def _save_checkpoint(self, model, trial) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
         if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else
             return resume.save_native_checkpoint(self, model, trial, super()._save_checkpoint)
-        trainer_hooks.save_trainer_checkpoint(self, trial)
+        checkpoint_glue.save_trainer_checkpoint(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, resume_from_checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # else: loaded with the optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        trainer_hooks.load_trainer_checkpoint(self, checkpoint)
+        checkpoint_glue.load_trainer_checkpoint(self, checkpoint)
 
     def _load_rng_state(self, checkpoint) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, checkpoint):
             return super()._load_rng_state(checkpoint)
-        trainer_hooks.restore_trainer_rng(self, checkpoint)
+        checkpoint_glue.restore_trainer_rng(self, checkpoint)
 
     def _load_best_model(self) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, self.state.best_model_checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, self.state.best_model_checkpoint):
             return super()._load_best_model()
-        trainer_hooks.load_best_model(self)
+        checkpoint_glue.load_best_model(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
-        if self.dims.tp_enabled and state_dict is None:  # fused projections back in HF row order
-            state_dict = tensor_parallel_trainer.gathered_state_dict(self.model)
-        if self.owns_layout and state_dict is None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state_dict = get_model_state_dict(self.model, options=options)
-            state_dict = {k: v.clone() for k, v in state_dict.items()}  # cpu_offload may alias live tensors
+        if self.owns_layout and state_dict is None and not hasattr(self.model, "peft_config"):
+            return self._save_streaming(output_dir or self.args.output_dir)
+        if self.owns_layout and state_dict is None:  # a PEFT adapter: DTensors gathered, fused parts in HF order
+            state_dict = full_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
+
+    def _save_streaming(self, output_dir: str) -> None:
+        """Weights one gathered tensor at a time (rank 0 never holds the whole model), then what ``_save`` adds."""
+        import os
+
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        from hf_dist.state_dict import save_streaming
+
+        save_streaming(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

@@ -1,0 +1,198 @@
+"""Loading a ~1B-parameter Llama into FSDP2 / TP / PP: hf_dist's streaming load vs from_pretrained on every rank.
+
+    .venv/bin/python bench/loading.py                          # ~1B parameters (3.9 GB fp32), all scenarios
+    .venv/bin/python bench/loading.py --layers 2 --hidden 256  # a quick check of the bench itself
+
+The checkpoint is a Llama built from a config with random weights, written as sharded safetensors one shard at a
+time (``--dir``, reused when present). Each scenario is one ``torchrun`` launch; every rank reports:
+- ``base``: resident set after imports and the process group (the empty process);
+- ``peak``: the largest resident set while loading (``VmHWM``, reset after ``base``), and the load's wall time.
+Methods: ``stream`` = ``hf_dist.from_pretrained(dir, args)`` (meta init, layout, each rank reads its slices);
+``from_pretrained`` = transformers' ``from_pretrained`` on every rank, then the same layout (DistTrainer's path).
+Target (issue 13): peak - base <= model bytes / N + the largest tensor, + 20 %.
+``save`` rows: rank 0's resident-set growth while ``DistTrainer.save_model`` writes the final model (FSDP2).
+Baselines that would need more RAM than ``--ram-budget-gb`` (N x model bytes x 1.2) are not run, and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SCENARIOS = {  # name: (ranks, DistTrainingArguments overrides)
+    "FSDP2 N=2": (2, {"fsdp": "full_shard", "fsdp_config": {"version": 2}}),
+    "FSDP2 N=4": (4, {"fsdp": "full_shard", "fsdp_config": {"version": 2}}),
+    "TP=2": (2, {"tp_size": 2}),
+    "PP=2": (2, {"pp_size": 2, "gradient_accumulation_steps": 2}),
+}
+MIB = 2**20
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+
+
+def make_checkpoint(directory: str, *, layers: int, hidden: int, vocab: int, shard_gb: float) -> None:
+    """A random-weight Llama written shard by shard (never the whole model in memory)."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 128, 2), num_key_value_heads=max(hidden // 256, 1),
+        max_position_embeddings=2048, tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = model.state_dict()
+    split = split_torch_state_dict_into_shards(state, max_shard_size=int(shard_gb * 2**30))
+    os.makedirs(directory, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    for filename, names in split.filename_to_tensors.items():
+        shard = {n: torch.randn(state[n].shape, generator=gen).mul_(0.02) for n in names}
+        save_file(shard, os.path.join(directory, filename), metadata={"format": "pt"})
+        del shard
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    config.save_pretrained(directory)
+
+
+def worker(directory: str, method: str, overrides: dict, out: str, save: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import hf_dist
+    from hf_dist import DistTrainingArguments
+
+    torch.set_num_threads(1)
+    args = DistTrainingArguments(output_dir=out, report_to=[], per_device_train_batch_size=1, **overrides)
+    args.device  # the process group
+    dist.barrier()
+    base = _status("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    if method == "stream":
+        model = hf_dist.from_pretrained(directory, args)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model = apply_owned_layout(model, args, trainer_dims(args))
+    dist.barrier()
+    result = {"base": base, "peak": _status("VmHWM"), "seconds": time.perf_counter() - start}
+    if save:
+        trainer = hf_dist.DistTrainer(model=model, args=args)
+        dist.barrier()
+        before = _status("VmRSS")
+        _reset_peak()
+        start = time.perf_counter()
+        trainer.save_model(os.path.join(out, "final"))
+        dist.barrier()
+        result.update(save_before=before, save_peak=_status("VmHWM"), save_seconds=time.perf_counter() - start)
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def checkpoint_sizes(directory: str) -> tuple[int, int]:
+    """(total bytes, largest tensor bytes) of the checkpoint."""
+    from hf_dist.loading.checkpoint_files import CheckpointFiles
+
+    files = CheckpointFiles(directory)
+    sizes = [4 * _numel(shape) for shape in files.shape_of.values()]  # fp32 on load
+    return sum(sizes), max(sizes)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def launch(directory: str, scenario: str, method: str, save: bool) -> list[dict]:
+    ranks, overrides = SCENARIOS[scenario]
+    with tempfile.TemporaryDirectory(prefix="hf_dist_bench_loading_") as out:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(29500 + os.getpid() % 1000), __file__, "--worker", "--dir", directory, "--method", method,
+            "--overrides", json.dumps(overrides), "--out", out, *(["--save"] if save else []),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{scenario} {method} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(ranks)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=18)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "hf_dist_bench_loading"))
+    parser.add_argument("--ram-budget-gb", type=float, default=12.0, help="largest baseline (all ranks) to run")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--method", default="stream")
+    parser.add_argument("--overrides", default="{}")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--save", action="store_true")
+    opts = parser.parse_args()
+    if opts.worker:
+        return worker(opts.dir, opts.method, json.loads(opts.overrides), opts.out, opts.save)
+    directory = os.path.join(opts.dir, f"llama-{opts.layers}x{opts.hidden}-v{opts.vocab}")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        make_checkpoint(directory, layers=opts.layers, hidden=opts.hidden, vocab=opts.vocab, shard_gb=1.0)
+    total, largest = checkpoint_sizes(directory)
+    print(f"checkpoint: {total / 4 / 1e6:.0f}M parameters, {total / 2**30:.2f} GiB fp32, largest tensor "
+          f"{largest / MIB:.0f} MiB, in {directory}")
+    header = f"{'scenario':<11} {'method':<16} {'load s':>7} {'peak-base MiB (max rank)':>25} {'target MiB':>11} {'met':>4}"
+    print(header)
+    print("-" * len(header))
+    for scenario in opts.scenarios.split(","):
+        ranks = SCENARIOS[scenario][0]
+        target = (total / ranks + largest) * 1.2
+        for method in ("stream", "from_pretrained"):
+            if method == "from_pretrained" and ranks * total * 1.2 > opts.ram_budget_gb * 2**30:
+                print(f"{scenario:<11} {method:<16} not run: {ranks} x {total / 2**30:.1f} GiB exceeds "
+                      f"--ram-budget-gb {opts.ram_budget_gb:g}")
+                continue
+            save = method == "stream" and scenario.startswith("FSDP2")
+            results = launch(directory, scenario, method, save)
+            grow = max(r["peak"] - r["base"] for r in results)
+            seconds = max(r["seconds"] for r in results)
+            met = "yes" if grow <= target else "no"
+            print(f"{scenario:<11} {method:<16} {seconds:7.1f} {grow / MIB:25.0f} {target / MIB:11.0f} {met:>4}",
+                  flush=True)
+            if save:
+                r0 = results[0]
+                grow0 = r0["save_peak"] - r0["save_before"]
+                met0 = "yes" if grow0 <= target else "no"
+                print(f"{scenario:<11} {'save (rank 0)':<16} {r0['save_seconds']:7.1f} {grow0 / MIB:25.0f} "
+                      f"{target / MIB:11.0f} {met0:>4}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
