@@ -151,7 +151,8 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     model = apply_owned_layout(model, args, dims)
     from hf_dist.loading.stream import load_checkpoint
 
-    load_checkpoint(model, directory, device=device)
+    offload = args.hf_dist_fsdp is not None and args.hf_dist_fsdp.cpu_offload
+    load_checkpoint(model, directory, device="cpu" if offload else device)  # FSDP2 offload keeps shards on the host
     return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops))
 
 
