@@ -4,8 +4,9 @@ Written from the Trainer's documented behaviour: its default callbacks, what ``s
 into ``output_dir`` and each checkpoint, ``state.log_history`` (also after ``resume_from_checkpoint``), best-model
 tracking with ``load_best_model_at_end``, ``model_init`` (a fresh model per ``train()``), and ``evaluate``/``predict``
 outputs. The Trainer's own timing keys (``*_runtime``, ``*_per_second``) differ between any two runs and are left
-out, as the Trainer's tests do. One process on CPU (fp32), where both train the same numbers; then 2 gloo ranks
-check that ``model_init``'s every model gets hf_dist's layout (FSDP2, TP), as ``hyperparameter_search`` needs.
+out, as the Trainer's tests do. One process on CPU (fp32) and DDP on 2 gloo ranks, where both train the same
+numbers; then 2 gloo ranks check that ``model_init``'s every model gets hf_dist's layout (FSDP2, TP), as
+``hyperparameter_search`` needs.
 """
 
 from __future__ import annotations
@@ -131,6 +132,28 @@ def test_predict_and_evaluate_outputs_match(observed):
     for key in ("predict_metrics", "evaluate"):
         assert sorted(dist[key]) == sorted(plain[key])
         torch.testing.assert_close(dist[key], plain[key], rtol=1e-5, atol=1e-6)
+
+
+def _ddp_rank(rank, world_size, root):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    return (_script(Trainer, TrainingArguments, Path(root) / "trainer"),
+            _script(DistTrainer, DistTrainingArguments, Path(root) / "dist"))
+
+
+def test_same_observations_under_ddp_on_two_ranks(tmp_path):
+    """The same script on 2 gloo ranks (the plain Trainer with use_cpu=True, which it needs on CPU)."""
+    for plain, dist in run_distributed(_ddp_rank, 2, str(tmp_path)):
+        assert dist["callbacks"] == plain["callbacks"]
+        assert dist["files"] == plain["files"] and dist["resumed_files"] == plain["resumed_files"]
+        for key in ("log_history", "resumed_log_history"):
+            assert [sorted(log) for log in dist[key]] == [sorted(log) for log in plain[key]]
+            torch.testing.assert_close(dist[key], plain[key], rtol=1e-5, atol=1e-6)
+        assert dist["best"][1:] == plain["best"][1:]
+        torch.testing.assert_close(dist["params"], plain["params"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dist["predictions"], plain["predictions"], rtol=1e-5, atol=1e-5)
 
 
 def test_dist_logging_adds_the_jsonl_and_throughput_keys(tmp_path):

@@ -140,6 +140,10 @@ def test_tied_embeddings_match_one_process(two_rank_run):
         state = results[0]["tied"][schedule]["state"]
         for key, value in ref_state.items():
             assert_close(torch.from_numpy(state[key]), value, atol=1e-4, rtol=0, msg=f"tied {schedule} {key}")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:  # one tensor for the tied pair
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
     assert saved.lm_head.weight is saved.model.embed_tokens.weight
     assert_close(saved.lm_head.weight, ref_state["lm_head.weight"], atol=1e-4, rtol=0)

@@ -172,3 +172,24 @@ def test_cli_prints_the_13b_split(capsys):
     assert "= 0.89 (bubble 11%)" in out
     assert main(["pp", "--model", "llama-2-13b", "--pp", "2", "--split-points", "model.layers.99"]) == 2
     assert "are not decoder layers" in capsys.readouterr().out
+
+
+def test_pad_to_bucket_keeps_every_real_token_output():
+    """Padded batches (mask, packed position_ids, neither) give the real tokens the same logits and loss."""
+    from hf_dist.pipeline_parallel.pipeline import pad_to_bucket
+
+    model = tiny_model().eval()
+    masked = padded_batch(2, seed=5)
+    packed = {"input_ids": masked["input_ids"], "labels": masked["input_ids"],
+              "position_ids": torch.cat([torch.arange(12), torch.arange(20)]).expand(2, -1)}
+    plain = {"input_ids": masked["input_ids"]}
+    for batch in (masked, packed, plain):
+        padded = pad_to_bucket(batch, 48)
+        assert padded["input_ids"].shape[1] == 48 and (padded["labels"][:, 32:] == -100).all()
+        with torch.no_grad():
+            ref = model(**{**batch, "labels": batch.get("labels", batch["input_ids"])})
+            got = model(**padded)
+        keep = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+        assert_close(got.logits[:, :32][keep], ref.logits[keep], atol=1e-5, rtol=0)
+        assert_close(got.loss, ref.loss, atol=1e-6, rtol=0)
+    assert pad_to_bucket(masked, 32)["input_ids"] is masked["input_ids"]  # already a multiple: untouched

@@ -76,14 +76,15 @@ def test_plans_hf_dist_cannot_shard_are_refused_with_the_reason(model_type, reas
         check_tp_sizes(AutoConfig.for_model(model_type), 2)
 
 
-def test_config_values_the_plan_gets_wrong_are_refused_by_field():
+def test_overlays_for_config_values_the_models_plan_alone_gets_wrong():
     from transformers import CohereConfig, OlmoConfig
 
-    with pytest.raises(ValueError, match="use_qk_norm=True"):
-        check_tp_sizes(CohereConfig(use_qk_norm=True), 2)
-    with pytest.raises(ValueError, match="clip_qkv=8.0.*set clip_qkv=None"):
-        check_tp_sizes(OlmoConfig(clip_qkv=8.0), 2)
-    check_tp_sizes(CohereConfig(), 2)
+    cohere = plan_names(CohereConfig(use_qk_norm=True), tp=2)
+    assert cohere["model.layers.*.self_attn.q_norm"] == "head_sharded_norm"  # one weight row per head
+    assert "model.layers.*.self_attn.q_norm" not in plan_names(CohereConfig(), tp=2)
+    olmo = plan_names(OlmoConfig(clip_qkv=8.0), tp=2)  # clamps q/k/v in place: the model gets a copy
+    assert olmo["model.layers.*.self_attn.k_proj"] == "colwise_writable_output"
+    assert plan_names(OlmoConfig(), tp=2)["model.layers.*.self_attn.k_proj"] == "colwise"
 
 
 def test_sizes_come_from_what_the_plan_shards():

@@ -38,8 +38,10 @@ NON_DEFAULT = {
 """Field -> a value other than the usual default, applied where the config has the field."""
 PER_TYPE: dict[str, dict] = {
     "helium": {"head_dim": 16},  # its o_proj is hidden x hidden: heads x head_dim must equal hidden
-    "cohere": {"use_qk_norm": False},  # True is refused (support.py); the refusal has its own test
-    "olmo": {"clip_qkv": None},  # set, it is refused (support.py); the refusal has its own test
+    "youtu": {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+              "qk_nope_head_dim": 8, "v_head_dim": 8},  # latent attention (kept whole by its plan) made tiny
+    "gemma3n_text": {"num_kv_shared_layers": 0, "laurel_rank": 8, "hidden_size_per_layer_input": 8,
+                     "altup_num_inputs": 2, "activation_sparsity_pattern": [0.0, 0.0]},
     "hyperclovax": {"logits_scaling": 0.125},  # a multiplier here (MuP): 8 would scale fp32 rounding past 1e-5
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5000.0}}},
     "qwen2": {"use_sliding_window": True, "max_window_layers": 1},

@@ -106,6 +106,11 @@ def _write_full(model, state: dict[str, torch.Tensor], output_dir: str) -> None:
     # Write through a meta-device twin: the live model lost its non-local modules when it was split.
     with torch.device("meta"):
         twin = type(lm)(lm.config)
+    # Tied weights arrive as two copies (one per stage); the checkpoint holds the tensor once, under the name
+    # the unsplit model's save_pretrained would use.
+    kept = {name for name, _ in twin.named_parameters()}
+    aliases = {name for name, _ in twin.named_parameters(remove_duplicate=False)} - kept
+    state = {key: value for key, value in state.items() if key not in aliases}
     PreTrainedModel.save_pretrained(twin, output_dir, state_dict=state)
 
 

@@ -95,6 +95,10 @@ class PipelineModel(nn.Module):
         if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
             raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
 
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for the model card (``PreTrainedModel`` API; TRL calls it): kept on the HF model the stages share."""
+        self.pipeline.source_model.add_model_tags(tags)
+
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):
         from transformers.modeling_outputs import CausalLMOutput
 

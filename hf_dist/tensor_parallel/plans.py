@@ -11,8 +11,10 @@ stands for one path component (a layer index). hf_dist's overlays:
 - the lm_head: column-parallel with its output gathered (the head's own plan) when the vocabulary divides by
   ``tp`` and the embeddings are not tied; whole otherwise (a tied weight is sharded only with the embedding,
   which is what vocab parallelism does);
-- norms over one head's features that the model's plan leaves whole (Phi ``qk_layernorm``): their weight
-  gradient, a partial sum per rank, is reduced over the TP ranks;
+- norms over one head's features that the model's plan leaves out: a weight shared by the heads (Phi
+  ``qk_layernorm``) stays whole and its gradient, a partial sum per rank, is reduced over the TP ranks; a
+  weight row per head (Cohere ``use_qk_norm``) is split by head;
+- projections whose output the model modifies in place (OLMo ``clip_qkv``) hand it a copy;
 - sequence parallelism, vocab parallelism (with ``VocabParallelCausalLMLoss``), and replicated KV heads when
   there are fewer KV heads than TP ranks, for the families whose module names they are written for.
 
@@ -33,8 +35,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hf_dist.tensor_parallel.styles import (
+    ColwiseParallelWritableOutput,
     CombinedStyle,
     FusedColwiseParallel,
+    HeadShardedNorm,
     LocalHeadCounts,
     ReplicatedKVColwise,
     ReplicatedWithGradReduce,
@@ -69,11 +73,18 @@ REPLICATED_KV_OVERLAY = {
 REPLICATED_KV_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 """Families with separate k/v projections (fused ones cannot keep one KV head per rank)."""
 
-# Norms over one head's features that the model's plan leaves out: whole on every rank, each rank sees only its
-# heads, so the weight gradient is a partial sum to reduce (model_type -> (config flag, patterns)).
-PER_HEAD_NORM_OVERLAY: dict[str, tuple[str, tuple[str, ...]]] = {
-    "phi": ("qk_layernorm", ("model.layers.*.self_attn.q_layernorm", "model.layers.*.self_attn.k_layernorm")),
+# Norms over one head's features that the model's plan leaves out (model_type -> (config flag, patterns, style)).
+# One weight shared by all heads: whole on every rank, its gradient (partial per rank) reduced; one weight row
+# per head: split by head like the projections.
+PER_HEAD_NORM_OVERLAY: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "phi": ("qk_layernorm", ("model.layers.*.self_attn.q_layernorm", "model.layers.*.self_attn.k_layernorm"),
+            "replicated_with_grad_allreduce"),
+    "cohere": ("use_qk_norm", ("model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"),
+               "head_sharded_norm"),
 }
+
+# Projections whose output the model clamps in place when the config field is set (OLMo ``clip_qkv``).
+IN_PLACE_OUTPUT_OVERLAY: dict[str, tuple[str, ...]] = {"clip_qkv": ("q_proj", "k_proj", "v_proj")}
 
 # Fused projections the model's own plan gathers: shard each part, make the partner row-parallel.
 _FUSED_OVERLAY = {
@@ -120,9 +131,13 @@ def base_plan(config, tp: int | None = None) -> dict[str, str]:
     """The model's plan with the fused-projection and head overlays, as ``{pattern: style_name}``."""
     check_tp_support(config)
     plan = _head(_fuse(model_plan(config)), config, tp)
-    flag, patterns = PER_HEAD_NORM_OVERLAY.get(config.model_type, ("", ()))
+    for field, leaves in IN_PLACE_OUTPUT_OVERLAY.items():
+        if getattr(config, field, None) is not None:
+            plan.update({p: "colwise_writable_output" for p, s in plan.items()
+                         if s == "colwise" and p.rpartition(".")[2] in leaves})
+    flag, patterns, style = PER_HEAD_NORM_OVERLAY.get(config.model_type, ("", (), ""))
     if getattr(config, flag, False):
-        plan.update(dict.fromkeys(patterns, "replicated_with_grad_allreduce"))
+        plan.update(dict.fromkeys(patterns, style))
     return plan
 
 
@@ -190,6 +205,8 @@ STYLE_BUILDERS = {
     "rowwise_split_input": lambda config: RowwiseParallel(input_layouts=Replicate()),
     "replicated_with_grad_allreduce": lambda config: ReplicatedWithGradReduce(input_dim=-2),
     # hf_dist's overlays
+    "colwise_writable_output": lambda config: ColwiseParallelWritableOutput(),
+    "head_sharded_norm": lambda config: HeadShardedNorm(input_dim=-2),
     "local_head_counts": lambda config: LocalHeadCounts(),
     "fused_colwise_qkv": _fused_qkv,
     "fused_colwise_gate_up": _fused_gate_up,

@@ -12,6 +12,12 @@
   the whole weight on every rank, each rank keeping the output of the one KV head its query heads use;
   the weight gradient, partial per rank, is summed over the TP ranks.
 
+- ``HeadShardedNorm``: a norm holding one weight row per head (Cohere ``use_qk_norm``: weight ``[heads,
+  head_dim]``), applied to this rank's heads: its weight is split by head like the projections before it.
+- ``ColwiseParallelWritableOutput``: a column-parallel Linear whose local output the model modifies in place
+  (OLMo ``clip_qkv`` clamps q/k/v with ``clamp_``); DTensor's ``to_local`` returns a view autograd forbids
+  writing to, so this style hands the model a copy.
+
 Not for: choosing which style goes where (``plans.py``) or validating sizes (``checks.py``).
 """
 
@@ -86,6 +92,18 @@ class FusedColwiseParallel(ColwiseParallel):
         return f"FusedColwiseParallel(parts={self.parts})"
 
 
+class ColwiseParallelWritableOutput(ColwiseParallel):
+    """``ColwiseParallel`` whose local output is a fresh tensor the model may modify in place."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return outputs.clone() if use_local_output else outputs
+
+    def __repr__(self) -> str:
+        return "ColwiseParallelWritableOutput()"
+
+
 def _reduce_partial_grad(param: torch.Tensor) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
@@ -133,6 +151,36 @@ class ReplicatedWithGradReduce(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"ReplicatedWithGradReduce(input_dim={self.input_dim})"
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A per-head norm (weight ``[heads, head_dim]``) on input ``[..., heads_local, head_dim]``: parameters split
+    on their first dimension (heads), the input read as sharded on ``input_dim``; each rank owns its heads'
+    rows whole, so their gradients need no reduction."""
+
+    def __init__(self, *, input_dim: int = -2) -> None:
+        super().__init__()
+        self.input_dim = input_dim
+
+    def _partition_fn(self, name, module, device_mesh):
+        for param_name, param in module.named_parameters(recurse=False):
+            dist_param = nn.Parameter(
+                distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(param_name, dist_param)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_fn,
+            partial(ReplicatedWithGradReduce._prepare_input, self.input_dim),
+            ReplicatedWithGradReduce._prepare_output,
+        )
+
+    def __repr__(self) -> str:
+        return f"HeadShardedNorm(input_dim={self.input_dim})"
 
 
 class CombinedStyle(ParallelStyle):

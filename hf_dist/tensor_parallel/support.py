@@ -4,8 +4,7 @@ A model type is supported when transformers ships a ``base_model_tp_plan`` for i
 hf_dist translates into DTensor styles (``plans.py``), its layers are all attention layers, and a TP=2 parity
 test against one process passes for it (``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
 Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
-linear-attention or state-space layers, no plan, no parity test yet. A few config values that the model's
-plan does not shard correctly are refused by field (``_FIELD_RULES``).
+linear-attention or state-space layers, no plan, no parity test yet.
 
 Pure: a config in, a reason or ``None`` out; ``check_tp_support`` raises the ``ValueError`` before any process
 group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
@@ -13,14 +12,12 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "apertus", "arcee", "cohere", "cohere2", "cohere_compass_text", "cwm", "ernie4_5", "exaone4", "gemma",
     "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hrm_text", "hyperclovax",
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
     "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
+    "youtu", "gemma3n_text", "phi4_multimodal",
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
@@ -88,14 +85,6 @@ def _family_refusal(config) -> str | None:
     return None
 
 
-_FIELD_RULES: dict[str, list[tuple[str, Callable[[object], bool], str]]] = {
-    "cohere": [("use_qk_norm", bool, "its q/k norms hold one weight row per head, which the plan does not shard")],
-    "olmo": [("clip_qkv", lambda v: v is not None, "it clamps the sharded q/k/v outputs in place, which DTensor's "
-              "local views do not allow; set clip_qkv=None")],
-}
-"""``model_type -> [(field, refused(value), why)]``: config values the translated plan gets wrong."""
-
-
 def tp_refusal(config) -> str | None:
     """Why ``config``'s model cannot run tensor-parallel in hf_dist, or ``None`` when it can."""
     model_type = getattr(config, "model_type", None)
@@ -115,10 +104,6 @@ def tp_refusal(config) -> str | None:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
     if model_type not in TP_TESTED_MODEL_TYPES:
         return f"no TP parity test in hf_dist for model_type={model_type!r} yet"
-    for field, refused, why in _FIELD_RULES.get(model_type, ()):
-        value = getattr(config, field, None)
-        if refused(value):
-            return f"{field}={value!r}: {why}"
     return None
 
 

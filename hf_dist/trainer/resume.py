@@ -160,6 +160,11 @@ def prepare_resume(trainer, explicit: bool | str | None) -> str | None:
             f"only into that kind of run, not into a layout hf_dist applies (FSDP2/TP/PP); resume with the "
             f"layout that wrote it, or pass a checkpoint written under FSDP2/TP/PP"
         )
+    if path is not None and args.should_log:  # one line a restart log can be read by (elastic, requeue)
+        contract = args.batch_contract
+        print(f"resuming from {path} with world size {contract.world_size}: global batch "
+              f"{contract.global_batch_size} = {contract.micro_batch_size} x {contract.dp} x "
+              f"{contract.gradient_accumulation_steps}", flush=True)
     return path
 
 

@@ -30,7 +30,7 @@ from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env, preemption, resume
+from hf_dist.trainer import launch_env, preemption, resume, teardown
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
@@ -93,6 +93,7 @@ class DistTrainer(Trainer):
         if model is not None:  # before any process group (model_init's models are checked when made)
             self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
+        teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
         self.dims = trainer_dims(args)
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
         if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead

@@ -1,0 +1,68 @@
+"""TRL's ``SFTTrainer`` with hf_dist's layouts: ``DistSFTTrainer`` and ``DistSFTConfig``.
+
+``DistSFTConfig`` is TRL's ``SFTConfig`` with ``DistTrainingArguments``' fields (global batch, LR scaling,
+``tp_size``, ``pp_size``, ``fsdp2*``); ``DistSFTTrainer`` is ``SFTTrainer`` over ``DistTrainer``. The order is
+what makes it correct: ``SFTTrainer.__init__`` prepares the model first (PEFT adapter, pad/eos tokens), then
+``DistTrainer.__init__`` applies the layout to that prepared model, then the Trainer is built; after it,
+``SFTTrainer`` adds TRL's fused LM head to the laid-out model. Every other method chains through both classes.
+
+Not here: TRL's other trainers (DPO, GRPO, ...), which build reference models of their own; and the layouts
+themselves (``DistTrainer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from transformers import Trainer, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+
+from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.trainer import DistTrainer
+
+_SFT_LEARNING_RATE = next(f.default for f in dataclasses.fields(SFTConfig) if f.name == "learning_rate")
+
+
+@dataclass
+class DistSFTConfig(DistTrainingArguments, SFTConfig):
+    """``trl.SFTConfig`` plus hf_dist's batch contract and layout fields (see ``DistTrainingArguments``)."""
+
+    def __post_init__(self):
+        # before any process group: TRL's fused LM head (used for the loss and its metrics) multiplies plain hidden
+        # states by the whole lm_head weight, which these two TP options turn into sharded DTensors
+        for name in ("tp_vocab_parallel", "tp_sequence_parallel"):
+            if getattr(self, name) and self.tp_size > 1:
+                raise ValueError(
+                    f"{name}=True with tp_size={self.tp_size} in DistSFTConfig: TRL's fused LM head needs the whole "
+                    f"lm_head weight and hidden states, which {name.removeprefix('tp_')} parallelism shards; drop "
+                    f"--{name} (the decoder blocks stay tensor-parallel)"
+                )
+        if self.learning_rate is None and self.base_learning_rate is None:
+            self.learning_rate = _SFT_LEARNING_RATE  # SFTConfig's default, not the Trainer's
+        super().__post_init__()
+
+
+def as_dist_sft_config(args: TrainingArguments | None) -> DistSFTConfig | None:
+    """``args`` as ``DistSFTConfig`` (an ``SFTConfig`` or ``TrainingArguments`` is converted field by field)."""
+    if args is None or isinstance(args, DistSFTConfig):
+        return args
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return DistSFTConfig(**values)
+
+
+class DistSFTTrainer(SFTTrainer, DistTrainer):
+    """``trl.SFTTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, PP, LoRA) and batch contract."""
+
+    def __init__(self, model, args: TrainingArguments | None = None, *positional, **kwargs):
+        if args is None:
+            args = DistSFTConfig(output_dir="trainer_output")
+        super().__init__(model, as_dist_sft_config(args), *positional, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.dims.pp_enabled:
+            # Pipeline stages run the model's own forward and loss (training goes through the schedule; this is
+            # evaluation). TRL's fused LM head needs the whole backbone in one module, so its entropy and token
+            # accuracy metrics are not logged under PP.
+            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

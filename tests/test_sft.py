@@ -1,0 +1,158 @@
+"""TRL's SFTTrainer under hf_dist's layouts: DistSFTTrainer on 2 gloo ranks against one-process SFTTrainer.
+
+A tiny Llama, a byte-level BPE tokenizer trained here on the same text, a plain-text dataset of varying lengths
+that SFTTrainer tokenizes itself, global batch 8 for 3 optimizer steps (fp32, no gradient checkpointing), then an evaluation.
+DDP, FSDP2, TP=2, PP=2 and LoRA (over FSDP2) all run in one spawned 2-rank group, one after the other; each
+must give the reference's per-step losses, evaluation loss and final weights within 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+STEPS = 3
+GLOBAL_BATCH = 8
+EXPECTED_DIMS = {"ddp": (2, 1, 1, 1), "fsdp2": (2, 2, 1, 1), "tp": (2, 1, 2, 1), "pp": (2, 1, 1, 2), "lora": (2, 2, 1, 1)}
+LAYOUTS = {  # name -> DistSFTConfig fields (2 ranks)
+    "ddp": {},
+    "fsdp2": {"fsdp2": True, "fsdp2_reshard_after_forward": False},
+    "tp": {"tp_size": 2},
+    "pp": {"pp_size": 2, "pp_schedule": "gpipe"},
+    "lora": {"fsdp2": True},
+}
+WORDS = "the ship sails north while a crew of seven reads maps and charts under lamps at night".split()
+
+
+def _texts(n: int = 48, seed: int = 0) -> list[str]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 20, (n,), generator=gen)
+    return [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(int(k))) for i, k in enumerate(lengths)]
+
+
+def _tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    from hf_dist.data.tokenizer import train_tokenizer_from_texts
+
+    if not (directory / "tokenizer.json").is_file():
+        train_tokenizer_from_texts(_texts(), directory, vocab_size=320)
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"])
+
+
+def _run(tokenizer_dir: Path, config_cls, trainer_cls, *, lora: bool, **overrides):
+    from datasets import Dataset
+
+    from hf_dist.models import build_tiny_model
+
+    tokenizer = _tokenizer(tokenizer_dir)
+    model = build_tiny_model(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, seed=0,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=tokenizer.bos_token_id)
+    with tempfile.TemporaryDirectory() as out:
+        args = config_cls(
+            output_dir=out, max_steps=STEPS, learning_rate=2e-3, lr_scheduler_type="constant", logging_steps=1,
+            save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+            bf16=False, gradient_checkpointing=False, max_length=24, max_grad_norm=1.0, **overrides,
+        )
+        trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"text": _texts()}),
+                              eval_dataset=Dataset.from_dict({"text": _texts(8, seed=1)}),
+                              processing_class=tokenizer, peft_config=_lora_config() if lora else None)
+        trainer.train()
+        eval_loss = trainer.evaluate()["eval_loss"]
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if getattr(trainer, "owns_layout", False) and not trainer.dims.pp_enabled:
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    elif getattr(trainer, "owns_layout", False):
+        from hf_dist.pipeline_parallel.checkpoint import gather_state_dict
+
+        state = gather_state_dict(trainer.model.pipeline)  # on rank 0; None elsewhere
+    else:
+        state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log] + [eval_loss]
+    trainable = {n for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters() if p.requires_grad}
+    state = None if state is None else {k: v.detach().cpu().clone() for k, v in state.items()}
+    dims = getattr(trainer, "dims", None)
+    layout = (trainer.accelerator.num_processes, dims.dp_shard, dims.tp, dims.pp) if dims is not None else None
+    return losses, state, len(trainable), layout
+
+
+def _rank_runs(rank, world_size, tokenizer_dir, names):
+    from hf_dist.trainer.sft import DistSFTConfig, DistSFTTrainer
+
+    results = {}
+    for name in names:
+        results[name] = _run(tokenizer_dir, DistSFTConfig, DistSFTTrainer, lora=name == "lora",
+                             global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2, **LAYOUTS[name])
+    return results
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sft_tokenizer")
+    _tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def references(tokenizer_dir):
+    from trl import SFTConfig, SFTTrainer
+
+    os.environ.pop("WORLD_SIZE", None)
+    common = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, use_cpu=True)
+    return {lora: _run(tokenizer_dir, SFTConfig, SFTTrainer, lora=lora, **common) for lora in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def distributed(tokenizer_dir):
+    return run_distributed(_rank_runs, 2, tokenizer_dir, list(LAYOUTS))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_match_one_process_sft_trainer(references, distributed, layout):
+    ref_losses, ref_state, ref_trainable, _ = references[layout == "lora"]
+    assert len(ref_losses) == STEPS + 1  # the training steps, then the evaluation loss
+    for rank_results in distributed:
+        losses, state, trainable, dims = rank_results[layout]
+        assert dims == EXPECTED_DIMS[layout]  # (processes, dp_shard, tp, pp): the layout really ran
+        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
+        if state is None:  # PP gathers the weights on rank 0
+            continue
+        assert sorted(state) == sorted(ref_state)
+        for name, value in ref_state.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
+        if layout == "lora":
+            assert 0 < trainable == ref_trainable  # only the adapter trains
+
+
+@pytest.mark.parametrize("option", ["tp_vocab_parallel", "tp_sequence_parallel"])
+def test_tp_options_trl_cannot_run_are_refused_before_start(tmp_path, option):
+    from hf_dist.trainer.sft import DistSFTConfig
+
+    with pytest.raises(ValueError, match=f"{option}=True with tp_size=2 .* drop --{option}"):
+        DistSFTConfig(output_dir=str(tmp_path), tp_size=2, **{option: True})
+
+
+def test_an_sft_config_converts_field_by_field(tmp_path):
+    from trl import SFTConfig
+
+    from hf_dist.trainer.sft import DistSFTConfig, as_dist_sft_config
+
+    plain = SFTConfig(output_dir=str(tmp_path), learning_rate=3e-4, max_length=20, packing=True, use_cpu=True)
+    converted = as_dist_sft_config(plain)
+    assert isinstance(converted, DistSFTConfig)
+    assert (converted.learning_rate, converted.max_length, converted.packing) == (3e-4, 20, True)
+    assert DistSFTConfig(output_dir=str(tmp_path), use_cpu=True).learning_rate == SFTConfig.learning_rate  # TRL's

@@ -1,0 +1,48 @@
+"""The exit handler DistTrainer registers: every rank passes a bounded barrier, then the groups are destroyed
+(so gloo's threads are freed before interpreter finalisation; see hf_dist/trainer/teardown.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from dist_utils import free_port, run_distributed
+
+
+def _destroy(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from hf_dist.trainer import teardown
+
+    extra = dist.new_group(backend="gloo")  # a second group (as async checkpointing makes): destroyed too
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor, group=extra)
+    teardown.destroy_process_groups()
+    teardown.destroy_process_groups()  # again (atexit after a script's own destroy): a no-op
+    return {"initialized": dist.is_initialized(), "sum": tensor.item()}
+
+
+def test_destroy_process_groups_on_every_rank():
+    for result in run_distributed(_destroy, 2):
+        assert result == {"initialized": False, "sum": 2.0}
+
+
+def test_registered_handler_runs_at_exit(tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit, os, sys\n"
+        "import torch.distributed as dist\n"
+        "from hf_dist.trainer import teardown\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "atexit.register(lambda: print('initialized after teardown:', dist.is_initialized()))  # runs last\n"
+        "teardown.register()\n"
+        "teardown.register()\n"
+        "sys.exit(75)  # as the preemption exit does\n"
+    )
+    env = dict(os.environ, PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 75, proc.stderr
+    assert "initialized after teardown: False" in proc.stdout, proc.stdout + proc.stderr
