@@ -35,7 +35,7 @@ def __getattr__(name: str):
 
         return getattr(parallelism, name)
     if name == "from_pretrained":
-        from hf_dist.loading import from_pretrained
+        from hf_dist.trainer.pretrained import from_pretrained
 
         return from_pretrained
     raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

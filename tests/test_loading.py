@@ -100,7 +100,7 @@ def _step(model, batch: torch.Tensor) -> None:
 
 def _case(directory: str, output_dir: str, layout: dict) -> dict:
     import hf_dist
-    from hf_dist.loading import layout_dtype
+    from hf_dist.trainer.pretrained import layout_dtype
 
     args = _args(output_dir, layout)
     lora = layout.get("lora", False)

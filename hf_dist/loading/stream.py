@@ -10,7 +10,7 @@ no checkpoint entry is an error (no silent random weights), as are shape mismatc
 Parameter, filled once; where a rank holds only the tied alias (the last pipeline stage's lm_head) the
 model's ``_tied_weights_keys`` name its source.
 
-Not for: building the model or applying the layout (``pretrained.py``, the layout path), or saving.
+Not for: building the model (``meta.py``), applying the layout (``hf_dist.trainer``), or saving (``hf_dist.state_dict``).
 """
 
 from __future__ import annotations

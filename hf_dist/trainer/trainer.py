@@ -68,7 +68,9 @@ def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
     ``hf_dist.from_pretrained`` use. A model on ``meta`` stays there (it is filled after the layout)."""
     device = args.device
     dims.build_mesh(device.type)
-    if not any(p.is_meta for p in model.parameters()):
+    if any(p.is_meta for p in model.parameters()):  # built on meta: move what already holds values (buffers, adapters)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
+    else:
         model = model.to(device)
     if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
         return pipeline_trainer.apply_pipeline(dims, model, args)
