@@ -2,8 +2,9 @@
 
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
 ``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
-``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices).
-The Trainer classes are imported on first use, so the CLI and the pure planners start without transformers.
+``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices),
+``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``).
+These are imported on first use, so the CLI and the pure planners start without transformers.
 """
 
 from hf_dist.batch import BatchContract, scale_learning_rate
@@ -15,8 +16,10 @@ __all__ = [
     "BatchContract",
     "DistTrainer",
     "DistTrainingArguments",
+    "FsdpRequest",
     "ParallelDims",
     "from_pretrained",
+    "parallelize",
     "scale_learning_rate",
     "__version__",
 ]
@@ -27,8 +30,12 @@ def __getattr__(name: str):
         from hf_dist import trainer
 
         return getattr(trainer, name)
+    if name in ("parallelize", "FsdpRequest"):
+        from hf_dist import parallelism
+
+        return getattr(parallelism, name)
     if name == "from_pretrained":
-        from hf_dist.loading import from_pretrained
+        from hf_dist.trainer.pretrained import from_pretrained
 
         return from_pretrained
     raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

@@ -3,7 +3,8 @@
 ``first_layers_copy`` cuts the model to its first layers once. ``train_real(model_dir, out, layout)`` trains 3
 optimizer steps (fp32, 24-token rows of the synthetic support transcripts in SmolLM2's own tokenizer and chat
 template, loss on every token), saves a checkpoint through the Trainer, exports it with ``hf-dist checkpoint export``
-(main process; DDP's Trainer checkpoint is already a model folder and loads directly) and returns the per-step
+(main process; DDP's Trainer checkpoint is already a model folder and loads directly, and a LoRA ZeRO-3 one holds
+the adapter, which loads with ``AutoPeftModelForCausalLM`` and is merged) and returns the per-step
 losses and the greedy tokens the exported model generates after ``from_pretrained``. One call per layout; several
 calls share one spawned process group.
 
@@ -158,6 +159,10 @@ def exported_tokens(out: Path, layout: str, model_dir: str, tokenizer) -> list[i
     ckpt = out / f"checkpoint-{STEPS}"
     if layout == "ddp":  # not a layout hf_dist owns: the Trainer's own checkpoint is already a model folder
         return greedy_tokens(AutoModelForCausalLM.from_pretrained(ckpt), tokenizer)
+    if layout == "lora_zero3":  # the Trainer saved the adapter gathered by PEFT; export reads no ZeRO LoRA folder
+        from peft import AutoPeftModelForCausalLM
+
+        return greedy_tokens(AutoPeftModelForCausalLM.from_pretrained(ckpt).merge_and_unload(), tokenizer)
     extra = ["--trust-deepspeed-pickles", "--config", str(ckpt)] if "zero" in layout else []
     extra += ["--adapter", "merged"] if layout.startswith("lora") else []
     exported = out / "exported"

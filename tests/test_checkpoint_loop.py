@@ -50,16 +50,15 @@ def build(kind: str, world: int):
     if world > 1:
         layout.build_mesh("cpu")
     if kind == "fsdp_tp":
-        from hf_dist.tensor_parallel import parallelize_causal_lm
+        from hf_dist import parallelize
 
-        model = parallelize_causal_lm(model, layout, data_parallel="fsdp")
+        model = parallelize(model, layout, fsdp=True)
     elif kind == "tp":
         from hf_dist.tensor_parallel import apply_tensor_parallel
 
         model = apply_tensor_parallel(model, layout.get_mesh("tp"))
     elif kind == "pp":  # this rank's stage, under HF parameter names, as DistTrainer holds it
-        from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM
-        from hf_dist.pipeline_parallel.trainer_glue import PipelineModel
+        from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, PipelineModel
 
         pipe = PipelinedCausalLM(model, dims=layout, config=PipelineConfig(schedule="gpipe", microbatches=GLOBAL_BATCH))
         model = PipelineModel(pipe)

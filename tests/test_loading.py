@@ -100,7 +100,7 @@ def _step(model, batch: torch.Tensor) -> None:
 
 def _case(directory: str, output_dir: str, layout: dict) -> dict:
     import hf_dist
-    from hf_dist.loading import layout_dtype
+    from hf_dist.trainer.pretrained import layout_dtype
 
     args = _args(output_dir, layout)
     lora = layout.get("lora", False)
@@ -132,7 +132,7 @@ def _case(directory: str, output_dir: str, layout: dict) -> dict:
 
 def _check_streaming_save(reference, streamed, directory: str) -> None:
     """``save_streaming`` (several files) writes what the full-state-dict gatherer returns; it loads as HF."""
-    from hf_dist.loading.save import save_streaming
+    from hf_dist.state_dict import save_streaming
 
     save_streaming(streamed, directory, max_shard_bytes=30_000)
     _check_saved(reference, directory, several_files=True)
@@ -144,7 +144,7 @@ def _check_saved(model, directory: str, several_files: bool = False) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hf_dist.tensor_parallel.state import full_state_dict
+    from hf_dist.state_dict import full_state_dict
 
     want = full_state_dict(model)
     if dist.get_rank() == 0:
@@ -266,7 +266,7 @@ def test_a_model_laid_out_for_other_arguments_is_refused():
 
 
 def test_save_shards_are_planned_in_order_within_the_limit():
-    from hf_dist.loading.save import plan_shards
+    from hf_dist.state_dict import plan_shards
 
     assert plan_shards({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
     assert plan_shards({"a": 1}, 8) == [["a"]]

@@ -125,7 +125,7 @@ def _fake_args(**values):
 
 
 def test_accumulation_becomes_pipeline_microbatches():
-    from hf_dist.pipeline_parallel.trainer_glue import fold_accumulation_into_pipeline
+    from hf_dist.trainer.pipeline_glue import fold_accumulation_into_pipeline
 
     args = _fake_args(global_batch_size=8)
     fold_accumulation_into_pipeline(args)

@@ -30,7 +30,8 @@ def model_dir(demo_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
-    return {"full": train_real(model_dir, str(root / "full"), "ddp")}
+    return {name: train_real(model_dir, str(root / name), "ddp" if name == "full" else "lora")
+            for name in ("full", "lora")}
 
 
 def _check(results: dict, references: dict, expected_layout: dict) -> None:
@@ -42,15 +43,26 @@ def _check(results: dict, references: dict, expected_layout: dict) -> None:
         assert result["tokens"] == reference["tokens"], name
 
 
-def test_two_ranks_ddp_fsdp2_pp2(model_dir, references, tmp_path):
-    layouts = ("ddp", "fsdp2", "pp2")
+def test_two_ranks_ddp_fsdp2_pp2_lora(model_dir, references, tmp_path):
+    layouts = ("ddp", "fsdp2", "pp2", "lora_fsdp2")
     results = run_distributed(_group, 2, model_dir, str(tmp_path), layouts, timeout_s=1800)[0]
-    _check(results, references, {"ddp": "DDP", "fsdp2": "FSDP2", "pp2": "PP2"})
+    _check(results, references, {"ddp": "DDP", "fsdp2": "FSDP2", "pp2": "PP2", "lora_fsdp2": "FSDP2"})
+
+
+def test_two_ranks_deepspeed_zero2_zero3_lora(model_dir, references, tmp_path):
+    layouts = ("zero2", "zero3", "lora_zero3")
+    results = run_distributed(_group, 2, model_dir, str(tmp_path), layouts, timeout_s=1800)[0]
+    _check(results, references, {"zero2": "ZeRO-2", "zero3": "ZeRO-3", "lora_zero3": "ZeRO-3"})
 
 
 def test_three_ranks_tp3_pp3(model_dir, references, tmp_path):
     results = run_distributed(_group, 3, model_dir, str(tmp_path), ("tp3", "pp3"), timeout_s=1800)[0]
     _check(results, references, {"tp3": "TP3", "pp3": "PP3"})
+
+
+def test_six_ranks_fsdp2_x_tp3(model_dir, references, tmp_path):
+    results = run_distributed(_group, 6, model_dir, str(tmp_path), ("fsdp2_tp3",), timeout_s=1800)[0]
+    _check(results, references, {"fsdp2_tp3": "FSDP2+TP3"})
 
 
 def _tp2(rank, world_size, model_dir, out):

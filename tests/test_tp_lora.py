@@ -35,7 +35,8 @@ def adapter(state: dict) -> dict:
 def _lora_case(arch: str, rank: int, dims, save_dir: str) -> dict:
     from peft import PeftModel
 
-    from hf_dist.tensor_parallel import apply_tensor_parallel, full_state_dict, save_gathered
+    from hf_dist.state_dict import full_state_dict, save_gathered
+    from hf_dist.tensor_parallel import apply_tensor_parallel
 
     batch = global_batch()
     model = lora_model(arch, seed=100 + rank)  # each rank starts from a different adapter: TP must make them agree

@@ -113,8 +113,8 @@ USER_PLANS = {"mlp_only": _mlp_only_plan}
 def run_case(case: dict) -> dict:
     """Run one case on this rank; returns reference and parallel logits, losses and parameters."""
     from hf_dist import ParallelDims
-    from hf_dist.tensor_parallel import full_state_dict
-    from hf_dist.tensor_parallel.compose import parallelize_causal_lm
+    from hf_dist import parallelize
+    from hf_dist.state_dict import full_state_dict
 
     arch, overrides = case["arch"], dict(case.get("overrides", ()))
     world = dist.get_world_size()
@@ -122,8 +122,9 @@ def run_case(case: dict) -> dict:
     dims.build_mesh("cpu")
     batch = global_batch()
     reference, model = build(arch, **overrides), build(arch, **overrides)
-    parallelize_causal_lm(
-        model, dims, data_parallel=case.get("dp", "fsdp"), plan=USER_PLANS[case["plan"]]() if "plan" in case else None,
+    parallelize(
+        model, dims, fsdp=case.get("dp", "fsdp") == "fsdp" and dims.dp > 1,
+        tp_plan=USER_PLANS[case["plan"]]() if "plan" in case else None,
         sequence_parallel=case.get("sp", False), vocab_parallel=case.get("vp", False),
     )
     dp_rank = dims.get_mesh("dp").get_local_rank()

@@ -98,7 +98,7 @@ def test_dist_trainer_tp2_matches_single_process_trainer(runs, variant):
 def test_sequence_parallel_needs_tp():
     from types import SimpleNamespace
 
-    from hf_dist.tensor_parallel.trainer_glue import check_tp_arguments
+    from hf_dist.trainer.tensor_parallel_glue import check_tp_arguments
 
     with pytest.raises(ValueError, match="tp_sequence_parallel=True needs tp_size > 1"):
         check_tp_arguments(SimpleNamespace(tp_sequence_parallel=True, tp_size=1, pp_size=1))

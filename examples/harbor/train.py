@@ -10,6 +10,9 @@ CPU twin (2 processes, a random-init Llama-class model built from a config, synt
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml examples/harbor/train.py --preset tiny
 
+A real pretrained model, offline (``make demo``): ``--model_name_or_path "$(hf-dist demo-model)"``
+(SmolLM2-135M-Instruct); ``--data_path`` also takes prompt/completion or plain-text files (``build_datasets``).
+
 Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 32``, ``--tp_size 2``, ...).
 ``--resume_from_checkpoint true`` continues from the newest complete checkpoint in ``--output_dir`` (``auto``: the
 same, or a fresh start when there is none); an output dir holding checkpoints is refused without it (or

@@ -246,33 +246,3 @@ def verify_export(ckpt: Path, out: Path, metas: dict[str, TensorStorageMetadata]
     reference = reference_model(ckpt, metas, fused)
     exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=reference.dtype).eval()
     return compare_logits(reference, exported, reference.config.vocab_size, 0.0, f"export {out}")
-
-
-def export_checkpoint(
-    ckpt: str | Path,
-    out: str | Path,
-    *,
-    max_shard_size: int | str = "2GB",
-    tokenizer_dir: str | Path | None = None,
-    adapter: str | None = None,
-    config_dir: str | Path | None = None,
-    verify: bool = True,
-    overwrite: bool = False,
-    trust_pickles: bool = False,
-) -> ExportReport:
-    """Export an hf_dist checkpoint, a LoRA one (``adapter='adapter'|'merged'``), a DeepSpeed ZeRO folder, or a
-    checkpoint the Trainer wrote itself (DDP, one process: ``model.safetensors`` + ``config.json``)."""
-    from hf_dist.checkpoint import native_export, zero
-
-    common = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, verify=verify, overwrite=overwrite)
-    if native_export.is_native_model_dir(Path(ckpt)):
-        if adapter is not None:
-            raise ValueError(f"{ckpt} is a Trainer-native checkpoint of a plain model; export it without --adapter")
-        return native_export.export_native(ckpt, out, **common)
-    if zero.is_zero_checkpoint(Path(ckpt)):
-        return zero.export_zero(ckpt, out, config_dir=config_dir, trust_pickles=trust_pickles, **common)
-    if adapter is not None:
-        from hf_dist.checkpoint.lora_export import export_peft
-
-        return export_peft(ckpt, out, mode=adapter, **common)
-    return export_causal_lm(ckpt, out, **common)

@@ -4,7 +4,7 @@
 ranks when it has two cores; ``--calibrate-ranks`` sets it), ``calibrate_on_ranks`` scales the chosen layout to
 those ranks (``hf_dist.planner.calibrate.calibration_layout``), starts one process per rank (gloo on CPU, NCCL
 with one GPU each), builds the scaled-down model on each, lays it out with the package's own apply path
-(``hf_dist.trainer.layout.apply_layout``: TP, activation checkpointing, FSDP2, as DistTrainer runs them; DDP is
+(``hf_dist.parallelize``: TP, activation checkpointing, FSDP2, as DistTrainer runs them; DDP is
 torch's ``DistributedDataParallel``, which accelerate wraps for DistTrainer), times a few training steps with
 the real collectives, and derives the efficiency: executed FLOPs of every data-parallel rank's tokens over the
 slowest rank's mean step time times the sum of the ranks' peaks. With one rank (one GPU, a one-core CPU, a
@@ -180,15 +180,15 @@ def _measure(device: torch.device, ranks: int, job: _Job, run: Layout) -> dict:
 def _apply(net: torch.nn.Module, dims, run: Layout, *, activation_checkpointing: bool,
            param_dtype: torch.dtype | None) -> torch.nn.Module:
     """Lay ``net`` out as DistTrainer would: the package's apply path, and torch DDP where accelerate wraps it."""
-    from hf_dist.trainer.launch_env import FsdpRequest
-    from hf_dist.trainer.layout import apply_layout
+    from hf_dist.parallelism import FsdpRequest, parallelize
 
     fsdp = FsdpRequest(reshard_after_forward=run.strategy != "fsdp_shard_grad_op", source="hf-dist plan --calibrate") \
         if run.strategy in FSDP_STRATEGIES else None
-    net = apply_layout(net, dims, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
-                       param_dtype=param_dtype, sequence_parallel=run.sequence_parallel,
-                       vocab_parallel=run.vocab_parallel)
-    if fsdp is None and not dims.tp_enabled and dims.dp > 1:
+    ddp = fsdp is None and not dims.tp_enabled and dims.dp > 1  # accelerate's DDP, as DistTrainer leaves it
+    net = parallelize(net, dims, fsdp=fsdp, activation_checkpointing=activation_checkpointing,
+                      param_dtype=param_dtype, sequence_parallel=run.sequence_parallel,
+                      vocab_parallel=run.vocab_parallel, replicate_gradients=not ddp)
+    if ddp:
         net = torch.nn.parallel.DistributedDataParallel(net)
     return net
 

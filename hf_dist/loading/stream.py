@@ -10,7 +10,7 @@ no checkpoint entry is an error (no silent random weights), as are shape mismatc
 Parameter, filled once; where a rank holds only the tied alias (the last pipeline stage's lm_head) the
 model's ``_tied_weights_keys`` name its source.
 
-Not for: building the model or applying the layout (``pretrained.py``, the layout path), or saving.
+Not for: building the model (``meta.py``), applying the layout (``hf_dist.trainer``), or saving (``hf_dist.state_dict``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 
 from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.slices import checkpoint_key, local_blocks, local_tensor
+from hf_dist.state_dict import tied_sources
 from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR
 
 logger = logging.getLogger(__name__)
@@ -98,17 +99,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
     return pending
 
 
-def _tied_sources(model: nn.Module) -> dict[str, str]:
-    """``{tied key: source key}`` from the HF model's ``_tied_weights_keys`` when its config ties weights."""
-    for module in model.modules():
-        keys = getattr(type(module), "_tied_weights_keys", None)
-        config = getattr(module, "config", None)
-        if isinstance(keys, dict) and getattr(config, "tie_word_embeddings", False):
-            return dict(keys)
-    source = getattr(getattr(model, "pipeline", None), "source_model", None)
-    return _tied_sources(source) if source is not None and source is not model else {}
-
-
 def _resolve_key(fqn: str, files: CheckpointFiles, tied: dict[str, str]) -> str | None:
     key = checkpoint_key(fqn)
     for candidate in (key, tied.get(key)):
@@ -145,7 +135,7 @@ def load_checkpoint(
     """
     files = CheckpointFiles(directory)
     pending = materialize(model, device)
-    tied = _tied_sources(model)
+    tied = tied_sources(model)
     report = LoadReport()
     missing = []
     with torch.no_grad():

@@ -6,10 +6,13 @@
 - ``PipelinedCausalLM``: this rank's stages + schedule + dp gradient reduction; ``train_step``/``eval_step``.
 - ``save_pretrained``: one HF directory (or one PEFT adapter) from all stages.
 
-Not for: the Trainer glue (``hf_dist.trainer`` calls ``hf_dist.pipeline_parallel.trainer_glue``).
+- ``PipelineModel``: this rank's stages as one module with HF parameter names (what DistTrainer holds).
+
+Not for: the Trainer glue (``hf_dist.trainer.pipeline_glue``).
 """
 
 from hf_dist.pipeline_parallel.checkpoint import gather_state_dict, save_pretrained
+from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import (
     SCHEDULES,
@@ -24,6 +27,7 @@ __all__ = [
     "SCHEDULES",
     "CausalLMStage",
     "PipelineConfig",
+    "PipelineModel",
     "PipelinedCausalLM",
     "StagePlan",
     "TokenWeightedLoss",

@@ -1,7 +1,7 @@
 """Save a pipelined model as one normal HF directory (or one PEFT adapter) that loads without hf_dist.
 
-Every rank turns its stages' parameters into full tensors (FSDP/TP shards are gathered over their mesh, a
-collective), the ranks of the pipeline group that holds global rank 0 send theirs to it, and rank 0 writes
+Every rank turns its stages' parameters into full tensors (``hf_dist.state_dict``: FSDP/TP shards gathered over
+their mesh, a collective), the ranks of the pipeline group that holds global rank 0 send theirs to it, and rank 0 writes
 with ``save_pretrained``. The keys are HF keys already (``CausalLMStage`` keeps HF names), so the result
 loads with ``AutoModelForCausalLM.from_pretrained`` or ``PeftModel.from_pretrained`` on a non-PP model.
 
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.stage_module import causal_lm_of
+from hf_dist.state_dict import full_state_dict
 
 
 def _is_peft(model) -> bool:
@@ -25,20 +26,11 @@ def _is_peft(model) -> bool:
 
 
 def local_state_dict(pipe: PipelinedCausalLM, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """This rank's stages as full CPU tensors under HF keys. Collective over dp/tp when sharded."""
-    from torch.distributed.tensor import DTensor
-
-    keep = None
-    if trainable_only:
-        keep = {name for module in pipe.modules for name, p in module.named_parameters() if p.requires_grad}
+    """This rank's stages as full CPU tensors under HF keys (``hf_dist.state_dict.full_state_dict`` per stage:
+    FSDP/TP shards gathered, fused projections in HF row order). Collective over dp/tp when sharded."""
     out: dict[str, torch.Tensor] = {}
     for module in pipe.modules:
-        for key, value in module.state_dict().items():
-            if keep is not None and key not in keep:
-                continue
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            out[key] = value.detach().to("cpu", copy=True)
+        out.update(full_state_dict(module, trainable_only=trainable_only))
     return out
 
 

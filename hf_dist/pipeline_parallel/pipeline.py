@@ -1,8 +1,8 @@
 """Train and evaluate an HF causal LM split into pipeline stages: ``PipelinedCausalLM``.
 
 Order of application, in ``PipelinedCausalLM.__init__``: split into this rank's stage(s) (``plan_stages``),
-then tensor parallel inside each stage (optional, ``hf_dist.tensor_parallel``), then FSDP2 on the
-data-parallel axis when ``dp_shard > 1``, then the torch ``PipelineStage`` objects and the schedule.
+then each stage through ``hf_dist.parallelize`` (tensor parallel inside it, then FSDP2 on the data-parallel axis
+when ``dp_shard > 1``), then the torch ``PipelineStage`` objects and the schedule.
 
 Loss and gradients follow one process with the whole global batch: the last stage sums token losses and
 divides by the loss tokens of the global batch (counted on every rank, summed over the dp axis), and
@@ -124,36 +124,31 @@ class PipelinedCausalLM:
             _release_unowned(model, self.plan, {n for i in self.stage_ids for n in self.plan.stages[i]})
         self.hidden_dtype = next(causal_lm_of(model).parameters()).dtype
         self.hidden_size = causal_lm_of(model).config.hidden_size
-        self._apply_tensor_parallel()
-        self._apply_data_parallel(reshard_after_forward)
+        self._parallelize_stages(reshard_after_forward)
         self.loss_fn = TokenWeightedLoss()
         self._build_schedule()
 
     # -- construction ------------------------------------------------------------------------------
-    def _apply_tensor_parallel(self) -> None:
-        if not self.dims.tp_enabled:
-            return
-        from hf_dist.tensor_parallel import apply_tensor_parallel
+    def _parallelize_stages(self, reshard_after_forward: bool) -> None:
+        """Each stage through ``hf_dist.parallelize``: TP inside it, then FSDP2 over dp_shard (gradients summed:
+        the loss is already divided by the global batch's tokens). Replicated dp is all-reduced once per step
+        in ``train_step`` instead of per-parameter hooks, which zero-bubble schedules bypass."""
+        from hf_dist.parallelism import FsdpRequest, parallelize
 
-        self.modules = [apply_tensor_parallel(m, self.dims.get_mesh("tp")) for m in self.modules]
-
-    def _apply_data_parallel(self, reshard_after_forward: bool) -> None:
         self.dp_group = self.dims.get_mesh("dp").get_group() if self.dims.dp_enabled else None
         self.allreduce_group = None
+        fsdp = None
         if self.dims.dp_shard > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            axes = ("dp_replicate", "dp_shard") if self.dims.dp_replicate > 1 else ("dp_shard",)  # HSDP or FSDP
-            mesh = self.dims.mesh[axes]
-            for module in self.modules:
-                units = [*module.owned_layers(), module]  # each decoder layer, then the rest of the stage
-                for unit in units:
-                    fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and unit is not module)
-                for unit in units:  # per FSDP unit: a unit's settings do not reach the units inside it
-                    unit.set_gradient_divide_factor(1.0)  # sum: the loss is already divided by global tokens
-                    unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+            fsdp = FsdpRequest(reshard_after_forward=reshard_after_forward)
         elif self.dims.dp_replicate > 1:
             self.allreduce_group = self.dims.get_mesh("dp_replicate").get_group()
+        self.modules = [
+            parallelize(
+                m, self.dims, fsdp=fsdp, fsdp_units=m.owned_layers() if fsdp else None, grad_reduction="sum",
+                replicate_gradients=False,
+            )
+            for m in self.modules
+        ]
 
     def _build_schedule(self) -> None:
         self._schedules: dict[tuple[int, int], tuple[list, object]] = {}

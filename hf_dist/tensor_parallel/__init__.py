@@ -9,32 +9,26 @@ refused by name). Any other model: pass ``plan={pattern: ParallelStyle}``.
     dims = ParallelDims(world_size=4, tp=2, dp_shard=2)
     dims.build_mesh("cpu")
     model = AutoModelForCausalLM.from_config(config)          # or from_pretrained
-    parallelize_causal_lm(model, dims)                         # TP, then FSDP2 over dp
+    hf_dist.parallelize(model, dims, fsdp=True)                # TP, then FSDP2 over dp
     ...train as usual (torch.optim.AdamW with its default foreach=None)...
-    save_gathered(model, "out/")                               # a normal HF directory
+    hf_dist.state_dict.save_gathered(model, "out/")            # a normal HF directory
 
 ``apply_tensor_parallel`` shards over the ``tp`` mesh axis only (options: ``sequence_parallel``,
-``vocab_parallel``); ``compose`` adds FSDP2 or plain data parallelism; ``full_state_dict`` /
-``save_gathered`` return HF-layout weights; ``check_tp_sizes`` / ``valid_tp_sizes`` state the size rules
-without a process group. ``DistTrainer(tp_size=...)`` uses all of this through ``trainer_glue``.
+``vocab_parallel``); ``hf_dist.parallelize`` is how a whole layout (TP, then FSDP2 or replicated dp) is applied;
+``check_tp_sizes`` / ``valid_tp_sizes`` state the size rules without a process group.
+Not for: data parallelism (``hf_dist.parallelism``), gathering (``hf_dist.state_dict``), the Trainer
+(``hf_dist.trainer``).
 """
 
 from hf_dist.tensor_parallel.apply import TensorParallelInfo, apply_tensor_parallel, tensor_parallel_info
 from hf_dist.tensor_parallel.checks import check_tp_sizes, valid_tp_sizes
-from hf_dist.tensor_parallel.compose import fully_shard_tp_model, parallelize_causal_lm, replicate_tp_model
 from hf_dist.tensor_parallel.plans import plan_names, supported_families
-from hf_dist.tensor_parallel.state import full_state_dict, save_gathered
 
 __all__ = [
     "TensorParallelInfo",
     "apply_tensor_parallel",
     "check_tp_sizes",
-    "full_state_dict",
-    "fully_shard_tp_model",
-    "parallelize_causal_lm",
     "plan_names",
-    "replicate_tp_model",
-    "save_gathered",
     "supported_families",
     "tensor_parallel_info",
     "valid_tp_sizes",

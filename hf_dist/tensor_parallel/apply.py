@@ -5,12 +5,11 @@ expands it over PEFT LoRA layers, calls torch's ``parallelize_module`` on every 
 the parameters that stay whole identical on every TP rank, and installs the vocab-parallel loss when the
 lm_head is vocab-sharded.
 
-Not for: data parallelism or FSDP (``compose.py``), saving (``state.py``).
+Not for: data parallelism or FSDP (``hf_dist.parallelism``), saving (``hf_dist.state_dict``).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
+from hf_dist.tensor_parallel.match import match_plan, unwrap_peft
 from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, plan_names, resolve_styles
 
 TP_INFO_ATTR = "_hf_dist_tp"
@@ -40,35 +40,6 @@ class TensorParallelInfo:
     """Whether embedding and lm_head are sharded on the vocabulary (logits come back vocab-sharded)."""
     plan: dict
     """The ``{pattern: ParallelStyle}`` plan that was applied."""
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a ``PeftModel`` (the model itself otherwise)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def _pattern_regex(pattern: str) -> re.Pattern:
-    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
-
-
-def match_plan(
-    model: nn.Module, plan: dict[str, ParallelStyle], *, optional: frozenset[str] = frozenset()
-) -> list[tuple[str, ParallelStyle]]:
-    """``(module_name, style)`` for every module a pattern names; a pattern naming nothing is an error unless
-    it is in ``optional`` (the head, absent from a pipeline stage that does not own it)."""
-    names = [name for name, _ in model.named_modules()]
-    matched: list[tuple[str, ParallelStyle]] = []
-    for pattern, style in plan.items():
-        regex = _pattern_regex(pattern)
-        hits = [name for name in names if regex.fullmatch(name)]
-        if not hits and pattern not in optional:
-            raise ValueError(
-                f"tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}; "
-                f"check the path (e.g. {names[1:4]}) or remove the entry"
-            )
-        matched.extend((name, style) for name in hits)
-    return matched
 
 
 def _sync_whole_parameters(model: nn.Module, tp_mesh) -> None:

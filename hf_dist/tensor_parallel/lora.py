@@ -18,6 +18,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hf_dist.tensor_parallel.match import match_plan
+
 
 def _is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
@@ -40,8 +42,6 @@ def expand_plan_for_lora(
     model: nn.Module, plan: dict[str, ParallelStyle], *, sequence_parallel: bool
 ) -> dict[str, ParallelStyle]:
     """Rewrite plan entries that name PEFT LoRA layers into entries for their base layer and adapters."""
-    from hf_dist.tensor_parallel.apply import match_plan
-
     lora_names = {name for name, module in model.named_modules() if _is_lora_layer(module)}
     if not lora_names:
         return plan

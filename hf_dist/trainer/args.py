@@ -4,7 +4,7 @@ Everything here is parseable by ``HfArgumentParser``. The contract is resolved i
 process group exists, from the launcher's ``WORLD_SIZE``: ``gradient_accumulation_steps`` and ``learning_rate``
 are derived, so the rest of the Trainer sees ordinary arguments.
 
-Not here: applying the layout to a model (``hf_dist.trainer.layout``) or deciding which backend runs it
+Not here: applying the layout to a model (``hf_dist.parallelize``) or deciding which backend runs it
 (``hf_dist.trainer.launch_env``).
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
-from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
-from hf_dist.tensor_parallel.trainer_glue import check_tp_arguments
 from hf_dist.trainer import launch_env, preemption
+from hf_dist.trainer import pipeline_glue as pipeline_trainer
+from hf_dist.trainer.tensor_parallel_glue import check_tp_arguments
 
 
 DEFAULT_LEARNING_RATE = 5e-5  # transformers.TrainingArguments' default

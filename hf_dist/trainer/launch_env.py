@@ -8,7 +8,7 @@ The traps this module closes (each measured on a machine without GPUs, see ENVIR
   name the gloo backend instead (without it accelerate counts 1 process while DeepSpeed's group has N, so every
   rank reads the same batches);
 - an accelerate FSDP config on such a machine silently trains as DDP: hf_dist takes an FSDP **v2** request
-  over and applies ``fully_shard`` itself (``hf_dist.trainer.layout``) on CPU and GPU alike; an FSDP **v1**
+  over and applies ``fully_shard`` itself (``hf_dist.parallelize``) on CPU and GPU alike; an FSDP **v1**
   request without GPUs is refused with the fix.
 
 The launch environment is read, never changed: ``read_fsdp_request`` parses it (or ``TrainingArguments.fsdp``)
@@ -25,54 +25,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
+from hf_dist.parallelism import FsdpRequest
+
 _TRUE = ("1", "true", "yes")
-
-
-@dataclass(kw_only=True, frozen=True)
-class FsdpRequest:
-    """FSDP settings hf_dist applies itself with ``fully_shard``."""
-
-    reshard_after_forward: bool = True
-    """True: FULL_SHARD (ZeRO-3). False: SHARD_GRAD_OP (ZeRO-2-like: parameters stay gathered after forward)."""
-    activation_checkpointing: bool = False
-    """Checkpoint each wrapped block (recompute in backward)."""
-    wrap_classes: tuple[str, ...] | None = None
-    """Module class names sharded as units; None: the model's ``_no_split_modules``."""
-    cpu_offload: bool = False
-    """Keep sharded parameters on CPU (``CPUOffloadPolicy``)."""
-    dp_replicate: int = 1
-    """Replica groups (HYBRID_SHARD / HSDP): shard inside a group of world / dp_replicate ranks, all-reduce across."""
-    source: str = "TrainingArguments.fsdp"
-    """Where the request came from, for messages."""
-
-    def as_fields(self) -> dict[str, object]:
-        """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
-        return {
-            "fsdp2": True,
-            "fsdp2_reshard_after_forward": self.reshard_after_forward,
-            "fsdp2_activation_checkpointing": self.activation_checkpointing,
-            "fsdp2_wrap_classes": list(self.wrap_classes) if self.wrap_classes else None,
-            "fsdp2_cpu_offload": self.cpu_offload,
-            "fsdp2_dp_replicate": self.dp_replicate,
-        }
-
-    @classmethod
-    def from_fields(cls, args) -> FsdpRequest | None:
-        """The request carried by ``args``' ``fsdp2*`` fields (the only reader of them); None without ``fsdp2``."""
-        if not getattr(args, "fsdp2", False):
-            return None
-        return cls(
-            reshard_after_forward=args.fsdp2_reshard_after_forward,
-            activation_checkpointing=args.fsdp2_activation_checkpointing,
-            wrap_classes=tuple(args.fsdp2_wrap_classes) if args.fsdp2_wrap_classes else None,
-            cpu_offload=args.fsdp2_cpu_offload,
-            dp_replicate=args.fsdp2_dp_replicate,
-            source="DistTrainingArguments.fsdp2",
-        )
 
 
 def has_gpu() -> bool:

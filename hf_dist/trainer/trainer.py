@@ -5,7 +5,7 @@ What changes:
 
 - the global-batch contract decides accumulation and the learning rate (``DistTrainingArguments``), and its
   table is printed once at start by the main process;
-- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, in ``apply_layout``'s order, and the
+- layouts hf_dist owns (FSDP2, and TP/PP) are applied to the model here, by ``hf_dist.parallelize``, and the
   Trainer is told not to wrap the model again; DDP and DeepSpeed stay with accelerate;
 - a launch that would silently run as something else stops with an error (``launch_env``);
 - ``model_init`` works as with the Trainer: each new model gets the layout (so ``hyperparameter_search`` runs).
@@ -25,17 +25,19 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_dist.pipeline_parallel import trainer_glue as pipeline_trainer
-from hf_dist.pipeline_parallel.support import check_pipeline_support
-from hf_dist.tensor_parallel.checks import check_tp_sizes
-from hf_dist.report.log_history import LogHistoryCallback
-from hf_dist.tensor_parallel import trainer_glue as tensor_parallel_trainer
-from hf_dist.trainer import launch_env, preemption, resume, teardown
-from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.parallel_dims import ParallelDims
-from hf_dist.trainer.laid_out import laid_out_by_hf_dist
-from hf_dist.trainer.layout import apply_layout, layout_dims, mark_distribution_owned
+from hf_dist.parallelism import parallelize
+from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.planner.flops import module_flop_counts
+from hf_dist.report.log_history import LogHistoryCallback
+from hf_dist.state_dict import full_state_dict
+from hf_dist.tensor_parallel.checks import check_tp_sizes
+from hf_dist.trainer import checkpoint_glue, launch_env, preemption, resume, teardown
+from hf_dist.trainer import pipeline_glue as pipeline_trainer
+from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
+from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.laid_out import laid_out_by_hf_dist
+from hf_dist.trainer.layout import layout_dims, mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -65,12 +67,14 @@ def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
     ``hf_dist.from_pretrained`` use. A model on ``meta`` stays there (it is filled after the layout)."""
     device = args.device
     dims.build_mesh(device.type)
-    if not any(p.is_meta for p in model.parameters()):
+    if any(p.is_meta for p in model.parameters()):  # built on meta: move what already holds values (buffers, adapters)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
+    else:
         model = model.to(device)
     if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
         return pipeline_trainer.apply_pipeline(dims, model, args)
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    model = apply_layout(
+    model = parallelize(
         model,
         dims,
         fsdp=args.hf_dist_fsdp,
@@ -96,9 +100,7 @@ class DistTrainer(Trainer):
         self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
         if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead
             model = self._prepare_model(model, args)
-        from hf_dist.checkpoint import trainer_hooks
-
-        with trainer_hooks.sharded_checkpoints_accepted(args, self.owns_layout):
+        with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
         if args.dist_logging:
@@ -205,12 +207,6 @@ class DistTrainer(Trainer):
             # evaluate() before train() marks the bare model prepared (inference only): accelerate would then
             # skip the DDP wrap and every rank would train alone, gradients never reduced. Let train() wrap it.
             self.model.__dict__.pop("_is_accelerate_prepared", None)
-        if self.owns_layout:  # an evaluate() forward leaves FSDP2's root unsharded: the optimizer must see shards
-            from torch.distributed.fsdp import FSDPModule
-
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
         resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # also args' flag
         if self.preemption is not None:
             self.add_callback(self.preemption)
@@ -278,38 +274,28 @@ class DistTrainer(Trainer):
     # -- saving ---------------------------------------------------------------------------------
     # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
     def _save_checkpoint(self, model, trial) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
         if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else
             return resume.save_native_checkpoint(self, model, trial, super()._save_checkpoint)
-        trainer_hooks.save_trainer_checkpoint(self, trial)
+        checkpoint_glue.save_trainer_checkpoint(self, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, resume_from_checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # else: loaded with the optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        trainer_hooks.load_trainer_checkpoint(self, checkpoint)
+        checkpoint_glue.load_trainer_checkpoint(self, checkpoint)
 
     def _load_rng_state(self, checkpoint) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, checkpoint):
             return super()._load_rng_state(checkpoint)
-        trainer_hooks.restore_trainer_rng(self, checkpoint)
+        checkpoint_glue.restore_trainer_rng(self, checkpoint)
 
     def _load_best_model(self) -> None:
-        from hf_dist.checkpoint import trainer_hooks
-
-        if not trainer_hooks.loads_with_hf_dist(self, self.state.best_model_checkpoint):
+        if not checkpoint_glue.loads_with_hf_dist(self, self.state.best_model_checkpoint):
             return super()._load_best_model()
-        trainer_hooks.load_best_model(self)
+        checkpoint_glue.load_best_model(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
@@ -317,14 +303,8 @@ class DistTrainer(Trainer):
             return pipeline_trainer.save(self, output_dir)
         if self.owns_layout and state_dict is None and not hasattr(self.model, "peft_config"):
             return self._save_streaming(output_dir or self.args.output_dir)
-        if self.dims.tp_enabled and state_dict is None:  # fused projections back in HF row order
-            state_dict = tensor_parallel_trainer.gathered_state_dict(self.model)
-        if self.owns_layout and state_dict is None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state_dict = get_model_state_dict(self.model, options=options)
-            state_dict = {k: v.clone() for k, v in state_dict.items()}  # cpu_offload may alias live tensors
+        if self.owns_layout and state_dict is None:  # a PEFT adapter: DTensors gathered, fused parts in HF order
+            state_dict = full_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_streaming(self, output_dir: str) -> None:
@@ -333,7 +313,7 @@ class DistTrainer(Trainer):
 
         from transformers.trainer import TRAINING_ARGS_NAME
 
-        from hf_dist.loading.save import save_streaming
+        from hf_dist.state_dict import save_streaming
 
         save_streaming(self.model, output_dir)
         if self.args.should_save:

@@ -4,11 +4,10 @@
 - metrics: evaluation and prediction gather over data-parallel ranks only (TP ranks hold copies of the same
   outputs; gathering them all would repeat every prediction ``tp`` times);
 - TP degree: the Trainer divides ``num_items_in_batch`` and the global batch by ``get_tp_size()``;
-- saving: the gathered state dict in HF layout (fused projections back in HF row order);
 - vocab parallelism: prediction logits gathered to the whole vocabulary (the loss never needs them).
 
 Loss scaling, gradient clipping (``Trainer._mixed_mesh_grad_norm`` spans plain and DTensor gradients) and
-the optimizer need nothing here. Not for: applying TP to the model (``hf_dist.trainer.layout``).
+the optimizer need nothing here. Not for: applying TP to the model (``hf_dist.parallelize``) or gathering it (``hf_dist.state_dict``).
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from hf_dist.tensor_parallel.state import full_state_dict
+from hf_dist.tensor_parallel.apply import tensor_parallel_info
+from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
 
 
 def check_tp_arguments(args) -> None:
@@ -35,8 +35,6 @@ def whole_logits(model, logits):
     Only for ``Trainer.prediction_step``, whose caller needs whole predictions; the loss was already computed
     without them (``VocabParallelCausalLMLoss``).
     """
-    from hf_dist.tensor_parallel.apply import tensor_parallel_info
-
     info = tensor_parallel_info(model)
     if logits is None or info is None or not info.vocab_parallel or not isinstance(logits, torch.Tensor):
         return logits
@@ -48,14 +46,7 @@ def whole_logits(model, logits):
 
 def prepare_trainer(trainer) -> None:
     """Data by dp rank, metrics over dp ranks; call once after ``Trainer.__init__``."""
-    from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
-
     shard_data_by_dp(trainer)
     gather = dp_gather_for_metrics(trainer)
     trainer.accelerator.gather_for_metrics = gather  # the Trainer re-reads it after every evaluation loop
     trainer.gather_function = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
-
-
-def gathered_state_dict(model) -> dict[str, torch.Tensor]:
-    """Full CPU state dict in HF layout for ``Trainer._save`` (collective: every rank calls it)."""
-    return full_state_dict(model)

@@ -9,8 +9,8 @@ the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch 
 (``fold_accumulation_into_pipeline``; ``per_device_train_batch_size`` keeps meaning the micro-batch).
 ``pp_microbatches`` states ``a`` directly when no global batch is given.
 
-- ``apply_pipeline``: split the model into this rank's stages (after activation checkpointing, before FSDP);
-  the Trainer holds a ``PipelineModel`` (local parameters under HF names).
+- ``apply_pipeline``: split the model into this rank's stages (after activation checkpointing; each stage then
+  goes through ``hf_dist.parallelize``); the Trainer holds a ``PipelineModel`` (local parameters under HF names).
 - ``training_step``: runs the schedule (forward + backward), returns the global-batch mean loss on every rank.
 - ``clip_grad_norm``: the norm over all stages (pp group), dp/tp shards included.
 - evaluation: ``PipelineModel.forward`` runs the stages forward only; loss on every rank (and the logits,
@@ -28,7 +28,9 @@ import os
 import torch
 from torch import nn
 
+from hf_dist.parallelism import apply_activation_checkpointing
 from hf_dist.pipeline_parallel.checkpoint import save_pretrained
+from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import PipelineConfig
 from hf_dist.pipeline_parallel.stage_module import causal_lm_of
@@ -60,62 +62,6 @@ def fold_accumulation_into_pipeline(args) -> None:
     args.gradient_accumulation_steps = 1
 
 
-class PipelineModel(nn.Module):
-    """What ``DistTrainer`` holds as its model under PP: this rank's stages, parameters under HF names.
-
-    The decoder layers, embeddings, norm and lm_head of every local stage are registered here with their HF
-    names (``model.layers.3...``), so optimizers, ``zero_grad``, ``train()`` and checkpoints see exactly the
-    local parameters. Calling it runs the pipeline forward only (evaluation); training goes through
-    ``training_step``.
-    """
-
-    # The loss it returns is already the token mean over the dp group: the Trainer must not rescale it by
-    # world size (what it does for models that take ``num_items_in_batch``).
-    accepts_loss_kwargs = False
-    logits_everywhere = False
-    """True when the Trainer computes metrics from logits: every pp rank then gets them (a broadcast)."""
-
-    def __init__(self, pipe: PipelinedCausalLM) -> None:
-        super().__init__()
-        object.__setattr__(self, "pipeline", pipe)  # not a submodule: its stages share the modules below
-        for stage in pipe.modules:
-            for fqn, module in stage.owned_modules().items():
-                parent = self
-                *path, leaf = fqn.split(".")
-                for part in path:
-                    if not hasattr(parent, part):
-                        parent.add_module(part, nn.Module())
-                    parent = getattr(parent, part)
-                parent.add_module(leaf, module)
-        self.config = pipe.modules[0].config
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **_ignored) -> None:
-        """Called by ``Trainer.train``; ``apply_pipeline`` already enabled it per layer before the split."""
-        layers = [layer for stage in self.pipeline.modules for layer in stage.owned_layers()]
-        if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
-            raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
-
-    def add_model_tags(self, tags: list[str] | str) -> None:
-        """Tags for the model card (``PreTrainedModel`` API; TRL calls it): kept on the HF model the stages share."""
-        self.pipeline.source_model.add_model_tags(tags)
-
-    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused):
-        from transformers.modeling_outputs import CausalLMOutput
-
-        if self.training and torch.is_grad_enabled():
-            raise RuntimeError(
-                "a pipelined model trains through DistTrainer.training_step (PipelinedCausalLM.train_step), "
-                "not through forward; call it under torch.no_grad() or in eval mode for evaluation"
-            )
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        if labels is None:
-            return CausalLMOutput(logits=self.pipeline.forward_only(batch))
-        loss, logits = self.pipeline.eval_step(
-            {**batch, "labels": labels}, logits_everywhere=self.logits_everywhere, reduce_dp=False
-        )  # this dp rank's batch loss, as under DDP: the Trainer gathers over dp
-        return CausalLMOutput(loss=loss, logits=logits)
-
-
 def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
     """Split ``model`` into this rank's stages for ``dims`` (mesh built) and wrap it for the Trainer.
 
@@ -125,8 +71,6 @@ def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
     """
     fsdp = getattr(args, "hf_dist_fsdp", None)
     if args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing):
-        from hf_dist.trainer.layout import apply_activation_checkpointing
-
         apply_activation_checkpointing(model)  # per decoder layer, before the layers are split out
     if fsdp is not None and fsdp.cpu_offload:
         raise ValueError("FSDP cpu_offload with pp_size > 1 is not supported; drop cpu offload or set pp_size=1")

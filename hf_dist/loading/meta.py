@@ -1,0 +1,114 @@
+"""Build an HF causal LM on ``meta`` from a checkpoint directory, ready to be laid out and then filled.
+
+``build_on_meta`` creates the parameters on ``meta`` (buffers such as rotary ``inv_freq`` are computed by the
+model's own ``__init__``), re-ties tied weights, and adds LoRA adapters initialised by PEFT's own code on the host
+(they are small), identical on every rank (seeded). ``split_kwargs`` / ``checkpoint_dir`` / ``load_config`` read
+``from_pretrained``-style arguments; ``transformers_load`` is the ordinary loader, for DDP and DeepSpeed (under
+ZeRO-3 transformers builds the model inside ``deepspeed.zero.Init`` when the DeepSpeed config was registered by
+the training arguments, so each rank materialises only its partition).
+
+Not for: the layout (``hf_dist.trainer``), reading the weights (``stream.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+RESOLVE_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
+MODEL_KWARGS = ("attn_implementation", "trust_remote_code")
+REFUSED_KWARGS = ("device_map", "quantization_config", "gguf_file", "tp_plan", "tp_size", "distributed_config", "state_dict")
+
+
+def checkpoint_dir(name_or_dir: str | os.PathLike, resolve: dict) -> str:
+    path = os.fspath(name_or_dir)
+    if os.path.isdir(path):
+        return os.path.join(path, resolve["subfolder"]) if resolve.get("subfolder") else path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"], **resolve)
+
+
+def split_kwargs(kwargs: dict) -> tuple[dict, dict, object, dict]:
+    refused = [k for k in kwargs if k in REFUSED_KWARGS]
+    if refused:
+        raise ValueError(
+            f"hf_dist.from_pretrained does not take {refused}: the layout comes from the DistTrainingArguments; "
+            f"drop them (or load with transformers' from_pretrained and pass the model to DistTrainer)"
+        )
+    resolve = {k: kwargs.pop(k) for k in RESOLVE_KWARGS if k in kwargs}
+    model_kwargs = {k: kwargs.pop(k) for k in MODEL_KWARGS if k in kwargs}
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+    return resolve, model_kwargs, dtype, kwargs
+
+
+def load_config(directory: str, model_kwargs: dict, overrides: dict):
+    from transformers import AutoConfig
+
+    config, unused = AutoConfig.from_pretrained(
+        directory, return_unused_kwargs=True, trust_remote_code=model_kwargs.get("trust_remote_code", False),
+        **overrides,
+    )
+    if unused:
+        raise ValueError(f"unknown from_pretrained arguments {sorted(unused)}: neither loader options nor config fields")
+    return config
+
+
+def _init_adapters(model: nn.Module, peft_config, seed: int) -> None:
+    """PEFT's own initialisation for every LoRA adapter, on the host, identical on every rank (seeded)."""
+    init = getattr(peft_config, "init_lora_weights", True)
+    if init not in (True, False, "gaussian") or getattr(peft_config, "use_dora", False):
+        raise ValueError(
+            f"init_lora_weights={init!r}, use_dora={getattr(peft_config, 'use_dora', False)}: these adapters are "
+            f"computed from the base weights, which a meta-device load does not hold; use init_lora_weights=True "
+            f"or 'gaussian' without DoRA, or transformers' from_pretrained"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A"):
+                for adapter in list(module.lora_A.keys()):
+                    module.lora_A[adapter].to_empty(device="cpu")
+                    module.lora_B[adapter].to_empty(device="cpu")
+                    module.reset_lora_parameters(adapter, init)
+    left = [n for n, p in model.named_parameters() if p.requires_grad and p.is_meta]
+    if left:
+        raise ValueError(f"adapter parameters {left[:4]} have no initialisation on a meta model; use a LoRA config")
+
+
+def build_on_meta(config, dtype: torch.dtype, model_kwargs: dict, peft_config=None, seed: int = 0) -> nn.Module:
+    """The causal LM of ``config`` with its parameters on ``meta`` (buffers computed), adapters initialised."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
+    model.tie_weights()  # one Parameter for tied embeddings, as from_pretrained leaves them
+    model.eval()  # as from_pretrained returns it
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+        _init_adapters(model, peft_config, seed)
+    return model
+
+
+def load_generation_config(model: nn.Module, directory: str) -> None:
+    if os.path.isfile(os.path.join(directory, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        target = model.get_base_model() if hasattr(model, "get_base_model") else model
+        target.generation_config = GenerationConfig.from_pretrained(directory)
+
+
+def transformers_load(directory: str, dtype, model_kwargs: dict, overrides: dict, peft_config) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **model_kwargs, **overrides)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return model

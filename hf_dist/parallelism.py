@@ -1,0 +1,226 @@
+"""Apply a parallel layout to a model: the one place hf_dist changes a model for a layout, in one visible order.
+
+``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, activation
+checkpointing, then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel axes (HSDP when
+``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over dp
+(``replicate``). ``DistTrainer``, the public API and every pipeline stage (``PipelinedCausalLM``) call it; nothing
+else in hf_dist wraps a model. There is no compile step: nothing in hf_dist compiles.
+
+The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
+and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
+``reshard_after_forward``. A forward run without autograd (evaluation, generation) is followed by no backward to
+reshard, and while gathered the parameters registered on a module are the unsharded ones: an optimizer built then
+(the Trainer builds it in ``train()``, after any ``evaluate()``) would hold them and update tensors FSDP throws
+away. So every FSDP unit reshards at the end of a forward without autograd (``_reshard_after_no_grad_forward``).
+``tests/test_parallelize.py`` trains several optimizer steps after an evaluation against one process.
+
+Not here: choosing the layout (``ParallelDims``, the planner), TP plans (``hf_dist.tensor_parallel``), splitting
+into pipeline stages (``hf_dist.pipeline_parallel``), or Trainer glue (``hf_dist.trainer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hf_dist.parallel_dims import ParallelDims
+from hf_dist.tensor_parallel.apply import apply_tensor_parallel, unwrap_peft
+
+
+@dataclass(kw_only=True, frozen=True)
+class FsdpRequest:
+    """The FSDP2 settings ``parallelize`` applies with ``fully_shard``."""
+
+    reshard_after_forward: bool = True
+    """True: FULL_SHARD (ZeRO-3). False: SHARD_GRAD_OP (ZeRO-2-like: parameters stay gathered after forward)."""
+    activation_checkpointing: bool = False
+    """Checkpoint each wrapped block (recompute in backward)."""
+    wrap_classes: tuple[str, ...] | None = None
+    """Module class names sharded as units; None: the model's ``_no_split_modules``."""
+    cpu_offload: bool = False
+    """Keep sharded parameters on CPU (``CPUOffloadPolicy``)."""
+    dp_replicate: int = 1
+    """Replica groups (HYBRID_SHARD / HSDP): shard inside a group of world / dp_replicate ranks, all-reduce across."""
+    source: str = "TrainingArguments.fsdp"
+    """Where the request came from, for messages."""
+
+    def as_fields(self) -> dict[str, object]:
+        """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
+        return {
+            "fsdp2": True,
+            "fsdp2_reshard_after_forward": self.reshard_after_forward,
+            "fsdp2_activation_checkpointing": self.activation_checkpointing,
+            "fsdp2_wrap_classes": list(self.wrap_classes) if self.wrap_classes else None,
+            "fsdp2_cpu_offload": self.cpu_offload,
+            "fsdp2_dp_replicate": self.dp_replicate,
+        }
+
+    @classmethod
+    def from_fields(cls, args) -> FsdpRequest | None:
+        """The request carried by ``args``' ``fsdp2*`` fields (the only reader of them); None without ``fsdp2``."""
+        if not getattr(args, "fsdp2", False):
+            return None
+        return cls(
+            reshard_after_forward=args.fsdp2_reshard_after_forward,
+            activation_checkpointing=args.fsdp2_activation_checkpointing,
+            wrap_classes=tuple(args.fsdp2_wrap_classes) if args.fsdp2_wrap_classes else None,
+            cpu_offload=args.fsdp2_cpu_offload,
+            dp_replicate=args.fsdp2_dp_replicate,
+            source="DistTrainingArguments.fsdp2",
+        )
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    fsdp: FsdpRequest | bool | None = None,
+    activation_checkpointing: bool = False,
+    param_dtype: torch.dtype | None = None,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
+    tp_plan: dict | None = None,
+    fsdp_units: Sequence[nn.Module] | None = None,
+    grad_reduction: Literal["mean", "sum"] = "mean",
+    replicate_gradients: bool = True,
+) -> nn.Module:
+    """Apply TP, then activation checkpointing, then FSDP2 or replicated data parallelism, in place.
+
+    Args:
+        model: an HF causal LM (optionally a ``PeftModel``) or a pipeline stage, identical on every rank, on its
+            device. ``dims.build_mesh()`` must have been called.
+        fsdp: shard over the data-parallel axes with these settings (``True``: ``FsdpRequest()``); ``None``/``False``:
+            with ``dims.dp > 1``, keep whole parameters on every dp rank and average gradients (``replicate``).
+        activation_checkpointing: recompute each decoder layer in backward (also when ``fsdp`` asks for it).
+        param_dtype: FSDP mixed precision: compute in this dtype, reduce gradients in fp32.
+        sequence_parallel, vocab_parallel, tp_plan: as in ``hf_dist.tensor_parallel.apply_tensor_parallel``.
+        fsdp_units: the modules FSDP shards one by one before the root (a pipeline stage's own decoder layers);
+            default: those of the request's ``wrap_classes`` or the model's ``_no_split_modules``.
+        grad_reduction: ``"sum"`` sums FSDP gradients over dp instead of averaging them (a pipeline divides its loss
+            by the tokens of the whole global batch already).
+        replicate_gradients: False leaves gradient reduction of replicated (non-FSDP) dp to the caller (the pipeline
+            all-reduces once per step: zero-bubble schedules write ``.grad`` past per-parameter hooks).
+    """
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction={grad_reduction!r} must be 'mean' or 'sum'")
+    request = FsdpRequest() if fsdp is True else fsdp or None
+    if dims.tp_enabled:
+        model = apply_tensor_parallel(
+            model, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=sequence_parallel,
+            vocab_parallel=vocab_parallel,
+        )
+    if activation_checkpointing or (request is not None and request.activation_checkpointing):
+        apply_activation_checkpointing(model)
+    if request is not None:
+        model = apply_fsdp(
+            model, dims, request, units=fsdp_units, param_dtype=param_dtype, grad_reduction=grad_reduction
+        )
+    elif dims.dp_enabled and replicate_gradients:
+        if grad_reduction != "mean":
+            raise ValueError("grad_reduction='sum' with replicated data parallelism: reduce the gradients yourself "
+                             "(replicate_gradients=False) or use FSDP")
+        model = replicate(model, dims.get_mesh("dp"))
+    return model
+
+
+def find_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The transformer blocks to shard as units: ``class_names`` or the model's ``_no_split_modules``."""
+    if class_names is None:
+        names = getattr(model, "_no_split_modules", None) or getattr(unwrap_peft(model), "_no_split_modules", None)
+        class_names = tuple(names or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in class_names]
+    if not blocks:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"no module of class {list(class_names)} in {type(model).__name__}, so FSDP would shard the whole model "
+            f"as one unit; set the wrap class (fsdp_transformer_layer_cls_to_wrap) to one of: {present}"
+        )
+    return blocks
+
+
+def fsdp_mesh(dims: ParallelDims):
+    """The mesh FSDP2 shards over: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP."""
+    return dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.get_mesh("dp_shard")
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dims: ParallelDims,
+    request: FsdpRequest,
+    *,
+    units: Sequence[nn.Module] | None = None,
+    param_dtype: torch.dtype | None = None,
+    grad_reduction: Literal["mean", "sum"] = "mean",
+) -> nn.Module:
+    """``fully_shard`` every block, then the root (kept gathered in training; see the module docstring)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
+    )
+    offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
+    units = list(units) if units is not None else find_blocks(model, request.wrap_classes)
+    for block in units:
+        fully_shard(block, reshard_after_forward=request.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    if grad_reduction == "sum":
+        for unit in (*units, model):  # per unit: a unit's settings do not reach the units inside it
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    model.register_forward_hook(_reshard_after_no_grad_forward)
+    return model
+
+
+def _reshard_after_no_grad_forward(module: nn.Module, args, output):
+    """Without autograd no backward follows to reshard: do it now, so the registered parameters are the shards."""
+    if not torch.is_grad_enabled():
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+    return output
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant, which composes with DTensor and FSDP2)."""
+    target = unwrap_peft(model)
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    frozen_inputs = not any(p.requires_grad for p in target.get_input_embeddings().parameters())
+    if hasattr(model, "enable_input_require_grads") and frozen_inputs:
+        model.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need a grad-requiring input
+
+
+def replicate(model: nn.Module, dp_mesh) -> nn.Module:
+    """Plain data parallelism over ``dp_mesh``: whole parameters (or TP shards) everywhere, gradients averaged.
+
+    Parameters are broadcast from dp rank 0 (as DDP does at construction); then every gradient is averaged over
+    ``dp_mesh`` as soon as autograd has accumulated it. Averaging is idempotent on values already equal on every
+    rank, so with gradient accumulation the sum over micro-batches still ends up averaged (each micro-step pays one
+    all-reduce). DDP itself rejects a mix of Tensor and DTensor parameters; torch's FSDP2-based ``replicate`` was
+    not used: on torch 2.13 CPU a forward under ``no_grad`` followed by training segfaulted or trained nothing.
+    """
+    group, size = dp_mesh.get_group(), dp_mesh.size()
+    src = dist.get_global_rank(group, 0)
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if not local.is_meta:  # meta: filled later by the streaming load, the same on every rank
+            dist.broadcast(local.data, src=src, group=group)
+
+    def average(param: torch.Tensor) -> None:
+        grad = param.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        dist.all_reduce(local, group=group)
+        local.div_(size)
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(average)
+    return model

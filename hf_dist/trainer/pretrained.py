@@ -1,0 +1,71 @@
+"""``hf_dist.from_pretrained``: an HF causal LM loaded straight into the layout of a ``DistTrainingArguments``.
+
+For the layouts hf_dist owns (FSDP2, TP, PP and their products) the model is built on ``meta``
+(``hf_dist.loading.meta``), laid out by ``apply_owned_layout`` (the function ``DistTrainer`` uses), and each rank
+then reads only its own slices of the safetensors files (``hf_dist.loading.load_checkpoint``). No rank ever holds
+the whole model. The result carries a mark (``laid_out.py``), so ``DistTrainer`` uses it as it is.
+DDP and DeepSpeed keep transformers' loader (every DDP rank needs the whole model; ZeRO-3 goes through
+``deepspeed.zero.Init``, see ``hf_dist/loading/README.md``).
+
+Not for: the loading mechanics (``hf_dist.loading``) or checkpoints written by hf_dist's trainer (``hf_dist.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from hf_dist.loading import load_checkpoint, meta
+from hf_dist.trainer.laid_out import LaidOut, stamp
+
+
+def layout_dtype(args, *, lora: bool) -> torch.dtype:
+    """The dtype the layout keeps: fp32 master weights for a full fine-tune; the 16-bit compute dtype for a
+    frozen LoRA base, and for pipeline stages (they do not autocast)."""
+    half = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    return half if half is not None and (lora or args.pp_size > 1) else torch.float32
+
+
+def _as_dtype(dtype, args, lora: bool) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return layout_dtype(args, lora=lora)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, **from_pretrained_kwargs) -> nn.Module:
+    """Load ``name_or_dir`` laid out for ``args`` (a ``DistTrainingArguments``, read under the launcher).
+
+    Args:
+        name_or_dir: a local directory with safetensors weights, or a Hub name already in the local cache.
+        args: the arguments you pass to ``DistTrainer``; their layout (FSDP2 / TP / PP, dtype) is applied here.
+        peft_config: a PEFT ``LoraConfig`` to add adapters before the layout (as ``get_peft_model`` would).
+        from_pretrained_kwargs: ``dtype`` (default: what the layout keeps, ``layout_dtype``),
+            ``attn_implementation``, ``trust_remote_code``, Hub options, and config overrides.
+
+    Returns the model ready for ``DistTrainer(model=..., args=args)``; for DDP and DeepSpeed, transformers'
+    own ``from_pretrained`` (plus ``get_peft_model``).
+    """
+    from hf_dist.planner.flops import module_flop_counts
+    from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+
+    resolve, model_kwargs, dtype, overrides = meta.split_kwargs(dict(from_pretrained_kwargs))
+    directory = meta.checkpoint_dir(name_or_dir, resolve)
+    dtype = _as_dtype(dtype, args, lora=peft_config is not None)
+    dims = trainer_dims(args)
+    if args.hf_dist_fsdp is None and not dims.tp_enabled and not dims.pp_enabled:
+        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
+    config = meta.load_config(directory, model_kwargs, overrides)
+    if args.pp_size > 1:
+        from hf_dist.pipeline_parallel.support import check_pipeline_support
+
+        check_pipeline_support(config)  # before any process group
+    device = args.device  # starts the process group
+    model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
+    flops = module_flop_counts(model)  # of the whole model, before a pipeline rank drops other stages
+    meta.load_generation_config(model, directory)
+    model = apply_owned_layout(model, args, dims)
+    offload = args.hf_dist_fsdp is not None and args.hf_dist_fsdp.cpu_offload
+    load_checkpoint(model, directory, device="cpu" if offload else device)  # FSDP2 offload keeps shards on the host
+    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops))
