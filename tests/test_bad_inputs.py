@@ -38,7 +38,8 @@ def test_learning_rate_and_base_learning_rate_together(tmp_path):
                                              r"pass only one of them"):
             _args(tmp_path, learning_rate=lr, base_learning_rate=2e-5, base_batch_size=4, global_batch_size=8,
                   per_device_train_batch_size=2)
-    args = _args(tmp_path, base_learning_rate=2e-5, base_batch_size=4, global_batch_size=8, per_device_train_batch_size=2)
+    args = _args(tmp_path, base_learning_rate=2e-5, base_batch_size=4, global_batch_size=8,
+                 per_device_train_batch_size=2)
     assert args.learning_rate == pytest.approx(4e-5)
     assert _args(tmp_path).learning_rate == 5e-5  # unset and no base: the Trainer's default
     again = DistTrainingArguments(**{k: v for k, v in args.to_dict().items() if k in ("output_dir", "learning_rate",

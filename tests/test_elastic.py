@@ -1,12 +1,13 @@
 """Elastic restarts under `torchrun --nnodes 1:2 --max-restarts 3` with c10d rendezvous on localhost
 (examples/multinode/elastic.sh, two agents of one process each, the Harbor recipe saving every step).
 
-- shrink (FSDP2): agent B is killed (SIGKILL, agent and rank) mid-run; agent A restarts its rank in a world of
-  1, which loads the newest complete checkpoint (saved by 2 ranks) resharded, re-derives the accumulation (2 -> 4)
-  for the same global batch and finishes; its losses after the resume step equal a one-process run resumed
-  from a copy of that checkpoint (1e-5).
-- grow (DDP): A trains alone; B joins; A's agent restarts its rank and both resume in a world of 2 from the
-  newest checkpoint (saved by 1 rank); losses after it equal a 2-process run resumed from its copy (1e-5).
+- shrink (FSDP2 and DDP): agent B is killed (SIGKILL, agent and rank) mid-run; agent A restarts its rank in a
+  world of 1, which loads the newest complete checkpoint (saved by 2 ranks; FSDP2's resharded by DCP, DDP's the
+  Trainer's own, full on every rank), re-derives the accumulation (2 -> 4) for the same global batch and
+  finishes; its losses after the resume step equal a one-process run resumed from a copy of that checkpoint.
+- grow (DDP and FSDP2): A trains alone; B joins; A's agent restarts its rank (which saves on the SIGTERM) and
+  both resume in a world of 2 from the newest checkpoint; losses after it equal a 2-process run resumed from
+  its copy (1e-5).
 
 These are the slowest tests here (several launches and rendezvous rounds).
 """
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from dist_utils import free_port
 from test_launch import ROOT, TRAIN, _env
@@ -106,11 +108,22 @@ def _check_continues(out: Path, tmp_path: Path, checkpoint: Path, processes: int
         torch.testing.assert_close(losses[s], reference[s], atol=1e-5, rtol=0)
 
 
-def test_shrink_fsdp2(tmp_path):
+LAYOUTS = {"fsdp2": ["--fsdp2", "true"], "ddp": []}
+
+
+def _saved_by(checkpoint: Path) -> int:
+    """World size that wrote a checkpoint: hf_dist's manifest, or the Trainer's per-rank RNG files."""
+    if (checkpoint / "manifest.json").is_file():
+        return json.loads((checkpoint / "manifest.json").read_text())["world_size"]
+    return max(1, len(list(checkpoint.glob("rng_state_*.pth"))))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_shrink(tmp_path, layout):
     out, port = tmp_path / "run", free_port()
-    a = _agent(out, port, "a", ["--fsdp2", "true"])
+    a = _agent(out, port, "a", LAYOUTS[layout])
     time.sleep(2)  # A serves the rendezvous store
-    b = _agent(out, port, "b", ["--fsdp2", "true"])
+    b = _agent(out, port, "b", LAYOUTS[layout])
     try:
         _wait(lambda: _latest_step(out) >= 2, a, "checkpoint-2")
         _kill(b)
@@ -120,13 +133,15 @@ def test_shrink_fsdp2(tmp_path):
             if proc.poll() is None:
                 _kill(proc)
     checkpoint = _resumed_from((tmp_path / "a.log").read_text(), world=1)
-    assert json.loads((checkpoint / "manifest.json").read_text())["world_size"] == 2  # saved by 2, loaded by 1
+    assert _saved_by(checkpoint) == 2  # saved by 2 ranks, loaded by 1
+    assert (checkpoint / "manifest.json").is_file() == (layout == "fsdp2")
     _check_continues(out, tmp_path, checkpoint, processes=1, steps=8, extra=[])
 
 
-def test_grow_ddp(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grow(tmp_path, layout):
     out, port = tmp_path / "run", free_port()
-    longer = ["--max_steps", "60"]  # B must join while A still trains (B's start-up alone takes ~10-30 s)
+    longer = ["--max_steps", "60", *LAYOUTS[layout]]  # B must join while A trains (its start-up takes ~10-30 s)
     a = _agent(out, port, "a", longer)
     b = None
     try:
@@ -139,5 +154,5 @@ def test_grow_ddp(tmp_path):
             if proc is not None and proc.poll() is None:
                 _kill(proc)
     checkpoint = _resumed_from((tmp_path / "a.log").read_text(), world=2)
-    assert (checkpoint / "rng_state.pth").is_file()  # the Trainer's own checkpoint of a 1-process run
+    assert _saved_by(checkpoint) == 1
     _check_continues(out, tmp_path, checkpoint, processes=2, steps=60, extra=longer)

@@ -42,7 +42,7 @@ def load_checked(ckpt: Path):
                          f"(load it with AutoPeftModelForCausalLM), export only full-model checkpoints")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype="auto", output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a truncated or unreadable safetensors file lands here
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # e.g. a truncated safetensors file
         raise mf.CheckpointError(f"{ckpt}: the model does not load ({err}); the checkpoint is damaged") from err
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:

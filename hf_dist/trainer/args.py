@@ -34,7 +34,8 @@ def check_values(args) -> None:
             raise ValueError(
                 f"learning_rate={given:g} and base_learning_rate={args.base_learning_rate:g} were both given; the "
                 f"learning rate is derived from base_learning_rate x the global batch ({args.lr_scaling} scaling), "
-                f"so pass only one of them"
+                f"so pass only one of them (a preset's base_learning_rate stays: to fix the rate, pass "
+                f"--base_learning_rate {given:g} --lr_scaling none instead)"
             )
     if given is not None and not math.isnan(given) and not (math.isfinite(given) and given >= 0):
         raise ValueError(f"learning_rate={given!r} must be a finite non-negative number")
