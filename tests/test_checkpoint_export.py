@@ -218,3 +218,21 @@ def test_export_into_a_file_is_refused(fsdp_checkpoint, tmp_path, capsys):
     assert main(["checkpoint", "export", str(root), str(target)]) == 2
     assert f"output {target} is a file, not a folder" in capsys.readouterr().err
     assert target.read_text() == "keep me"
+
+
+def test_tokenizer_from_a_model_folder_brings_only_the_tokenizer(fsdp_checkpoint, tmp_path, capsys):
+    """``--tokenizer`` may name a whole model folder: its config and weights must not replace the export's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, params = fsdp_checkpoint
+    donor = tmp_path / "donor"
+    assert main(["checkpoint", "export", str(root), str(donor)]) == 0
+    config = json.loads((donor / "config.json").read_text())
+    config["num_hidden_layers"] += 1  # a different model in the donor folder, same tokenizer
+    (donor / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "hub"
+    assert main(["checkpoint", "export", str(root), str(out), "--tokenizer", str(donor)]) == 0
+    capsys.readouterr()
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    torch.testing.assert_close(dict(exported.state_dict()), params, atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(str(out))("w5 w7")["input_ids"] == [5, 7]

@@ -139,7 +139,15 @@ def copy_hf_files(ckpt: Path, out: Path, report: ExportReport, tokenizer_dir: st
         if (hf / name).is_file():
             shutil.copy2(hf / name, out / name)
             report.files.append(name)
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else hf / "tokenizer"
+    if tokenizer_dir is not None:
+        # A user's folder may be a whole model folder: save only the tokenizer, never its config or weights.
+        from transformers import AutoTokenizer
+
+        before = {p.name for p in out.iterdir()}
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+        report.files.extend(sorted({p.name for p in out.iterdir()} - before))
+        return
+    source = hf / "tokenizer"
     if source.is_dir():
         for item in sorted(source.iterdir()):
             if item.is_file():
