@@ -17,6 +17,10 @@ from hf_dist.checkpoint.sampler import global_slice
 STEPS, SAVE_AT = 6, 3
 SAME = dict(atol=1e-6, rtol=0)
 CROSS = dict(atol=1e-5, rtol=0)
+# Parameters across layouts after AdamW: a gradient that differs from one process only by rounding (another
+# reduction order) moves an element whose gradient is near zero by a visible fraction of one step, because Adam
+# normalises it; 1% of the learning rate (3e-3) bounds that. Losses and same-layout resumes keep their tolerances.
+CROSS_PARAMS = dict(atol=3e-5, rtol=0)
 
 
 SAME_LAYOUT = (("ddp", "ddp"), ("fsdp", "fsdp"), ("tp", "tp"), ("pp", "pp"))
@@ -58,15 +62,17 @@ def test_exact_resume_and_reshard(tmp_path):
         _assert_ids_continue([r[kind] for r in ranks], resumed)
     for kind, source in CROSS_LAYOUT:
         resumed = [r[f"{kind}<-{source}"] for r in ranks]
-        torch.testing.assert_close(resumed[0]["losses"], reference["losses"][SAVE_AT:], **CROSS)
-        torch.testing.assert_close(as_tensors(resumed[0]["params"]), reference["params"], **CROSS)
+        torch.testing.assert_close(resumed[0]["losses"], reference["losses"][SAVE_AT:], **CROSS,
+                                   msg=lambda m, k=kind, s=source: f"{k} resumed from {s}: {m}")
+        torch.testing.assert_close(as_tensors(resumed[0]["params"]), reference["params"], **CROSS_PARAMS,
+                                   msg=lambda m, k=kind, s=source: f"{k} resumed from {s}: {m}")
         before = [reference] if source == "single" else [r[source] for r in ranks]
         _assert_ids_continue(before, resumed)
     # 2 -> 1: both 2-rank checkpoints resume in one process with accumulation 4 instead of 2
     for source in ("ddp", "fsdp", "tp", "pp"):
         resumed = train("single", steps=STEPS, resume=str(tmp_path / source))
         torch.testing.assert_close(resumed["losses"], reference["losses"][SAVE_AT:], **CROSS)
-        torch.testing.assert_close(resumed["params"], reference["params"], **CROSS)
+        torch.testing.assert_close(resumed["params"], reference["params"], **CROSS_PARAMS)
         _assert_ids_continue([r[source] for r in ranks], [resumed])
     # one process, same layout: exact
     resumed = train("single", steps=STEPS, resume=str(tmp_path / "single"))
@@ -97,5 +103,5 @@ def test_fsdp_tp_exact_resume_and_reshard_to_one_process(tmp_path):
     _assert_ids_continue([r["full"] for r in ranks], [r["resumed"] for r in ranks])
     one = train("single", steps=STEPS, resume=str(tmp_path / "fsdp_tp"))  # 4 ranks, accumulation 2 -> 1, 4
     torch.testing.assert_close(one["losses"], reference["losses"][SAVE_AT:], **CROSS)
-    torch.testing.assert_close(one["params"], reference["params"], **CROSS)
+    torch.testing.assert_close(one["params"], reference["params"], **CROSS_PARAMS)
     _assert_ids_continue([r["full"] for r in ranks], [one])
