@@ -2,8 +2,9 @@
 
 ``full_state_dict`` turns every DTensor (FSDP2 shards, TP shards, both) into a whole tensor and puts fused
 projections that TP interleaved back in HF row order; every rank calls it (the gathers are collectives) and gets
-the same dict -- for the whole model only where that is small (tests, ``save_gathered``), or for the few keys a
-PEFT adapter saves (``peft_saved_keys``). The final save of a whole model never gathers it: ``write_streaming``
+the same dict -- for the whole model only where that is small (tests), or for the few keys a PEFT adapter saves
+(``peft_saved_keys``). ``save_gathered`` makes the final save's one decision: a PEFT adapter's tensors, or the
+whole model streamed. The final save of a whole model never gathers it: ``write_streaming``
 fetches one whole tensor at a time into the current output file (shards planned from the global shapes first, so
 names and index are exact), so rank 0 holds one file plus one tensor. ``save_streaming`` feeds it from a model
 every rank holds a shard of; the pipeline's saver (``pipeline_parallel.checkpoint``) from the stage that owns each
@@ -146,16 +147,19 @@ def peft_saved_keys(model: nn.Module) -> list[str]:
     return keys
 
 
-def save_gathered(model: nn.Module, save_directory: str, **save_kwargs) -> None:
-    """Write ``model`` (an HF model or a ``PeftModel``, parallelised or not) as a normal directory from rank 0.
+def save_gathered(model: nn.Module, save_directory: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write ``model`` (an HF model or a ``PeftModel``, parallelised or not) as a normal directory from rank 0,
+    never gathering more than the output needs: the final save's one decision (``DistTrainer._save`` uses it).
 
-    A ``PeftModel`` writes its adapter only; an HF model writes all weights and its config. Every rank must call
-    this (the gather is collective); it returns after a barrier, so the files exist on every rank's return.
+    A ``PeftModel`` writes its adapter only, and only the tensors PEFT saves are gathered (``peft_saved_keys``);
+    an HF model writes all weights and its config through ``save_streaming`` (one file plus one tensor on
+    rank 0). Every rank must call this (the gathers are collective); it returns after a barrier.
     """
-    state = full_state_dict(model)
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    if is_main:
-        model.save_pretrained(save_directory, state_dict=state, is_main_process=True, **save_kwargs)
+    if not hasattr(model, "peft_config"):
+        return save_streaming(model, save_directory, max_shard_bytes=max_shard_bytes)
+    state = full_state_dict(model, keys=peft_saved_keys(model))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(save_directory, state_dict=state, is_main_process=True)
     if dist.is_initialized():
         dist.barrier()
 

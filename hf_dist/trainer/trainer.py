@@ -30,7 +30,7 @@ from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
-from hf_dist.state_dict import full_state_dict, peft_saved_keys
+from hf_dist.state_dict import save_gathered
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.trainer import checkpoint_glue, dp_data, launch_env, preemption, resume, teardown
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
@@ -306,24 +306,17 @@ class DistTrainer(Trainer):
         checkpoint_glue.load_best_model(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """For layouts hf_dist owns, gather the full state dict (collective) and write a normal HF directory."""
+        """For layouts hf_dist owns, a normal HF directory (or PEFT adapter) without gathering the whole model."""
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
-        if self.owns_layout and state_dict is None and not hasattr(self.model, "peft_config"):
-            return self._save_streaming(output_dir or self.args.output_dir)
-        if self.owns_layout and state_dict is None:  # a PEFT adapter: only its tensors gathered, in HF row order
-            state_dict = full_state_dict(self.model, keys=peft_saved_keys(self.model))
-        super()._save(output_dir, state_dict=state_dict)
-
-    def _save_streaming(self, output_dir: str) -> None:
-        """Weights one gathered tensor at a time (rank 0 never holds the whole model), then what ``_save`` adds."""
+        if not self.owns_layout or state_dict is not None:
+            return super()._save(output_dir, state_dict=state_dict)
         import os
 
         from transformers.trainer import TRAINING_ARGS_NAME
 
-        from hf_dist.state_dict import save_streaming
-
-        save_streaming(self.model, output_dir)
+        output_dir = output_dir or self.args.output_dir
+        save_gathered(self.model, output_dir)  # streamed weights, or only the adapter's tensors (collective)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
