@@ -116,21 +116,67 @@ def _measure(fn) -> tuple[float, int]:
     return max(s[0] for s in stats), max(s[1] for s in stats)
 
 
+def _max_over_ranks(value: float) -> float:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return max(values)
+
+
+def _timed_step(model, optimizer) -> float:
+    t0 = time.perf_counter()
+    _one_step(model, optimizer)
+    return _max_over_ranks(time.perf_counter() - t0)
+
+
+def _async_saves(save, model, optimizer, root, n_saves: int, background: bool) -> list[dict]:
+    """``n_saves`` saves through one ``AsyncCheckpointer``, each followed by a training step during its write.
+
+    Blocking = the save call, plus (``stage_in_background``) the wait for the copy before the next
+    ``optimizer.step``: the time the training loop could not go on.
+    """
+    from hf_dist.checkpoint import AsyncCheckpointer
+
+    out = []
+    with AsyncCheckpointer(stage_in_background=background) as saver:
+        for i in range(n_saves):
+            dist.barrier()
+            committed = []
+            with PeakRss() as peak:
+                t0 = time.perf_counter()
+                handle = save(f"{root}/dcp_async_{int(background)}_{i}", async_save=saver)
+                blocking = time.perf_counter() - t0
+                handle.add_done_callback(lambda: committed.append(time.perf_counter()))
+                step = time.perf_counter()
+                ids = torch.randint(0, model.config.vocab_size, (1, 16))
+                model(input_ids=ids, labels=ids).loss.backward()  # training goes on while the shards are written
+                wait = time.perf_counter()
+                handle.wait_staged()  # what optimizer.step would wait for (its pre-hook)
+                blocking += time.perf_counter() - wait
+                optimizer.step()
+                optimizer.zero_grad()
+                step = time.perf_counter() - step
+                handle.result()
+            stats = [None] * dist.get_world_size()
+            dist.all_gather_object(stats, (blocking, committed[0] - t0, step, peak.growth))
+            out.append({key: max(s[j] for s in stats) for j, key in enumerate(("blocking", "commit", "step", "peak"))})
+    return out
+
+
 def _hf_dist(args, root, rows):
     from hf_dist.checkpoint import load_checkpoint, save_checkpoint
 
     model, optimizer, layout = _fsdp(args, dist.get_world_size())
     save = lambda path, **kw: save_checkpoint(path, model=model, optimizer=optimizer, step=1, samples_consumed=1,
                                               layout=layout, batch_contract=None, hash_files=False, **kw)
-    rows["hf_dist sync"] = {"save": _measure(lambda: save(f"{root}/dcp_sync"))}
-    rows["hf_dist sync"]["load"] = _measure(lambda: load_checkpoint(f"{root}/dcp_sync", model=model, optimizer=optimizer))
-    group = dist.new_group(backend="gloo")
-    handles = []
-    blocking = _measure(lambda: handles.append(save(f"{root}/dcp_async", async_save=True, async_group=group)))
-    t0 = time.perf_counter()
-    handles[0].result()
-    total = blocking[0] + time.perf_counter() - t0
-    rows["hf_dist async"] = {"save": blocking, "total": total}
+    syncs = [_measure(lambda i=i: save(f"{root}/dcp_sync_{i}")) for i in range(args.sync_saves)]
+    rows["hf_dist sync"] = {"save": (sum(s[0] for s in syncs) / len(syncs), max(s[1] for s in syncs)),
+                            "sync_all": [s[0] for s in syncs]}
+    rows["hf_dist sync"]["load"] = _measure(lambda: load_checkpoint(f"{root}/dcp_sync_0", model=model,
+                                                                    optimizer=optimizer))
+    rows["step alone"] = _timed_step(model, optimizer)
+    saves = {mode: _async_saves(save, model, optimizer, root, args.async_saves, background=mode == "background")
+             for mode in ("caller", "background")}
+    rows["hf_dist async"] = {"save": (saves["caller"][0]["blocking"], saves["caller"][0]["peak"]), "saves": saves}
     del model, optimizer
 
 
@@ -181,7 +227,7 @@ def _worker(rank, world, port, args, root, queue):
 
     faulthandler.dump_traceback_later(args.stall_s, exit=True, file=sys.stderr)  # a hung collective: show where
     rows: dict = {}
-    for stage in (_hf_dist, _torch_save, _accelerate):
+    for stage in (_hf_dist,) if args.only_hf_dist else (_hf_dist, _torch_save, _accelerate):
         stage(args, root, rows)
     if rank == 0:
         queue.put(rows)
@@ -197,6 +243,8 @@ def _table(rows: dict, n_params: int, args) -> str:
         f"{'method':<24}{'save s':>8}{'x':>7}{'save peak MiB':>15}{'x':>9}{'load s':>8}{'x':>7}{'load peak MiB':>15}{'x':>9}",
     ]
     for name, row in rows.items():
+        if name == "step alone":
+            continue
         cells = []
         for op in ("save", "load"):
             if op not in row:
@@ -208,11 +256,25 @@ def _table(rows: dict, n_params: int, args) -> str:
                       f"{growth / max(b_growth, 1):.2f}"]
         lines.append(f"{name:<24}{cells[0]:>8}{cells[1]:>7}{cells[2]:>15}{cells[3]:>9}"
                      f"{cells[4]:>8}{cells[5]:>7}{cells[6]:>15}{cells[7]:>9}")
-    asynchronous = rows["hf_dist async"]
-    lines.append(f"async: blocking {asynchronous['save'][0]:.2f} s vs sync {base['save'][0]:.2f} s "
-                 f"({asynchronous['save'][0] / base['save'][0]:.2f}x); background write done after "
-                 f"{asynchronous['total']:.2f} s")
+    lines += _async_table(rows)
     return "\n".join(lines)
+
+
+def _async_table(rows: dict) -> list[str]:
+    sync = rows["hf_dist sync"]["save"][0]
+    lines = [
+        "",
+        f"async saves through one AsyncCheckpointer (staging in the caller / in the writer thread); sync save (mean "
+        f"of {len(rows['hf_dist sync']['sync_all'])}) {sync:.2f} s; a training step alone {rows['step alone']:.2f} s",
+        f"{'save':<32}{'blocking s':>11}{'% of sync':>11}{'until commit s':>16}{'step during write s':>21}"
+        f"{'peak MiB':>10}",
+    ]
+    for mode, saves in rows["hf_dist async"]["saves"].items():
+        for i, save in enumerate(saves):
+            name = f"{mode} staging #{i + 1} ({'first' if i == 0 else 'cached'})"
+            lines.append(f"{name:<32}{save['blocking']:>11.2f}{100 * save['blocking'] / sync:>10.0f}%"
+                         f"{save['commit']:>16.2f}{save['step']:>21.2f}{save['peak'] / 2**20:>10.0f}")
+    return lines
 
 
 def main() -> None:
@@ -221,6 +283,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--sync-saves", type=int, default=2, help="synchronous saves averaged")
+    parser.add_argument("--async-saves", type=int, default=3, help="asynchronous saves (the first allocates)")
+    parser.add_argument("--only-hf-dist", action="store_true", help="skip the torch.save and accelerate rows")
     parser.add_argument("--stall-s", type=float, default=1800, help="dump stacks and exit if a rank runs this long")
     args = parser.parse_args()
     n_params = sum(p.numel() for p in _model(args).parameters())

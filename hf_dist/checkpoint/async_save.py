@@ -1,0 +1,127 @@
+"""Asynchronous saves that block training only for a memory copy: ``AsyncCheckpointer``.
+
+An ``AsyncCheckpointer`` lives as long as the run and is passed to every ``save_checkpoint(...,
+async_save=checkpointer)``. It owns what a save would otherwise rebuild each time:
+
+- one gloo process group for the background write and commit (created at the first save; training
+  collectives never share it);
+- one staging cache: torch's ``DefaultStager`` keeps a CPU copy per state-dict storage, allocated at the first
+  save; later saves only copy into it;
+- one writer thread, which writes the shards (DCP), the RNG and rank-0 files, fsyncs and hashes every file,
+  writes the manifest and commits (rename, marker, then ``latest``): ``writer.write_and_commit``.
+
+Staging (the copy) runs in the caller by default: when ``save_checkpoint`` returns, the parameters may change.
+With ``stage_in_background=True`` the writer thread makes the copy too and the call returns after capturing the
+small things (RNG, scheduler state, configs); the save then registers a one-shot ``optimizer.step`` pre-hook
+that waits until the copy is done, so forward and backward overlap the copy and the next step cannot change a
+value being copied. Anything else that changes parameters or optimizer state before that step (a manual update,
+a load) must call ``SaveHandle.wait_staged()`` first.
+
+A save waits for the previous save of the same checkpointer to finish first (its buffers are about to be
+overwritten). A thread rather than DCP's process executor: the write is file I/O, fsync, hashing and copies,
+which release the GIL, and a second process would need its own process group and shared-memory staging.
+Interpreter exit joins the writer thread before ``atexit`` handlers run, so a pending commit finishes before
+``hf_dist.trainer.teardown`` destroys the process groups.
+
+Not here: what a checkpoint holds and the synchronous path (``api``), how it is written (``writer``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.writer import SaveJob, rank_world, write_and_commit
+
+
+class AsyncCheckpointer:
+    """One gloo group, one staging cache and one writer thread, reused by every asynchronous save of a run.
+
+    Call ``close()`` (or use it as a context manager) when the run ends: it waits for the last commit.
+
+    Args:
+        process_group: a gloo (CPU-capable) group for the background collectives; None creates one at the first
+            save (collective: every rank saves).
+        stage_in_background: copy the state in the writer thread too (see the module docstring for the rule
+            this puts on the caller).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, stage_in_background: bool = False):
+        self._group = process_group
+        self.stage_in_background = stage_in_background
+        # Synchronous staging into cached CPU buffers; pinned only where a GPU makes pinning worth it.
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_dist_checkpoint")
+        self._pending: Future | None = None
+        self._closed = False
+
+    def submit(self, job: SaveJob) -> tuple[Future, Future]:
+        """Stage ``job.state`` and write and commit ``job`` in the writer thread.
+
+        Returns ``(committed, staged)``: the first resolves to the committed manifest, the second once the copy
+        is made (already resolved unless ``stage_in_background``).
+        """
+        self._check_open()
+        self.wait_idle()  # the previous save may still read the cached buffers
+        group = self._background_group()
+        staged: Future = Future()
+        if self.stage_in_background:
+            self._pending = self._executor.submit(self._stage_then_write, job, group, staged)
+        else:
+            job.state = self._stager.stage(job.state)
+            staged.set_result(None)
+            self._pending = self._executor.submit(write_and_commit, job, group)
+        return self._pending, staged
+
+    def _stage_then_write(self, job: SaveJob, group, staged: Future) -> mf.Manifest:
+        error = None
+        try:
+            job.state = self._stager.stage(job.state)
+            staged.set_result(None)
+        except Exception as err:  # the other ranks learn it in the first collective of the write
+            staged.set_exception(err)
+            error = f"staging {job.target} failed on rank {rank_world()[0]}: {err!r}"
+        return write_and_commit(job, group, prior_error=error)
+
+    def wait_idle(self) -> None:
+        """Block until the previous save finished (its failure is reported by its own ``SaveHandle``)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+            self._pending = None
+
+    def close(self, wait: bool = True) -> None:
+        """Release the writer thread and the staging cache (``wait=False``: once the pending save finished)."""
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, None
+        if wait or pending is None:
+            self._release(wait=True)
+        else:  # the callback runs in the writer thread, which cannot join itself
+            pending.add_done_callback(lambda _: self._release(wait=False))
+
+    def _release(self, wait: bool) -> None:
+        self._executor.shutdown(wait=wait)
+        self._stager.close()
+
+    def _background_group(self):
+        if self._group is None and rank_world()[1] > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise mf.CheckpointError("this AsyncCheckpointer was closed; create a new one to save again")
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
