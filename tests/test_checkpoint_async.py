@@ -4,7 +4,8 @@ FSDP2 on 2 gloo ranks: two consecutive async saves through one checkpointer (its
 training between them and a step taken while each write runs, in both staging modes; every tensor of both
 checkpoints equals the synchronous run's bit for bit, and resuming from them continues the uninterrupted run
 exactly. One process: a failed commit leaves ``latest`` on the previous complete checkpoint and the checkpointer
-saves again; ``optimizer.step`` waits for a background copy; a run that never waits still commits before exit.
+saves again; ``optimizer.step`` waits for a background copy; a run that never waits still commits before exit;
+``DistTrainingArguments(async_save=True)`` is refused where the Trainer writes the checkpoints (DDP, DeepSpeed).
 """
 
 from __future__ import annotations
@@ -139,3 +140,10 @@ def test_a_run_that_never_waits_still_commits_and_exits_zero(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert mf.is_complete(tmp_path / "step_1") and (tmp_path / "latest").read_text().strip() == "step_1"
+
+
+def test_async_save_is_refused_where_the_trainer_writes_the_checkpoints(tmp_path):
+    from hf_dist import DistTrainingArguments
+
+    with pytest.raises(ValueError, match="async_save=True applies to the checkpoints hf_dist writes .* drop --async_save"):
+        DistTrainingArguments(output_dir=str(tmp_path), async_save=True, report_to=[], use_cpu=True)

@@ -99,7 +99,8 @@ class SaveHandle:
             self._future.add_done_callback(lambda _: fn())
 
     def result(self) -> mf.Manifest:
-        """Block until committed; a failed background write raises ``CheckpointError`` (on every rank)."""
+        """Block until committed. A background write that failed raises here: ``CheckpointError`` on every rank
+        when a shard or file could not be written, or the commit's own error on the rank that hit it."""
         if self._manifest is None:
             self._manifest = self._future.result()
         return self._manifest
