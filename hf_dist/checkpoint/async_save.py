@@ -5,8 +5,12 @@ async_save=checkpointer)``. It owns what a save would otherwise rebuild each tim
 
 - one gloo process group for the background write and commit (created at the first save; training
   collectives never share it);
-- one staging cache: torch's ``DefaultStager`` keeps a CPU copy per state-dict storage, allocated at the first
-  save; later saves only copy into it;
+- one staging cache: a CPU state dict shaped like the state (empty tensors, DTensors with the same mesh and
+  placements), allocated at the first save; later saves only copy into it (torch's ``_copy_state_dict``, the
+  helper behind ``BlockingAsyncStager(cache_staged_state_dict=True)``, which cannot be used itself without a
+  GPU: it always pins), and a state of another shape (optimizer state that appeared, another model) gets new
+  buffers. torch's ``DefaultStager`` caches too, but deep-copies every DTensor wrapper on each save (about 2x
+  slower per save here), and ``_create_cpu_state_dict`` deep-copies each DTensor's data before replacing it;
 - one writer thread, which writes the shards (DCP), the RNG and rank-0 files, fsyncs and hashes every file,
   writes the manifest and commits (rename, marker, then ``latest``): ``writer.write_and_commit``.
 
@@ -33,7 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed._state_dict_utils import _copy_state_dict
+from torch.distributed.tensor import DTensor
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.writer import SaveJob, rank_world, write_and_commit
@@ -54,10 +59,7 @@ class AsyncCheckpointer:
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, stage_in_background: bool = False):
         self._group = process_group
         self.stage_in_background = stage_in_background
-        # Synchronous staging into cached CPU buffers; pinned only where a GPU makes pinning worth it.
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._stager = _CachedStager(pin_memory=torch.cuda.is_available())  # pinning pays off for GPU copies only
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_dist_checkpoint")
         self._pending: Future | None = None
         self._closed = False
@@ -125,3 +127,51 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _CachedStager:
+    """Copies a state dict into CPU buffers allocated once per state-dict shape."""
+
+    def __init__(self, pin_memory: bool):
+        self._pin_memory = pin_memory
+        self._cache: dict | None = None
+        self._signature = None
+
+    def stage(self, state: dict) -> dict:
+        signature = _signature(state)
+        if self._cache is None or signature != self._signature:
+            self._cache, self._signature = _empty_like(state, self._pin_memory), signature
+        return _copy_state_dict(state, self._cache)
+
+    def close(self) -> None:
+        self._cache, self._signature = None, None
+
+
+def _signature(value):
+    """Keys, tensor shapes, dtypes and DTensor layouts: what the cached buffers must match."""
+    if isinstance(value, dict):
+        return tuple((key, _signature(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(item) for item in value)
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        return ("dtensor", tuple(value.shape), tuple(local.shape), local.dtype, tuple(value.placements))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return type(value).__name__
+
+
+def _empty_like(value, pin_memory: bool):
+    """CPU buffers shaped like ``value``'s tensors (other values kept: the copy takes them from the source)."""
+    if isinstance(value, dict):
+        return {key: _empty_like(item, pin_memory) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_empty_like(item, pin_memory) for item in value)
+    if isinstance(value, DTensor):
+        local = _empty_like(value._local_tensor, pin_memory)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    if isinstance(value, torch.Tensor):
+        buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+        return buffer.pin_memory() if pin_memory and buffer.numel() else buffer
+    return value
