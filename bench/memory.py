@@ -24,8 +24,9 @@ Recorded 2026-11-21 on a 2-core CPU machine, no GPU (torch 2.13, transformers 5.
     tp       1378816 =    0 =          1378816 =    2757716 =    2513408/2513412 1.000   592384/592388 1.000
     lora     2673152 =    0 =           180224 =     360560 =    3424768/3357700 1.020   461312/460292 1.002
 The tp row was re-run on 2026-11-23 through ``apply_tensor_parallel`` (the training path, whose lm_head is split on
-the vocabulary; the hand plan it replaced kept it whole: 1509888 parameter bytes). Peak RSS per rank 370-450 MiB (Python, torch and the libraries dominate). The 4-byte activation gap is the
-loss scalar; LoRA's 2% is the first layer's input, which needs no gradient when the embedding is frozen.
+the vocabulary; the hand plan it replaced kept it whole: 1509888 parameter bytes). Peak RSS per rank 370-450 MiB
+(Python, torch and the libraries dominate). The 4-byte activation gap is the loss scalar; LoRA's 2% is the first
+layer's input, which needs no gradient when the embedding is frozen.
 """
 
 from __future__ import annotations
