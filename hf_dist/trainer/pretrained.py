@@ -92,5 +92,5 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     meta.load_generation_config(model, directory)
     model = apply_owned_layout(model, args, dims)
     offload = args.hf_dist_fsdp is not None and args.hf_dist_fsdp.cpu_offload
-    load_checkpoint(model, directory, device="cpu" if offload else device, names=names)  # FSDP2 offload keeps shards on the host
-    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops))
+    report = load_checkpoint(model, directory, device="cpu" if offload else device, names=names)  # offload: host
+    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops, load=report))
