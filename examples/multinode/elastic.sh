@@ -12,8 +12,7 @@
 # (harbor), LAST_CALL (seconds to wait for more nodes once MIN_NODES are there; 10), TRAIN_SCRIPT
 # (examples/harbor/train.py; tests/test_elastic.py runs a wrapper recording sample ids). Arguments go to the script after
 # --resume_from_checkpoint auto (the output dir must be on a shared filesystem).
-# On Kubernetes, run this as the container command of each pod of an indexed Job or a PyTorchJob with
-# elasticPolicy; the pods need RDZV_ENDPOINT to reach the first one.
+# On Kubernetes: harbor_13b_k8s.yaml (the same torchrun command, the rendezvous store in a pod of its own).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # torch 2.13: with the rendezvous TCP store shared with the ranks (the default), an agent that was rank 0 keeps its
