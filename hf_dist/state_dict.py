@@ -2,18 +2,24 @@
 
 ``full_state_dict`` turns every DTensor (FSDP2 shards, TP shards, both) into a whole tensor and puts fused
 projections that TP interleaved back in HF row order; every rank calls it (the gathers are collectives) and gets
-the same dict. ``DistTrainer._save``, ``save_gathered`` and the pipeline's saver (per stage, then over the pipeline
-group) all use it. ``save_gathered`` writes a normal HF directory (or a PEFT adapter directory) from rank 0;
-``save_streaming`` writes one the same way but gathers one tensor at a time, so rank 0 holds one file plus one
-tensor, never the whole model (shards planned from the global shapes first, so names and index are exact).
+the same dict -- for the whole model only where that is small (tests, ``save_gathered``), or for the few keys a
+PEFT adapter saves (``peft_saved_keys``). The final save of a whole model never gathers it: ``write_streaming``
+fetches one whole tensor at a time into the current output file (shards planned from the global shapes first, so
+names and index are exact), so rank 0 holds one file plus one tensor. ``save_streaming`` feeds it from a model
+every rank holds a shard of; the pipeline's saver (``pipeline_parallel.checkpoint``) from the stage that owns each
+tensor. ``gather_meter`` counts the whole tensors a rank holds, to check that bound.
 
-Not for: sharded checkpoints for resuming (``hf_dist.checkpoint``, DCP), or models too large for one host's memory.
+Not for: sharded checkpoints for resuming (``hf_dist.checkpoint``, DCP).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,50 @@ from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR, deinterleave_parts
 DEFAULT_SHARD_BYTES = 2**30
 
 
-def _fused_keys(model: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]:
+@dataclass
+class GatherMeter:
+    """Whole (gathered) tensors alive on this rank while it is active: now and at the most."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    live_tensors: int = 0
+    peak_tensors: int = 0
+
+    def _add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.live_tensors += 1
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.peak_tensors = max(self.peak_tensors, self.live_tensors)
+
+    def _drop(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+        self.live_tensors -= 1
+
+
+_METERS: list[GatherMeter] = []
+
+
+@contextlib.contextmanager
+def gather_meter() -> Iterator[GatherMeter]:
+    """Count, on this rank, the whole tensors the gatherer produces or receives until each is freed."""
+    meter = GatherMeter()
+    _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        _METERS.remove(meter)
+
+
+def held(value: torch.Tensor) -> torch.Tensor:
+    """``value`` counted by the active meters until it is garbage (returns it unchanged)."""
+    nbytes = value.numel() * value.element_size()
+    for meter in _METERS:
+        meter._add(nbytes)
+        weakref.finalize(value, meter._drop, nbytes)
+    return value
+
+
+def fused_keys(model: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]:
     keys = {}
     for name, module in model.named_modules():
         fused = getattr(module, FUSED_PARTS_ATTR, None)
@@ -45,30 +94,56 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor()
 
 
-def _hf_layout(key: str, value: torch.Tensor, fused: dict) -> torch.Tensor:
-    """One state-dict entry whole and in HF row order (collective when it is a DTensor)."""
+def hf_layout(key: str, value: torch.Tensor, fused: dict) -> torch.Tensor:
+    """One state-dict entry whole and in HF row order (collective when it is a DTensor); ``fused`` is
+    ``fused_keys(model)``."""
+    gathered = isinstance(value, DTensor)
     value = _whole(value)
     if key in fused:
         parts, tp = fused[key]
         value = deinterleave_parts(value, parts, tp)
-    return value
+    return held(value.detach()) if gathered else value.detach()
 
 
-def full_state_dict(model: nn.Module, *, cpu: bool = True, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, *, cpu: bool = True, trainable_only: bool = False, keys: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of ``model.state_dict()`` whole, in HF layout (collective over the model's meshes).
 
     ``cpu``: return CPU copies (never views of live parameters). ``trainable_only``: only parameters that
-    require grad (a LoRA adapter), buffers and frozen weights left out.
+    require grad (a LoRA adapter), buffers and frozen weights left out. ``keys``: only these entries.
     """
-    fused = _fused_keys(model)
+    fused = fused_keys(model)
     keep = {name for name, p in model.named_parameters() if p.requires_grad} if trainable_only else None
+    wanted = None if keys is None else set(keys)
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
-        if keep is not None and key not in keep:
+        if (keep is not None and key not in keep) or (wanted is not None and key not in wanted):
             continue
-        value = _hf_layout(key, value, fused)
-        out[key] = value.detach().to("cpu", copy=True) if cpu else value.detach()
+        value = hf_layout(key, value, fused)
+        out[key] = held(value.to("cpu", copy=True)) if cpu else value
     return out
+
+
+def peft_saved_keys(model: nn.Module) -> list[str]:
+    """The ``model.state_dict()`` keys that ``PeftModel.save_pretrained`` writes (every adapter), found without
+    gathering anything: PEFT's own selection runs on meta stand-ins and is traced back by identity.
+    Raises ``ValueError`` for a PEFT method whose selection computes new tensors."""
+    from peft import get_peft_model_state_dict
+
+    stand_ins = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+    key_of = {id(v): k for k, v in stand_ins.items()}
+    keys: list[str] = []
+    for name in model.peft_config:
+        selected = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=name)
+        unknown = [k for k, v in selected.items() if id(v) not in key_of]
+        if unknown:
+            raise ValueError(
+                f"the PEFT adapter {name!r} saves computed tensors {unknown[:3]}, not state-dict entries; hf_dist "
+                f"cannot gather only those: save with trainer.save_model on a model hf_dist did not lay out"
+            )
+        keys += [key_of[id(v)] for v in selected.values() if key_of[id(v)] not in keys]
+    return keys
 
 
 def save_gathered(model: nn.Module, save_directory: str, **save_kwargs) -> None:
@@ -117,14 +192,35 @@ def _file_names(count: int) -> list[str]:
 
 def save_streaming(model: nn.Module, save_directory: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write ``model``'s weights and config to ``save_directory`` from rank 0; every rank must call this."""
-    from safetensors.torch import save_file
-
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
     state = model.state_dict()
     tied = tied_sources(model)
     state = {k: v for k, v in state.items() if not (k in tied and tied[k] in state)}  # as save_pretrained drops them
-    fused = _fused_keys(model)
-    sizes = {k: v.numel() * v.element_size() for k, v in state.items()}
+    fused = fused_keys(model)
+    entries = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+
+    def fetch(key: str) -> torch.Tensor | None:
+        value = hf_layout(key, state[key], fused)  # collective over the tensor's mesh: every rank calls it
+        return value if is_main else None
+
+    write_streaming(model, save_directory, entries, fetch, max_shard_bytes=max_shard_bytes)
+
+
+def write_streaming(
+    model: nn.Module,
+    save_directory: str,
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    fetch: Callable[[str], torch.Tensor | None],
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """Write the tensors ``entries`` names (in order, with their global shapes) and ``model``'s config as one HF
+    directory from rank 0. Every rank calls it with the same ``entries`` and calls ``fetch(key)`` for each key in
+    order; ``fetch`` returns the whole tensor on rank 0 (None elsewhere), one at a time. Ends with a barrier."""
+    from safetensors.torch import save_file
+
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    sizes = {k: _numel(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     names = _file_names(len(shards))
     if is_main:
@@ -132,9 +228,9 @@ def save_streaming(model: nn.Module, save_directory: str, *, max_shard_bytes: in
     for keys, name in zip(shards, names):
         part: dict[str, torch.Tensor] = {}
         for key in keys:
-            value = _hf_layout(key, state[key].detach(), fused)  # collective over the tensor's mesh
+            value = fetch(key)
             if is_main:
-                part[key] = value.to("cpu", copy=True).contiguous()
+                part[key] = held(value.detach().to("cpu").contiguous())  # counted once more if it is a copy
             del value
         if is_main:
             save_file(part, os.path.join(save_directory, name), metadata={"format": "pt"})
@@ -143,6 +239,13 @@ def save_streaming(model: nn.Module, save_directory: str, *, max_shard_bytes: in
         _write_metadata(model, save_directory, shards, names, sum(sizes.values()))
     if dist.is_initialized():
         dist.barrier()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _hf_class(model: nn.Module) -> type:

@@ -12,6 +12,8 @@ import os
 import pickle
 import socket
 import traceback
+from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -90,3 +92,20 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEO
     if len(results) < world_size:
         raise TimeoutError(f"only ranks {sorted(results)} of {world_size} finished within {timeout_s}s")
     return [results[r] for r in range(world_size)]
+
+
+def launcher_env(path: str | Path) -> tuple[object, dict]:
+    """What ``accelerate launch --config_file path`` hands its processes (the launcher's own code, no process)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    argv = ["--config_file", str(path), "--main_process_port", str(free_port()), "train.py"]
+    args = launch_command_parser().parse_args(argv)
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+        if not args.use_deepspeed:
+            return args, prepare_multi_gpu_env(args)
+        # as accelerate's launch_command does before deepspeed_launcher
+        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        return args, prepare_deepspeed_cmd_env(args)[1]

@@ -22,6 +22,7 @@ from hf_dist.models import build_tiny_model
 MODEL_KWARGS = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=64)
 NUM_SAMPLES, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, DATA_SEED = 40, 8, 4, 1, 7
+ADAM_EPS = 1e-5
 
 
 def dataset() -> torch.Tensor:
@@ -69,7 +70,10 @@ def build(kind: str, world: int):
         fully_shard(model, mesh=mesh)
     elif kind == "ddp" and world > 1:
         model = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    # eps=1e-5, not 1e-8: Adam's first step moves an element by lr * g / (|g| + eps), so with eps=1e-8 a gradient
+    # of ~1e-8 that another layout's reduction order shifts by 4e-10 (rounding) moves its parameter by ~1e-5 and
+    # cross-layout comparisons test rounding, not resharding. eps=1e-5 bounds that at lr * 4e-10 / 1e-5.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, eps=ADAM_EPS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
     contract = BatchContract(world_size=world, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                              tp=layout.tp, pp=layout.pp)

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 
+from dist_utils import launcher_env
 from hf_dist.configs import ship
 from hf_dist.configs.strict import read_accelerate_config, read_deepspeed_config
 
@@ -139,25 +140,6 @@ def test_cpu_twin_configs_start_two_processes_without_cpu_flags():
     assert fsdp["fsdp_cpu_ram_efficient_loading"] is False  # fails on a machine without GPU
 
 
-def _launcher_env(path: Path) -> tuple[object, dict]:
-    """What ``accelerate launch --config_file path`` hands its processes (the launcher's own code, no process)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-
-    from dist_utils import free_port
-
-    argv = ["--config_file", str(path), "--main_process_port", str(free_port()), "train.py"]
-    args = launch_command_parser().parse_args(argv)
-    with mock.patch("torch.cuda.is_available", return_value=False):
-        args, defaults, mixed_precision_from_config = _validate_launch_command(args)
-        if not args.use_deepspeed:
-            return args, prepare_multi_gpu_env(args)
-        # as accelerate's launch_command does before deepspeed_launcher
-        fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-        return args, prepare_deepspeed_cmd_env(args)[1]
-
-
 @pytest.mark.parametrize("path", [p for p in YAML_FILES if "fsdp1" not in p.name], ids=lambda p: p.name)
 def test_yaml_builds_accelerates_plugin_in_the_launched_process(path):
     """Each process builds its FSDP/DeepSpeed plugin from the launcher's environment; that must not fail.
@@ -168,7 +150,7 @@ def test_yaml_builds_accelerates_plugin_in_the_launched_process(path):
 
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
-    args, env = _launcher_env(path)
+    args, env = launcher_env(path)
     raw = read_accelerate_config(path)
     with mock.patch.dict(os.environ, env):
         if args.use_deepspeed:
@@ -202,7 +184,7 @@ def test_fsdp2_yaml_reaches_hf_dists_trainer_as_written(name, reshard, checkpoin
 
     from hf_dist.trainer.launch_env import read_fsdp_request
 
-    _, env = _launcher_env(ROOT / "accelerate_configs" / name)
+    _, env = launcher_env(ROOT / "accelerate_configs" / name)
     assert env["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
     with mock.patch.dict(os.environ, env):
         version, request = read_fsdp_request(None)

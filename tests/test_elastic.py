@@ -9,6 +9,13 @@
   both resume in a world of 2 from the newest checkpoint; losses after it equal a 2-process run resumed from
   its copy (1e-5).
 
+Both also check the samples (tests/elastic_train.py records the ids each rank trained on at each optimizer step):
+every step's global batch is 8 samples, made of 8 / (2 x world) micro-batches of 2 per rank (the accumulation
+re-derived for the world that trained it); each epoch of the run as the final model saw it (each step as trained
+by the last world that trained it) holds every sample exactly once; the steps after the restart read exactly what
+the reference read at those steps, rank by rank; and a step trained again after the restart had the same samples
+as when the lost world trained it.
+
 These are the slowest tests here (several launches and rendezvous rounds).
 """
 
@@ -27,12 +34,14 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from test_launch import ROOT, TRAIN, _env
+from test_launch import ROOT, _env
 from test_preemption_launch import _tree
 
 ELASTIC = ROOT / "examples" / "multinode" / "elastic.sh"
-TINY = [
-    "--preset", "tiny", "--num_conversations", "96", "--max_seq_len", "48", "--eval_fraction", "0",
+RECORDING = ROOT / "tests" / "elastic_train.py"  # the recipe, recording sample ids
+GLOBAL_BATCH, MICRO = 8, 2
+TINY = [  # 72 conversations keep 56 trainable at 48 tokens: 7 steps an epoch, no round padded
+    "--preset", "tiny", "--num_conversations", "72", "--max_seq_len", "48", "--eval_fraction", "0",
     "--per_device_train_batch_size", "2", "--global_batch_size", "8", "--max_steps", "8", "--logging_steps", "1",
     "--lr_scheduler_type", "linear", "--warmup_steps", "1", "--base_learning_rate", "2e-3", "--base_batch_size", "8",
     "--save_strategy", "steps", "--save_steps", "1",
@@ -41,7 +50,8 @@ RESUMED = re.compile(r"resuming from (\S+) with world size (\d+)")
 
 
 def _agent(out: Path, port: int, name: str, layout: list[str]) -> subprocess.Popen:
-    env = dict(_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"test-{port}", LAST_CALL="3")
+    env = dict(_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"test-{port}", LAST_CALL="3",
+               TRAIN_SCRIPT=str(RECORDING))
     log = open(out.parent / f"{name}.log", "w")
     return subprocess.Popen(["bash", str(ELASTIC), *TINY, *layout, "--output_dir", str(out)], env=env, stdout=log,
                             stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
@@ -74,19 +84,19 @@ def _resumed_from(log: str, world: int) -> Path:
     return hits[-1][0]
 
 
-def _reference(tmp_path: Path, checkpoint: Path, processes: int, extra: list[str]) -> dict[int, float]:
+def _reference(tmp_path: Path, checkpoint: Path, processes: int, extra: list[str]) -> Path:
     ref = tmp_path / "reference"
     ref.mkdir()
     shutil.copytree(checkpoint, ref / checkpoint.name)
     if processes == 1:
-        cmd = [sys.executable, str(TRAIN)]
+        cmd = [sys.executable, str(RECORDING)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               str(TRAIN)]
+               str(RECORDING)]
     cmd += [*TINY, *extra, "--output_dir", str(ref), "--resume_from_checkpoint", str(ref / checkpoint.name)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return _losses(ref)
+    return ref
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -98,14 +108,64 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _check_continues(out: Path, tmp_path: Path, checkpoint: Path, processes: int, steps: int,
+def _check_continues(out: Path, tmp_path: Path, checkpoint: Path, worlds: tuple[int, int], steps: int,
                      extra: list[str]) -> None:
+    """Losses and samples after the restart (world ``worlds[0]`` -> ``worlds[1]``) against the reference."""
     step = int(checkpoint.name.split("-")[1])
     assert 1 <= step < steps
-    losses, reference = _losses(out), _reference(tmp_path, checkpoint, processes, extra)
+    ref = _reference(tmp_path, checkpoint, worlds[1], extra)
+    losses, reference = _losses(out), _losses(ref)
     assert sorted(losses) == list(range(1, steps + 1))  # no step lost or repeated in the log
     for s in range(step + 1, steps + 1):
         torch.testing.assert_close(losses[s], reference[s], atol=1e-5, rtol=0)
+    _check_samples(out, ref, step, worlds, steps)
+
+
+def _attempts(run: Path) -> dict[int, list[list[dict]]]:
+    """Per step, the records of every start of the world that trained it (one record per rank), oldest first."""
+    order: dict[str, int] = {}
+    by_step: dict[int, dict[str, list[dict]]] = {}
+    for record in map(json.loads, (run / "sample_ids.jsonl").read_text().splitlines()):
+        order.setdefault(record["attempt"], len(order))
+        by_step.setdefault(record["step"], {}).setdefault(record["attempt"], []).append(record)
+    return {step: [sorted(found[a], key=lambda r: r["rank"]) for a in sorted(found, key=order.get)]
+            for step, found in by_step.items()}
+
+
+def _ids(records: list[dict]) -> list[int]:
+    return [i for record in records for micro in record["micro"] for i in micro]
+
+
+def _check_samples(out: Path, ref: Path | None, resumed_at: int, worlds: tuple[int, int], steps: int) -> None:
+    """The sample ids of a run restarted after step ``resumed_at`` (and of ``ref``, a run of ``worlds[1]``)."""
+    attempts = _attempts(out)
+    # What the final model was trained on: each step as the last world that trained it trained it.
+    trained = {step: found[-1] for step, found in attempts.items()}
+    assert sorted(trained) == list(range(1, steps + 1)), sorted(trained)
+    for step, records in trained.items():
+        for lost in attempts[step][:-1]:  # a step trained again after the restart: the same samples
+            complete = len(lost) == lost[0]["world"]  # a killed rank may not have written its line
+            ok = set(_ids(lost)) == set(_ids(records)) if complete else set(_ids(lost)) <= set(_ids(records))
+            assert ok, (step, lost, records)
+        world = worlds[0] if step <= resumed_at else worlds[1]
+        assert [(r["rank"], r["world"]) for r in records] == [(rank, world) for rank in range(world)], (step, records)
+        assert {r["start"] for r in records} <= ({resumed_at} if step > resumed_at else set(range(resumed_at)))
+        accumulation = GLOBAL_BATCH // (MICRO * world)  # the same global batch on any world
+        for r in records:
+            assert [len(micro) for micro in r["micro"]] == [MICRO] * accumulation, (step, r)
+    if ref is not None:
+        reference = {step: found[-1] for step, found in _attempts(ref).items()}
+        for step in range(resumed_at + 1, steps + 1):  # rank by rank, micro-batch by micro-batch
+            assert [r["micro"] for r in trained[step]] == [r["micro"] for r in reference[step]], step
+    num_samples = trained[1][0]["num_samples"]
+    assert num_samples % GLOBAL_BATCH == 0, num_samples  # else an epoch's last round is padded or short
+    per_epoch = num_samples // GLOBAL_BATCH
+    for first in range(1, steps + 1, per_epoch):
+        epoch = [i for step in range(first, min(first + per_epoch, steps + 1)) for i in _ids(trained[step])]
+        where = f"epoch of steps {first}..{first + per_epoch - 1} (restart after step {resumed_at})"
+        assert len(set(epoch)) == len(epoch), f"{where}: samples repeated: {sorted(epoch)}"
+        if len(epoch) == num_samples:
+            assert sorted(epoch) == list(range(num_samples)), f"{where}: {sorted(epoch)}"
 
 
 LAYOUTS = {"fsdp2": ["--fsdp2", "true"], "ddp": []}
@@ -135,7 +195,7 @@ def test_shrink(tmp_path, layout):
     checkpoint = _resumed_from((tmp_path / "a.log").read_text(), world=1)
     assert _saved_by(checkpoint) == 2  # saved by 2 ranks, loaded by 1
     assert (checkpoint / "manifest.json").is_file() == (layout == "fsdp2")
-    _check_continues(out, tmp_path, checkpoint, processes=1, steps=8, extra=[])
+    _check_continues(out, tmp_path, checkpoint, worlds=(2, 1), steps=8, extra=[])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -155,4 +215,4 @@ def test_grow(tmp_path, layout):
                 _kill(proc)
     checkpoint = _resumed_from((tmp_path / "a.log").read_text(), world=2)
     assert _saved_by(checkpoint) == 1
-    _check_continues(out, tmp_path, checkpoint, processes=2, steps=60, extra=longer)
+    _check_continues(out, tmp_path, checkpoint, worlds=(1, 2), steps=60, extra=longer)

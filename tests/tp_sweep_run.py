@@ -25,10 +25,10 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     """Every parameter's gradient whole and in HF layout (collective for DTensor gradients)."""
     from torch.distributed.tensor import DTensor
 
-    from hf_dist.state_dict import _fused_keys
+    from hf_dist.state_dict import fused_keys
     from hf_dist.tensor_parallel.styles import deinterleave_parts
 
-    fused = _fused_keys(model)
+    fused = fused_keys(model)
     out = {}
     for name, param in model.named_parameters():
         grad = param.grad

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hf_dist.loading.checkpoint_files import CheckpointFiles
+from hf_dist.loading.key_map import KeyMap, identity_map
 from hf_dist.loading.slices import checkpoint_key, local_blocks, local_tensor
 from hf_dist.state_dict import tied_sources
 from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR
@@ -99,11 +100,11 @@ def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
     return pending
 
 
-def _resolve_key(fqn: str, files: CheckpointFiles, tied: dict[str, str]) -> str | None:
+def _resolve_key(fqn: str, names: KeyMap, tied: dict[str, str]) -> str | None:
     key = checkpoint_key(fqn)
     for candidate in (key, tied.get(key)):
-        if candidate is not None and candidate in files:
-            return candidate
+        if candidate is not None and candidate in names.to_file:
+            return names.to_file[candidate]
     return None
 
 
@@ -125,22 +126,29 @@ def _fill(tensor: torch.Tensor, module: nn.Module, key: str, files: CheckpointFi
 
 
 def load_checkpoint(
-    model: nn.Module, directory: str | os.PathLike, *, device: torch.device | str = "cpu", strict: bool = True
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    strict: bool = True,
+    names: KeyMap | None = None,
 ) -> LoadReport:
     """Materialise ``model``'s ``meta`` tensors on ``device`` and fill every rank's shards from ``directory``.
 
     ``strict``: a ``meta`` tensor the checkpoint lacks is a ``ValueError`` (it would otherwise keep garbage).
-    Unexpected checkpoint keys are logged as ``from_pretrained`` does. Collective only where FSDP2 is (its
-    ``_apply`` resharding); the reads themselves are local.
+    Unexpected checkpoint keys are logged as ``from_pretrained`` does. ``names``: which checkpoint tensor fills
+    which model tensor (``key_map.key_map`` of the unlaid model; default: the same names). Collective only where
+    FSDP2 is (its ``_apply`` resharding); the reads themselves are local.
     """
     files = CheckpointFiles(directory)
+    names = names if names is not None else identity_map(files.keys())
     pending = materialize(model, device)
     tied = tied_sources(model)
     report = LoadReport()
     missing = []
     with torch.no_grad():
         for fqn, module, _, tensor in _named_tensors(module_roots(model)):
-            key = _resolve_key(fqn, files, tied)
+            key = _resolve_key(fqn, names, tied)
             if fqn not in pending:
                 report.kept.append(fqn)
                 if key is not None:
@@ -157,20 +165,25 @@ def load_checkpoint(
             f"the checkpoint does not match the architecture (load with transformers' from_pretrained to have "
             f"them initialised randomly, or pass the matching config)"
         )
-    report.unexpected = _unexpected(model, files, set(report.loaded), tied)
+    report.unexpected = _unexpected(model, files, set(report.loaded), tied, names)
     if report.unexpected:
         logger.warning("Some weights of the checkpoint were not used: %s", report.unexpected[:20])
     return report
 
 
-def _unexpected(model: nn.Module, files: CheckpointFiles, used: set[str], tied: dict[str, str]) -> list[str]:
+def _unexpected(
+    model: nn.Module, files: CheckpointFiles, used: set[str], tied: dict[str, str], names: KeyMap
+) -> list[str]:
     """Checkpoint keys no rank uses. Under PP a rank holds few keys: compare with every rank's names."""
     import torch.distributed as dist
 
-    names = set(used)
+    seen = set(used)
     if dist.is_available() and dist.is_initialized() and module_roots(model)[0] is not model:
         gathered: list[set[str]] = [set() for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, names)
-        names = set().union(*gathered)
-    names |= {tied[k] for k in names if k in tied} | {k for k, v in tied.items() if v in names}
-    return sorted(k for k in files.keys() if k not in names)
+        dist.all_gather_object(gathered, seen)
+        seen = set().union(*gathered)
+    for alias, source in tied.items():  # a tied pair uses both of its checkpoint entries
+        pair = {names.to_file.get(alias), names.to_file.get(source)} - {None}
+        if pair & seen:
+            seen |= pair
+    return sorted(k for k in files.keys() if k not in seen)

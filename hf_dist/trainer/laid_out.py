@@ -30,6 +30,8 @@ class LaidOut:
     flops: object
     """``hf_dist.planner.flops.FlopCounts`` of the whole model, counted before the layout (a pipeline rank holds
     only its stages'), for the throughput meter."""
+    load: object = None
+    """The ``hf_dist.loading.LoadReport`` of the streaming load that filled this rank's shards (what it read)."""
 
 
 def stamp(model: nn.Module, laid_out: LaidOut) -> nn.Module:

@@ -12,13 +12,19 @@ Not for: the loading mechanics (``hf_dist.loading``) or checkpoints written by h
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from torch import nn
 
 from hf_dist.loading import load_checkpoint, meta
+from hf_dist.loading.checkpoint_files import CheckpointFiles
+from hf_dist.loading.key_map import KeyMap, key_map
+from hf_dist.strategy import streams_weights
 from hf_dist.trainer.laid_out import LaidOut, stamp
+
+logger = logging.getLogger(__name__)
 
 
 def layout_dtype(args, *, lora: bool) -> torch.dtype:
@@ -34,6 +40,21 @@ def _as_dtype(dtype, args, lora: bool) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def _names_or_none(model: nn.Module, directory: str) -> KeyMap | None:
+    """Checkpoint name of every model tensor, or None (with a warning) when transformers must assemble some."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = key_map(base, CheckpointFiles(directory).keys())
+    if not names.assembled:
+        return names
+    logger.warning(
+        "%s: the checkpoint in %r stores %d tensors in another form than the model (%s); transformers assembles "
+        "them while loading, so this model is loaded with transformers' from_pretrained on every rank (each rank "
+        "holds the whole model until the layout shards it) instead of streaming its slices",
+        base.config.model_type, directory, len(names.assembled), names.describe_assembly(),
+    )
+    return None
+
+
 def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, **from_pretrained_kwargs) -> nn.Module:
     """Load ``name_or_dir`` laid out for ``args`` (a ``DistTrainingArguments``, read under the launcher).
 
@@ -45,7 +66,9 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
             ``attn_implementation``, ``trust_remote_code``, Hub options, and config overrides.
 
     Returns the model ready for ``DistTrainer(model=..., args=args)``; for DDP and DeepSpeed, transformers'
-    own ``from_pretrained`` (plus ``get_peft_model``).
+    own ``from_pretrained`` (plus ``get_peft_model``). Checkpoint names are mapped by transformers' own renaming
+    rules (``hf_dist.loading.key_map``); a checkpoint whose tensors transformers must assemble (per-expert MoE
+    weights, e.g. Mixtral) is loaded with transformers on every rank, with a warning, and laid out by DistTrainer.
     """
     from hf_dist.planner.flops import module_flop_counts
     from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
@@ -54,7 +77,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     directory = meta.checkpoint_dir(name_or_dir, resolve)
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
     dims = trainer_dims(args)
-    if args.hf_dist_fsdp is None and not dims.tp_enabled and not dims.pp_enabled:
+    if not streams_weights(fsdp=args.hf_dist_fsdp is not None, tp=dims.tp, pp=dims.pp):
         return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
     config = meta.load_config(directory, model_kwargs, overrides)
     if args.pp_size > 1:
@@ -63,9 +86,12 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
         check_pipeline_support(config)  # before any process group
     device = args.device  # starts the process group
     model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
+    names = _names_or_none(model, directory)
+    if names is None:  # the checkpoint must be converted by transformers: no slice of it is a model tensor
+        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
     flops = module_flop_counts(model)  # of the whole model, before a pipeline rank drops other stages
     meta.load_generation_config(model, directory)
     model = apply_owned_layout(model, args, dims)
     offload = args.hf_dist_fsdp is not None and args.hf_dist_fsdp.cpu_offload
-    load_checkpoint(model, directory, device="cpu" if offload else device)  # FSDP2 offload keeps shards on the host
-    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops))
+    report = load_checkpoint(model, directory, device="cpu" if offload else device, names=names)  # offload: host
+    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops, load=report))

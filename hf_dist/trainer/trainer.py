@@ -30,7 +30,7 @@ from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
-from hf_dist.state_dict import full_state_dict
+from hf_dist.state_dict import full_state_dict, peft_saved_keys
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.trainer import checkpoint_glue, dp_data, launch_env, preemption, resume, teardown
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
@@ -312,8 +312,8 @@ class DistTrainer(Trainer):
             return pipeline_trainer.save(self, output_dir)
         if self.owns_layout and state_dict is None and not hasattr(self.model, "peft_config"):
             return self._save_streaming(output_dir or self.args.output_dir)
-        if self.owns_layout and state_dict is None:  # a PEFT adapter: DTensors gathered, fused parts in HF order
-            state_dict = full_state_dict(self.model)
+        if self.owns_layout and state_dict is None:  # a PEFT adapter: only its tensors gathered, in HF row order
+            state_dict = full_state_dict(self.model, keys=peft_saved_keys(self.model))
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_streaming(self, output_dir: str) -> None:

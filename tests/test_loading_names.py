@@ -1,0 +1,121 @@
+"""Checkpoints stored under other names than the model's: transformers' renaming rules apply to the streaming load.
+
+Two checkpoints nobody here wrote in the model's in-memory form: a bare ``LlamaModel`` saved without the
+``model.`` prefix (tied embeddings, so it is a whole causal LM), which must stream like any other; and a Mixtral,
+which transformers 5 saves one tensor per expert and assembles while loading, so ``hf_dist.from_pretrained``
+must hand it to transformers' loader (with a warning) and DistTrainer's layout must then equal the one-process
+model. One 2-rank spawn runs both.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_loading import BATCH, SEQ, VOCAB, _args, _case, _check, _logits, tiny_config
+
+
+def _mixtral_config():
+    import transformers
+
+    return transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=3000.0,
+        router_jitter_noise=0.0, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    tied = AutoModelForCausalLM.from_config(tiny_config("llama", tied=True), dtype=torch.float32)
+    bare = tmp_path_factory.mktemp("bare")
+    tied.model.save_pretrained(bare)  # keys without the "model." prefix
+    mixtral = tmp_path_factory.mktemp("mixtral")
+    AutoModelForCausalLM.from_config(_mixtral_config(), dtype=torch.float32).save_pretrained(mixtral)
+    return {"bare": str(bare), "mixtral": str(mixtral)}
+
+
+def _mixtral_case(directory: str, output_dir: str, caplog) -> dict:
+    import hf_dist
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.trainer.laid_out import LAYOUT_ATTR
+    from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+
+    args = _args(output_dir, {"fsdp": True})
+    batch = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    with caplog.at_level(logging.WARNING, logger="hf_dist.trainer.pretrained"):
+        loaded = hf_dist.from_pretrained(directory, args)
+    warned = any("assembles" in r.getMessage() and "mixtral" in r.getMessage() for r in caplog.records)
+    not_laid = LAYOUT_ATTR not in loaded.__dict__  # DistTrainer lays it out, as for any in-memory model
+    streamed = apply_owned_layout(loaded, args, trainer_dims(args))
+    reference = apply_owned_layout(AutoModelForCausalLM.from_pretrained(directory), args, trainer_dims(args))
+    return {
+        "logits": (_logits(reference, batch), _logits(streamed, batch)),
+        "flags": (torch.tensor([1, 1]), torch.tensor([int(warned), int(not_laid)])),
+    }
+
+
+class _Records(logging.Handler):
+    """A caplog stand-in inside spawned processes: collects records of one logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at_level(self, level: int, logger: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            target = logging.getLogger(logger)
+            old = target.level
+            target.setLevel(level)
+            target.addHandler(self)
+            try:
+                yield
+            finally:
+                target.removeHandler(self)
+                target.setLevel(old)
+
+        return scope()
+
+
+def _run(rank: int, world_size: int, checkpoints: dict, output_dir: str) -> dict:
+    return {
+        "bare_fsdp2": _case(checkpoints["bare"], f"{output_dir}/bare_fsdp2", {"fsdp": True}),
+        "bare_tp2": _case(checkpoints["bare"], f"{output_dir}/bare_tp2", {"tp": 2}),
+        "mixtral_fsdp2": _mixtral_case(checkpoints["mixtral"], f"{output_dir}/mixtral", _Records()),
+    }
+
+
+def test_renamed_checkpoints_stream_and_assembled_ones_load_through_transformers(checkpoints, tmp_path):
+    _check(run_distributed(_run, 2, checkpoints, str(tmp_path), timeout_s=600))
+
+
+def test_key_map_follows_transformers_rules(checkpoints):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dist.loading.checkpoint_files import CheckpointFiles
+    from hf_dist.loading.key_map import key_map
+
+    for name, assembled in (("bare", 0), ("mixtral", 2 * 2)):  # gate_up_proj and down_proj of each layer
+        config = AutoConfig.from_pretrained(checkpoints[name])
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        names = key_map(model, CheckpointFiles(checkpoints[name]).keys())
+        assert len(names.assembled) == assembled, names.assembled
+        if name == "bare":
+            assert names.to_file["model.layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
+            assert "lm_head.weight" not in names.to_file  # tied: filled from the embedding
+        else:
+            assert names.to_file["model.layers.0.mlp.gate.weight"] == "model.layers.0.block_sparse_moe.gate.weight"
