@@ -10,8 +10,8 @@
 # Knobs (environment): MIN_NODES (1), MAX_NODES (2), NPROC_PER_NODE (1), MAX_RESTARTS (3), RDZV_ENDPOINT
 # (127.0.0.1:29400; the first agent on that host serves the rendezvous store, so keep that node up), RDZV_ID
 # (harbor), LAST_CALL (seconds to wait for more nodes once MIN_NODES are there; 10), TRAIN_SCRIPT
-# (examples/harbor/train.py; tests/test_elastic.py runs a wrapper recording sample ids). Arguments go to the script after
-# --resume_from_checkpoint auto (the output dir must be on a shared filesystem).
+# (examples/harbor/train.py; tests/test_elastic.py runs a wrapper recording sample ids). Arguments go to the
+# script after --resume_from_checkpoint auto (the output dir must be on a shared filesystem).
 # On Kubernetes: harbor_13b_k8s.yaml (the same torchrun command, the rendezvous store in a pod of its own).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
