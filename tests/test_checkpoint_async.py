@@ -145,5 +145,5 @@ def test_a_run_that_never_waits_still_commits_and_exits_zero(tmp_path):
 def test_async_save_is_refused_where_the_trainer_writes_the_checkpoints(tmp_path):
     from hf_dist import DistTrainingArguments
 
-    with pytest.raises(ValueError, match="async_save=True applies to the checkpoints hf_dist writes .* drop --async_save"):
+    with pytest.raises(ValueError, match="async_save=True applies to the checkpoints hf_dist writes .* --async_save"):
         DistTrainingArguments(output_dir=str(tmp_path), async_save=True, report_to=[], use_cpu=True)

@@ -1,7 +1,8 @@
 """Sharded, atomic, reshardable training checkpoints (DCP underneath) and their export to the Hub format.
 
 Public API: ``save_checkpoint`` / ``load_checkpoint`` (collective), ``AsyncCheckpointer``, ``ResumeState``,
-``resume_batch_contract``, ``RetentionPolicy`` / ``apply_retention``, ``ResumableSampler`` / ``DataParallelBatchSampler``, ``CheckpointError``.
+``resume_batch_contract``, ``RetentionPolicy`` / ``apply_retention``, ``ResumableSampler`` /
+``DataParallelBatchSampler``, ``CheckpointError``.
 """
 
 from hf_dist.checkpoint.api import AsyncCheckpointer, SaveHandle, save_checkpoint
