@@ -43,7 +43,8 @@ Measured 2026-11-23, 2-core CPU VM, no GPU, shared with other jobs (load average
     background staging: blocking 4% of sync at the first save, 2% cached (median of 3); target <= 10%
 
 An earlier run the same day (3 async saves per mode, sync 3.42 s): caller staging 6% first / 12-15% cached,
-background staging 4% first / 1-3% cached. Before ``AsyncCheckpointer`` (``dcp.async_save`` with a fresh
+background staging 4% first / 1-3% cached. A later one at load average ~4 (``--only-hf-dist``, sync 1.67 s):
+caller staging 9% first / 6% cached, background staging 1% first / 1-2% cached. Before ``AsyncCheckpointer`` (``dcp.async_save`` with a fresh
 staging copy and the commit in the caller) a quiet run blocked 2.20 s of a 2.75 s sync save (80%).
 
 Read: hf_dist writes each rank's shards from where they live (almost no extra memory; the save includes
@@ -52,7 +53,7 @@ already holds the full model and optimizer, and rank 0 writes it without gatheri
 its layout holds 2x the memory per rank to begin with and it cannot resume into another layout. Async saves
 with staging in the writer thread (what ``DistTrainer --async_save`` uses) block 1-4% of a sync save, first
 save included: the copy overlaps the next forward/backward. Staging in the caller blocks for a memcpy of the
-rank's 576 MiB (0.1-0.5 s here depending on load): under the 10% target in some runs, over it in others.
+rank's 576 MiB (0.1-0.5 s here depending on load): under the 10% target at load ~4, over it at load ~7.
 The write itself shares the 2 cores with training: the step run during a write is slower than a step alone,
 and the commit comes seconds later. The hf_dist rows run with ``hash_files=False``; the default (SHA-256 of
 every file, each rank its own, in the writer thread for async saves) hashed at ~400 MB/s per rank on this
