@@ -3,7 +3,7 @@
 FSDP2 on 2 gloo ranks: two consecutive async saves through one checkpointer (its staging buffers reused), with
 training between them and a step taken while each write runs, in both staging modes; every tensor of both
 checkpoints equals the synchronous run's bit for bit, and resuming from them continues the uninterrupted run
-exactly. One process: a failed commit leaves ``latest`` on the previous complete checkpoint and the checkpointer
+exactly. TP and PP (2 ranks): the same equality with the copy made in the background. One process: a failed commit leaves ``latest`` on the previous complete checkpoint and the checkpointer
 saves again; ``optimizer.step`` waits for a background copy; a run that never waits still commits before exit;
 ``DistTrainingArguments(async_save=True)`` is refused where the Trainer writes the checkpoints (DDP, DeepSpeed).
 """
@@ -27,6 +27,7 @@ from hf_dist.checkpoint import writer
 
 STEPS, SAVE_AT = 5, (2, 4)
 MODES = {"caller": False, "background": True}  # stage_in_background
+OTHER_LAYOUTS = ("tp", "pp")
 
 
 def _runs(rank, world, root):
@@ -35,6 +36,10 @@ def _runs(rank, world, root):
         with AsyncCheckpointer(stage_in_background=background) as saver:
             out[mode] = picklable(train("fsdp", steps=STEPS, save_at=SAVE_AT, root=f"{root}/{mode}", async_save=saver))
         out[f"{mode}<-2"] = picklable(train("fsdp", steps=STEPS, resume=f"{root}/{mode}/step_2"))
+    for kind in OTHER_LAYOUTS:  # TP's sharded DTensors, PP's per-stage plain tensors: staged as DistTrainer does
+        train(kind, steps=STEPS, save_at=SAVE_AT, root=f"{root}/{kind}_sync")
+        with AsyncCheckpointer(stage_in_background=True) as saver:
+            train(kind, steps=STEPS, save_at=SAVE_AT, root=f"{root}/{kind}_background", async_save=saver)
     return out
 
 
@@ -60,25 +65,30 @@ def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return flat
 
 
+def _assert_same_checkpoints(sync_root: Path, async_root: Path) -> None:
+    for step in SAVE_AT:
+        sync_ckpt, async_ckpt = sync_root / f"step_{step}", async_root / f"step_{step}"
+        assert mf.is_complete(async_ckpt) and read_manifest(async_ckpt).step == step
+        expected, got = _checkpoint_tensors(sync_ckpt), _checkpoint_tensors(async_ckpt)
+        assert sorted(got) == sorted(expected)
+        for key, value in expected.items():  # nothing of a later step or of the previous save (buffers reused)
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[key], value, atol=0, rtol=0,
+                                           msg=lambda m, k=key, s=step: f"{async_root.name} step {s} {k}: {m}")
+            else:
+                assert got[key] == value, (async_root.name, step, key)
+    assert (async_root / "latest").read_text().strip() == f"step_{SAVE_AT[-1]}"
+
+
 def test_async_saves_equal_sync_saves_and_resume_exactly(tmp_path):
     ranks = run_distributed(_runs, 2, str(tmp_path))
     full = ranks[0]["sync"]
+    for kind in OTHER_LAYOUTS:
+        _assert_same_checkpoints(tmp_path / f"{kind}_sync", tmp_path / f"{kind}_background")
     for mode in MODES:
         for r in (0, 1):  # saving asynchronously changed nothing in training
             assert ranks[r][mode]["losses"] == ranks[r]["sync"]["losses"], mode
-        for step in SAVE_AT:
-            sync_ckpt, async_ckpt = tmp_path / "sync" / f"step_{step}", tmp_path / mode / f"step_{step}"
-            assert mf.is_complete(async_ckpt)
-            expected, got = _checkpoint_tensors(sync_ckpt), _checkpoint_tensors(async_ckpt)
-            assert sorted(got) == sorted(expected)
-            for key, value in expected.items():  # nothing of a later step or of the previous save (buffers reused)
-                if isinstance(value, torch.Tensor):
-                    torch.testing.assert_close(got[key], value, atol=0, rtol=0,
-                                               msg=lambda m, k=key, s=step, md=mode: f"{md} step {s} {k}: {m}")
-                else:
-                    assert got[key] == value, (mode, step, key)
-            assert read_manifest(async_ckpt).step == step
-        assert (tmp_path / mode / "latest").read_text().strip() == f"step_{SAVE_AT[-1]}"
+        _assert_same_checkpoints(tmp_path / "sync", tmp_path / mode)
         resumed = ranks[0][f"{mode}<-2"]
         torch.testing.assert_close(resumed["losses"], full["losses"][2:], atol=0, rtol=0)
         torch.testing.assert_close(as_tensors(resumed["params"]), as_tensors(full["params"]), atol=0, rtol=0)
