@@ -62,6 +62,13 @@ def strategy_dims(strategy: str, *, world_size: int, tp: int = 1, pp: int = 1, d
     return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=replicate, dp_shard=-1)
 
 
+def streams_weights(*, fsdp: bool, tp: int, pp: int) -> bool:
+    """Whether ``hf_dist.from_pretrained`` streams each rank's slices (meta init, no rank holds the whole model):
+    for the layouts hf_dist owns, FSDP2, TP, PP and their products. DDP and DeepSpeed keep transformers' loader
+    (whole model on every rank; ZeRO-3 through ``deepspeed.zero.Init``). The planner counts host RAM by it."""
+    return fsdp or tp > 1 or pp > 1
+
+
 def check_tp_options(*, tp: int, pp: int, sequence_parallel: bool, vocab_parallel: bool,
                      prefix: str = "", suffix: str = "") -> None:
     """Sequence and vocabulary parallelism shard over the TP ranks, and pipeline stages apply TP without them.
@@ -161,6 +168,11 @@ class Layout:
         if self.is_deepspeed:
             return self.dims.dp
         return self.dims.dp_shard if self.is_fsdp else 1
+
+    @property
+    def streaming_load(self) -> bool:
+        """Whether ``hf_dist.from_pretrained`` streams this layout's weights (``streams_weights``)."""
+        return streams_weights(fsdp=self.is_fsdp, tp=self.tp, pp=self.pp)
 
     @property
     def is_deepspeed(self) -> bool:

@@ -79,11 +79,19 @@ class RecordingTrainer(DistTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def main(argv: list[str]) -> int:
+def load_recipe():
+    """examples/harbor/train.py as a module (it is a script, not part of the package)."""
+    if "harbor_train" in sys.modules:
+        return sys.modules["harbor_train"]
     spec = importlib.util.spec_from_file_location("harbor_train", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe  # its dataclasses look their module up
     spec.loader.exec_module(recipe)
+    return recipe
+
+
+def main(argv: list[str]) -> int:
+    recipe = load_recipe()
     recipe.DistTrainer = RecordingTrainer
     return recipe.main([*argv, "--remove_unused_columns", "false"])
 

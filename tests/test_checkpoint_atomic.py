@@ -19,7 +19,7 @@ from hf_dist.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from hf_dist.checkpoint import api
+from hf_dist.checkpoint import writer
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.retention import select_to_delete
 
@@ -97,7 +97,7 @@ def test_crash_before_marker_keeps_latest_on_complete(saved, monkeypatch):
 
 def test_crash_before_rename_leaves_no_checkpoint(saved, monkeypatch):
     model, optimizer, scheduler, layout, contract = build("single", 1)
-    monkeypatch.setattr(api, "_replace_dir", lambda partial, target: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(writer, "_replace_dir", lambda partial, target: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         _save(saved, 6, model, optimizer, scheduler, layout, contract)
     assert not (saved / "step_6").exists() and (saved / ".step_6.partial").is_dir()

@@ -1,5 +1,7 @@
 """DistTrainer on 2 gloo ranks with FSDP2, TP and PP: save_steps writes hf_dist checkpoints, a resumed run
-continues the uninterrupted one exactly, and load_best_model_at_end reloads from them."""
+continues the uninterrupted one exactly, and load_best_model_at_end reloads from them. FSDP2 also with
+``async_save=True``: the same losses and parameters as the synchronous runs, resumed from background-written
+checkpoints."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def two_rank_runs(tmp_path_factory):
 
 
 LAYOUTS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "tp": dict(tp_size=2), "pp": dict(pp_size=2)}
-TWO_RANK = ("fsdp2", "tp", "pp")
+LAYOUTS["fsdp2_async"] = dict(LAYOUTS["fsdp2"], async_save=True)  # written and committed by a background thread
+TWO_RANK = ("fsdp2", "tp", "pp", "fsdp2_async")
 LAYOUTS["one process"] = {}  # plain model, not a layout hf_dist owns: loading still goes through hf_dist
 
 
@@ -107,6 +110,15 @@ def test_trainer_resume_matches_uninterrupted(two_rank_runs, layout):
     # (under PP these are rank 0's stage only: each rank's parameters are its stage's)
     torch.testing.assert_close({k: torch.as_tensor(v) for k, v in resumed["params"].items()},
                                {k: torch.as_tensor(v) for k, v in full["params"].items()}, atol=1e-6, rtol=0)
+
+
+def test_async_saving_trainer_equals_the_sync_one(two_rank_runs):
+    tmp_path, result = two_rank_runs
+    for run in ("full", "resumed"):
+        sync, asynchronous = result["fsdp2"][run], result["fsdp2_async"][run]
+        assert asynchronous["losses"] == sync["losses"], run
+        torch.testing.assert_close({k: torch.as_tensor(v) for k, v in asynchronous["params"].items()},
+                                   {k: torch.as_tensor(v) for k, v in sync["params"].items()}, atol=0, rtol=0)
 
 
 def test_trainer_manifest_and_best_model(two_rank_runs):

@@ -136,7 +136,8 @@ def _ids(records: list[dict]) -> list[int]:
     return [i for record in records for micro in record["micro"] for i in micro]
 
 
-def _check_samples(out: Path, ref: Path, resumed_at: int, worlds: tuple[int, int], steps: int) -> None:
+def _check_samples(out: Path, ref: Path | None, resumed_at: int, worlds: tuple[int, int], steps: int) -> None:
+    """The sample ids of a run restarted after step ``resumed_at`` (and of ``ref``, a run of ``worlds[1]``)."""
     attempts = _attempts(out)
     # What the final model was trained on: each step as the last world that trained it trained it.
     trained = {step: found[-1] for step, found in attempts.items()}
@@ -152,9 +153,10 @@ def _check_samples(out: Path, ref: Path, resumed_at: int, worlds: tuple[int, int
         accumulation = GLOBAL_BATCH // (MICRO * world)  # the same global batch on any world
         for r in records:
             assert [len(micro) for micro in r["micro"]] == [MICRO] * accumulation, (step, r)
-    reference = {step: found[-1] for step, found in _attempts(ref).items()}
-    for step in range(resumed_at + 1, steps + 1):  # rank by rank, micro-batch by micro-batch
-        assert [r["micro"] for r in trained[step]] == [r["micro"] for r in reference[step]], step
+    if ref is not None:
+        reference = {step: found[-1] for step, found in _attempts(ref).items()}
+        for step in range(resumed_at + 1, steps + 1):  # rank by rank, micro-batch by micro-batch
+            assert [r["micro"] for r in trained[step]] == [r["micro"] for r in reference[step]], step
     num_samples = trained[1][0]["num_samples"]
     assert num_samples % GLOBAL_BATCH == 0, num_samples  # else an epoch's last round is padded or short
     per_epoch = num_samples // GLOBAL_BATCH

@@ -183,6 +183,22 @@ def test_tensor_and_sequence_parallel_split_what_they_shard():
     assert tp.layer.linear_inputs == plain.layer.linear_inputs  # column-parallel linears save the gathered input
 
 
+def test_tp_splits_the_untied_head_and_its_autocast_copy_but_not_the_logits():
+    from dataclasses import replace
+
+    from hf_dist.planner.states import local_param_shapes
+
+    model, work = model_spec("llama-2-13b"), replace(HARBOR, precision="bf16_autocast")
+    layout = make_layout("fsdp_full_shard", 8, tp=4)
+    shapes = dict(local_param_shapes(model, layout, layers=0, first=True, last=True))
+    assert shapes["lm_head"] == (32000 // 4, 5120) and shapes["embed_tokens"] == (32000, 5120)
+    plain, tp = activation_model(model, work, make_layout("fsdp_full_shard", 8)), activation_model(model, work, layout)
+    assert plain.head - tp.head == 2 * 32000 * 5120 * 3 // 4  # the bf16 cast of the head's rank quarter
+    assert tp.loss == plain.loss and tp.logits_forward == plain.logits_forward  # logits gathered whole
+    odd = replace(model, vocab_size=32001)  # not divisible by tp: the head stays whole, as training keeps it
+    assert dict(local_param_shapes(odd, layout, layers=0, first=True, last=True))["lm_head"] == (32001, 5120)
+
+
 def test_pipeline_first_stage_holds_a_micro_batch_per_stage_in_flight():
     model, assume = model_spec("llama-2-13b"), MemoryAssumptions(device="cpu")
     layout = make_layout("fsdp_full_shard", 8, pp=4)

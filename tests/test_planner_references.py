@@ -142,6 +142,40 @@ def test_host_ram_flags_offload_past_the_node_and_names_it():
     assert next(c for c in bigger.candidates if c.name == "zero3+offload_cpu").host.offload <= 2 * 2**40
 
 
+def test_loading_defaults_to_what_hf_dist_from_pretrained_does_per_layout():
+    """FSDP2/TP/PP stream each rank's slices (no whole-model warning for 70B on 8 GPUs); DDP and ZeRO-1/2 load with
+    transformers on every rank; ZeRO-3 through zero.Init; ``every_rank``/``streaming`` still force either."""
+    from hf_dist.strategy import streams_weights
+
+    model = model_spec("llama-2-70b")
+    plan = choose_layout(PlanRequest(model=model, gpu=gpu_spec("a100-80gb"), num_gpus=8, seq_len=4096,
+                                     global_batch=64))
+    assert plan.request.loading == "auto"
+    by_name = {c.name: c for c in plan.candidates if c.host}
+    fsdp, ddp = by_name["fsdp_full_shard"], by_name["ddp"]
+    assert fsdp.host.loading == int(8 * 4 * (-(-model.num_params // 8) + _largest_layer(model)) * 1.5)
+    assert "streaming (hf_dist.from_pretrained)" in fsdp.host.how_loaded and not fsdp.warnings
+    assert ddp.host.loading == int(8 * 4 * model.num_params * 1.5) and "transformers" in ddp.host.how_loaded
+    assert "only for FSDP2/TP/PP" in ddp.warnings[0]
+    for c in by_name.values():
+        assert c.layout.streaming_load == (c.layout.is_fsdp or c.layout.tp > 1 or c.layout.pp > 1)
+    forced = choose_layout(PlanRequest(model=model, gpu=gpu_spec("a100-80gb"), num_gpus=8, seq_len=4096,
+                                       global_batch=64, loading="every_rank"))
+    fsdp_forced = next(c for c in forced.candidates if c.name == "fsdp_full_shard")
+    assert fsdp_forced.host.loading == ddp.host.loading and "--loading auto" in fsdp_forced.warnings[0]
+    # DDP x TP keeps half of the model per rank: streaming splits over tp x pp x FSDP shards, not the world
+    # (fp32: bf16 training keeps an fp32 master, loaded as such)
+    ddp_tp = make_layout("ddp", 8, tp=2)
+    streamed = host_memory(model, BF16, ddp_tp, estimate_memory(model, BF16, ddp_tp))
+    assert streamed.loading == int(8 * 4 * (-(-model.num_params // 2) + _largest_layer(model)) * 1.5)
+    zero2 = make_layout("zero2", 8)
+    forced_stream = host_memory(model, BF16, zero2, estimate_memory(model, BF16, zero2), loading="streaming")
+    assert forced_stream.loading == int(8 * 4 * (model.num_params + _largest_layer(model)) * 1.5)
+    assert not streams_weights(fsdp=False, tp=1, pp=1) and streams_weights(fsdp=False, tp=1, pp=2)
+    with pytest.raises(ValueError, match="loading='lazy' is not known; use one of auto, every_rank, streaming"):
+        host_memory(model, BF16, zero2, estimate_memory(model, BF16, zero2), loading="lazy")
+
+
 def test_published_anchors_are_within_target():
     """bench/planner_anchors.py: every row (Harbor, torchtitan 7B memory, MPT-13B and torchtitan 13B throughput)."""
     import importlib.util

@@ -1,6 +1,6 @@
 """Preemption on 2 gloo ranks: a signal to ONE rank mid-step stops every rank after that step, a checkpoint is
 saved, train() exits with 75; the relaunch with resume "auto" ends equal to an uninterrupted run (1e-6).
-FSDP2 (hf_dist checkpoint) and DDP (the Trainer's own checkpoint)."""
+FSDP2 (hf_dist checkpoint, also written asynchronously) and DDP (the Trainer's own checkpoint)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hf_dist.trainer.preemption import PREEMPTED_EXIT_CODE, parse_signals
 
 STEPS, SIGNAL_DURING = 6, 3
 LAYOUTS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "ddp": {}}
+LAYOUTS["fsdp2_async"] = dict(LAYOUTS["fsdp2"], async_save=True)  # the preemption save committed before exit 75
 
 
 def _signal_rank1_during(step: int):
@@ -57,10 +58,12 @@ def _run(output_dir: str, layout: str, *, resume: str | None, signal_during: int
         trainer.train()
     except SystemExit as stop:
         exit_code = stop.code
+    latest = os.path.join(output_dir, "latest")  # hf_dist's pointer, moved by the commit
+    latest_at_exit = open(latest).read().strip() if os.path.isfile(latest) else None
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
     params = {k: v.numpy() for k, v in full_parameters(trainer).items()}
     return {"losses": losses, "params": params, "steps_run": Count.steps_run, "exit_code": exit_code,
-            "handler_restored": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL}
+            "latest_at_exit": latest_at_exit, "handler_restored": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL}
 
 
 def _three_runs(rank, world, root):
@@ -87,9 +90,11 @@ def test_signal_saves_exits_75_and_resume_equals_uninterrupted(runs, layout):
         assert cut["exit_code"] == PREEMPTED_EXIT_CODE  # every rank, though only rank 1 got the signal
         assert cut["steps_run"] == SIGNAL_DURING  # it finished the step it was in, and no more
         assert cut["handler_restored"]
+        if layout != "ddp":  # committed before train() raised SystemExit, also when written in the background
+            assert cut["latest_at_exit"] == f"checkpoint-{SIGNAL_DURING}"
     ckpt = root / layout / "cut" / f"checkpoint-{SIGNAL_DURING}"
     assert (ckpt / "trainer_state.json").is_file()
-    assert (ckpt / "manifest.json").is_file() == (layout == "fsdp2")  # hf_dist's (atomic) or the Trainer's own
+    assert (ckpt / "manifest.json").is_file() == (layout != "ddp")  # hf_dist's (atomic) or the Trainer's own
     full, resumed = per_rank[0][layout]["full"], per_rank[0][layout]["resumed"]
     assert resumed["exit_code"] == 0 and resumed["steps_run"] == STEPS - SIGNAL_DURING
     assert not (root / layout / "cut" / "preempted.json").exists()  # cleared by the resumed run

@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_configs_ship import _launcher_env
+from dist_utils import launcher_env
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_dist.cli import main as cli_main
@@ -63,7 +63,7 @@ def _planner_layouts() -> list[Layout]:
 
 def _trainer_view(layout: Layout, folder: Path) -> DistTrainingArguments:
     """The ``DistTrainingArguments`` each process of ``launch.sh`` builds: launcher env + its training arguments."""
-    _, env = _launcher_env(folder / "accelerate.yaml")
+    _, env = launcher_env(folder / "accelerate.yaml")
     launch = (folder / "launch.sh").read_text()
     train_args = shlex.split(launch.split('"$SCRIPT"')[1].split('"$@"')[0])
     with mock.patch.dict(os.environ, {**env, "WORLD_SIZE": str(layout.world_size)}):

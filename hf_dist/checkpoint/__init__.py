@@ -1,16 +1,18 @@
 """Sharded, atomic, reshardable training checkpoints (DCP underneath) and their export to the Hub format.
 
-Public API: ``save_checkpoint`` / ``load_checkpoint`` (collective), ``ResumeState``, ``resume_batch_contract``,
-``RetentionPolicy`` / ``apply_retention``, ``ResumableSampler`` / ``DataParallelBatchSampler``, ``CheckpointError``.
+Public API: ``save_checkpoint`` / ``load_checkpoint`` (collective), ``AsyncCheckpointer``, ``ResumeState``,
+``resume_batch_contract``, ``RetentionPolicy`` / ``apply_retention``, ``ResumableSampler`` /
+``DataParallelBatchSampler``, ``CheckpointError``.
 """
 
-from hf_dist.checkpoint.api import SaveHandle, save_checkpoint
+from hf_dist.checkpoint.api import AsyncCheckpointer, SaveHandle, save_checkpoint
 from hf_dist.checkpoint.load import ResumeState, load_checkpoint, resume_batch_contract
 from hf_dist.checkpoint.manifest import CheckpointError, Manifest, read_manifest, resolve_checkpoint
 from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
 from hf_dist.checkpoint.sampler import DataParallelBatchSampler, ResumableSampler
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
     "DataParallelBatchSampler",
     "Manifest",

@@ -5,60 +5,43 @@
 the LR scheduler and grad scaler go to ``train_state.pt`` (read back with ``weights_only=True``); each rank's
 RNG to ``rng/rank_XXXXX.safetensors``; the HF config / tokenizer / adapter config to ``hf/``. Everything is
 written into ``.<name>.partial`` next to the target, fsynced, committed by rename, then marked complete, and
-only then does ``latest`` move.
+only then does ``latest`` move (``writer``). An asynchronous save (``async_save=AsyncCheckpointer()``) captures
+the same things, copies the state into cached buffers and returns; the writing and the commit run in the
+checkpointer's thread (``async_save``).
 
 Not here: loading (``load``), retention (``retention``), the data order (``sampler``), Hub export (``export``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import os
-import shutil
-import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from hf_dist.batch import BatchContract
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
-from hf_dist.checkpoint.safe_io import save_rng
+from hf_dist.checkpoint.async_save import AsyncCheckpointer
+from hf_dist.checkpoint.retention import RetentionPolicy
+from hf_dist.checkpoint.safe_io import capture_rng
+from hf_dist.checkpoint.writer import (
+    DCP_DIR,
+    HF_DIR,
+    RNG_DIR,
+    TRAIN_STATE,
+    Rank0Files,
+    SaveJob,
+    rank_world,
+    write_and_commit,
+)
 from hf_dist.parallel_dims import ParallelDims
 
-DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE = "dcp", "rng", "hf", "train_state.pt"
+__all__ = ["DCP_DIR", "HF_DIR", "RNG_DIR", "TRAIN_STATE", "AsyncCheckpointer", "SaveHandle", "save_checkpoint"]
 _LAYOUT_FIELDS = ("world_size", "pp", "dp_replicate", "dp_shard", "tp")
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if _rank_world()[1] > 1:
-        dist.barrier()
-
-
-def _all_gather(obj) -> list:
-    if _rank_world()[1] == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it assumes one process when there is no process group: that is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def layout_dict(layout: ParallelDims) -> dict:
@@ -90,32 +73,37 @@ def _is_peft(model: torch.nn.Module) -> bool:
 
 
 class SaveHandle:
-    """A checkpoint being written. ``result()`` (collective) waits for the shards, then commits atomically."""
+    """A checkpoint being written. ``result()`` waits until it is committed and returns its manifest."""
 
-    def __init__(self, *, target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool, future=None,
-                 retention=None):
-        self.target, self._partial, self._manifest = target, partial, manifest
-        self._hash_files, self._future, self._retention = hash_files, future, retention
-        self._committed: mf.Manifest | None = None
+    def __init__(self, *, target: Path, manifest: mf.Manifest | None = None, future: Future | None = None,
+                 staged: Future | None = None):
+        self.target, self._manifest, self._future, self._staged = target, manifest, future, staged
+
+    def wait_staged(self) -> None:
+        """Block until the state is copied (only ``stage_in_background`` saves return before that).
+
+        After this the parameters and optimizer state may change. ``optimizer.step`` waits by itself.
+        """
+        if self._staged is not None:
+            self._staged.result()
 
     def done(self) -> bool:
-        """True once the background write finished (``result()`` must still be called to commit)."""
+        """True once the checkpoint is committed (or its background write failed)."""
         return self._future is None or self._future.done()
 
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the checkpoint is committed or failed (now, if it is; else in the writer thread)."""
+        if self._future is None:
+            fn()
+        else:
+            self._future.add_done_callback(lambda _: fn())
+
     def result(self) -> mf.Manifest:
-        """Block until the shards are written, then commit (every rank must call this)."""
-        if self._committed is None:
-            error = None
-            if self._future is not None:
-                try:
-                    self._future.result()
-                except Exception as err:  # every rank must learn it, or the others wait in the commit forever
-                    error = f"background write of {self.target} failed on rank {_rank_world()[0]}: {err!r}"
-            errors = [e for e in _all_gather(error) if e]
-            if errors:
-                raise mf.CheckpointError(f"{errors[0]}; the checkpoint was not committed ({self._partial} is left)")
-            self._committed = _commit(self.target, self._partial, self._manifest, self._hash_files, self._retention)
-        return self._committed
+        """Block until committed. A background write that failed raises here: ``CheckpointError`` on every rank
+        when a shard or file could not be written, or the commit's own error on the rank that hit it."""
+        if self._manifest is None:
+            self._manifest = self._future.result()
+        return self._manifest
 
 
 # Optimizer state keyed per parameter (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): every entry has one
@@ -133,55 +121,39 @@ def _model_and_optim_state(model, optimizer) -> dict:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def _write_rank0_files(partial: Path, *, model, lr_scheduler, scaler, tokenizer) -> list[str]:
-    contents = []
-    train_state = {}
+def _capture_rank0_files(model, *, lr_scheduler, scaler, tokenizer, extra_files) -> tuple[Rank0Files, list[str]]:
+    """Rank 0's files as they are now (copies), so a background write sees nothing of later steps."""
+    files, contents = Rank0Files(train_state={}, tokenizer=tokenizer, extra_files=dict(extra_files or {})), []
     if lr_scheduler is not None:
-        train_state["lr_scheduler"] = lr_scheduler.state_dict()
+        files.train_state["lr_scheduler"] = copy.deepcopy(lr_scheduler.state_dict())
         contents.append("lr_scheduler")
     if scaler is not None:
-        train_state["scaler"] = scaler.state_dict()
+        files.train_state["scaler"] = copy.deepcopy(scaler.state_dict())
         contents.append("scaler")
-    torch.save(train_state, partial / TRAIN_STATE)
     inner = unwrap_model(model)
-    hf_dir = partial / HF_DIR
-    hf_dir.mkdir(exist_ok=True)
     if _is_peft(inner):
-        for adapter_name, config in inner.peft_config.items():
-            config.save_pretrained(str(hf_dir / "adapter" / adapter_name))
+        files.adapter_configs = {name: copy.deepcopy(config) for name, config in inner.peft_config.items()}
         contents.append("adapter_config")
         inner = inner.get_base_model()
     config = getattr(inner, "config", None)
-    if config is not None and hasattr(config, "to_json_file"):
-        config.to_json_file(str(hf_dir / "config.json"))
+    if config is not None and hasattr(config, "to_json_string"):
+        files.config_json = config.to_json_string()
         contents.append("hf_config")
         generation = getattr(inner, "generation_config", None)
         if generation is not None:
-            generation.to_json_file(str(hf_dir / "generation_config.json"))
+            files.generation_json = generation.to_json_string()
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(hf_dir / "tokenizer"))
         contents.append("tokenizer")
-    return contents
+    return files, contents
 
 
-def _write_extra_file(partial: Path, name: str, text: str) -> None:
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts or rel.parts[0] in (DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE, mf.MANIFEST_NAME):
-        raise ValueError(f"extra_files name {name!r} must be a relative path outside dcp/, rng/, hf/ and the manifest")
-    (partial / rel).parent.mkdir(parents=True, exist_ok=True)
-    (partial / rel).write_text(text, encoding="utf-8")
-
-
-def _prepare_partial(target: Path) -> Path:
-    partial = target.with_name(f".{target.name}.partial")
-    rank, _ = _rank_world()
-    if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)  # a save that died before its commit
-        (partial / DCP_DIR).mkdir(parents=True)
-        (partial / RNG_DIR).mkdir()
-    _barrier()
-    return partial
+def _check_extra_files(extra_files: dict[str, str] | None) -> None:
+    for name in extra_files or {}:
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts or rel.parts[0] in (DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE,
+                                                                       mf.MANIFEST_NAME):
+            raise ValueError(f"extra_files name {name!r} must be a relative path outside dcp/, rng/, hf/ and the "
+                             f"manifest")
 
 
 def save_checkpoint(
@@ -201,48 +173,27 @@ def save_checkpoint(
     extra_files: dict[str, str] | None = None,
     retention: RetentionPolicy | None = None,
     hash_files: bool = True,
-    async_save: bool = False,
-    async_group=None,
+    async_save: bool | AsyncCheckpointer = False,
 ) -> SaveHandle:
     """Write a checkpoint of the run into ``directory`` (collective: call it on every rank).
 
-    ``directory``'s parent gets a ``latest`` file naming it once it is complete. With ``async_save=True`` the
-    call returns after the state is staged in CPU memory; call ``result()`` on the returned handle (on every
-    rank, before the next save) to wait and commit. ``async_group``: a gloo group for the background write, so
-    it does not share a group with training collectives (None: one is created). ``extra_files``: text files
-    (relative name -> content) written by rank 0 into the checkpoint and committed with it (e.g. the HF
-    ``trainer_state.json``). ``retention``: applied to ``directory``'s parent after the commit (rank 0).
+    ``directory``'s parent gets a ``latest`` file naming it once it is complete. ``async_save``: an
+    ``AsyncCheckpointer`` (reused across saves: the call returns after a copy into its cached buffers, and its
+    writer thread writes and commits), or ``True`` for a one-off one (a new gloo group and new buffers for this
+    save). ``result()`` on the returned handle waits for the commit. ``extra_files``: text files (relative name ->
+    content) written by rank 0 into the checkpoint and committed with it (e.g. the HF ``trainer_state.json``).
+    ``retention``: applied to ``directory``'s parent after the commit (rank 0).
     """
-    rank, world = _rank_world()
-    if layout.world_size != world:
-        raise ValueError(
-            f"layout.world_size={layout.world_size} but the process group has {world} ranks; pass the ParallelDims "
-            f"this run was built with"
-        )
-    if batch_contract is not None and batch_contract.world_size != world:
-        raise ValueError(f"batch_contract.world_size={batch_contract.world_size} but the process group has {world}")
-    if step < 0 or samples_consumed < 0:
-        raise ValueError(f"step={step} and samples_consumed={samples_consumed} must be non-negative")
-    target = Path(directory)
-    partial = _prepare_partial(target)
+    rank, world = rank_world()
+    _check_save_inputs(layout, batch_contract, world, step, samples_consumed, extra_files)
+    saver = AsyncCheckpointer() if async_save is True else async_save or None
     state = _model_and_optim_state(model, optimizer)
-    writer = dcp.FileSystemWriter(str(partial / DCP_DIR), sync_files=True)
-    future = None
-    if async_save:
-        if async_group is None and world > 1:
-            async_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(state, storage_writer=writer, process_group=async_group, no_dist=world == 1)
-        if not isinstance(future, Future):  # AsyncSaveResponse (zero-overhead stagers)
-            future = future.upload_completion
-    else:
-        with _quiet_single_process():
-            dcp.save(state, storage_writer=writer, no_dist=world == 1)
-    save_rng(partial / RNG_DIR / f"rank_{rank:05d}.safetensors")
     contents = ["model"] + (["optimizer"] if optimizer is not None else []) + ["rng"]
+    rank0 = None
     if rank == 0:
-        contents += _write_rank0_files(partial, model=model, lr_scheduler=lr_scheduler, scaler=scaler, tokenizer=tokenizer)
-        for name, text in (extra_files or {}).items():
-            _write_extra_file(partial, name, text)
+        rank0, rank0_contents = _capture_rank0_files(model, lr_scheduler=lr_scheduler, scaler=scaler,
+                                                     tokenizer=tokenizer, extra_files=extra_files)
+        contents += rank0_contents
     manifest = mf.Manifest(
         step=step,
         samples_consumed=samples_consumed,
@@ -255,53 +206,37 @@ def save_checkpoint(
         model_kind="peft" if _is_peft(model) else "causal_lm",
         fused_rows=fused_rows(model),
     )
-    handle = SaveHandle(target=target, partial=partial, manifest=manifest, hash_files=hash_files, future=future,
-                        retention=retention)
-    if not async_save:
-        handle.result()
-    return handle
+    job = SaveJob(target=Path(directory), state=state, rng=capture_rng(), rank0=rank0, manifest=manifest,
+                  hash_files=hash_files, retention=retention)
+    if saver is None:
+        return SaveHandle(target=job.target, manifest=write_and_commit(job))
+    future, staged = saver.submit(job)  # staged in the caller unless stage_in_background
+    if optimizer is not None and not staged.done():
+        _wait_before_next_step(optimizer, staged)
+    if async_save is True:
+        saver.close(wait=False)
+    return SaveHandle(target=job.target, future=future, staged=staged)
 
 
-def _files_of_rank(partial: Path, rank: int) -> list[str]:
-    rel = [f"{RNG_DIR}/rank_{rank:05d}.safetensors"]
-    rel += [f"{DCP_DIR}/{p.name}" for p in (partial / DCP_DIR).glob(f"__{rank}_*")]
-    if rank == 0:
-        rel += [f"{DCP_DIR}/.metadata", TRAIN_STATE]
-        rel += [
-            p.relative_to(partial).as_posix()
-            for p in partial.rglob("*")
-            if p.is_file() and p.relative_to(partial).parts[0] not in (DCP_DIR, RNG_DIR, TRAIN_STATE)
-        ]
-    return rel
+def _wait_before_next_step(optimizer: torch.optim.Optimizer, staged: Future) -> None:
+    """A one-shot ``optimizer.step`` pre-hook: the step waits until the state being saved is copied."""
+    hook = None
+
+    def wait(*_) -> None:
+        hook.remove()
+        staged.result()
+
+    hook = optimizer.register_step_pre_hook(wait)
 
 
-def _commit(target: Path, partial: Path, manifest: mf.Manifest, hash_files: bool, retention) -> mf.Manifest:
-    rank, _ = _rank_world()
-    files = _files_of_rank(partial, rank)
-    for rel in files:
-        mf.fsync_path(partial / rel)
-    entries = _all_gather(mf.describe_files(partial, files, rank=rank, hash_files=hash_files))
-    manifest.files = [entry for rank_entries in entries for entry in rank_entries]
-    if rank == 0:
-        mf.write_text_durably(partial / mf.MANIFEST_NAME, manifest.to_json())
-        for sub in [p for p in partial.rglob("*") if p.is_dir()]:
-            mf.fsync_path(sub)  # directory entries of the shards, before the rename publishes them
-        _replace_dir(partial, target)
-        mf.commit_marker(target)
-        mf.point_latest(target.parent, target.name)
-        if retention is not None:
-            apply_retention(target.parent, retention)
-    _barrier()
-    return manifest
-
-
-def _replace_dir(partial: Path, target: Path) -> None:
-    aside = target.with_name(f".{target.name}.old")
-    if aside.exists():
-        shutil.rmtree(aside)
-    if target.exists():
-        target.rename(aside)  # `latest` may name it: the new one takes its name right below
-    partial.rename(target)
-    mf.fsync_path(target.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
+def _check_save_inputs(layout, batch_contract, world: int, step: int, samples_consumed: int, extra_files) -> None:
+    if layout.world_size != world:
+        raise ValueError(
+            f"layout.world_size={layout.world_size} but the process group has {world} ranks; pass the ParallelDims "
+            f"this run was built with"
+        )
+    if batch_contract is not None and batch_contract.world_size != world:
+        raise ValueError(f"batch_contract.world_size={batch_contract.world_size} but the process group has {world}")
+    if step < 0 or samples_consumed < 0:
+        raise ValueError(f"step={step} and samples_consumed={samples_consumed} must be non-negative")
+    _check_extra_files(extra_files)

@@ -22,17 +22,10 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from hf_dist.batch import BatchContract
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.api import (
-    _OPTIONS,
-    DCP_DIR,
-    RNG_DIR,
-    TRAIN_STATE,
-    _all_gather,
-    _model_and_optim_state,
-    _quiet_single_process,
-    _rank_world,
-    fused_rows,
-)
+from hf_dist.checkpoint.api import _OPTIONS, DCP_DIR, RNG_DIR, TRAIN_STATE, _model_and_optim_state, fused_rows
+from hf_dist.checkpoint.writer import all_gather as _all_gather
+from hf_dist.checkpoint.writer import quiet_single_process as _quiet_single_process
+from hf_dist.checkpoint.writer import rank_world as _rank_world
 from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, restore_rng
 from hf_dist.parallel_dims import ParallelDims
 

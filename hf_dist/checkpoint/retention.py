@@ -28,6 +28,8 @@ class RetentionPolicy:
     """Also keep the checkpoint with the best value of this metric (from ``save_checkpoint(metrics=...)``)."""
     mode: Literal["min", "max"] = "min"
     """Whether lower (``min``) or higher (``max``) ``best_metric`` is better."""
+    protect: tuple[str, ...] = ()
+    """Checkpoint names never deleted (e.g. the Trainer's best checkpoint)."""
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -62,7 +64,7 @@ def select_to_delete(
 def apply_retention(root: str | Path, policy: RetentionPolicy, *, protect: tuple[str, ...] = ()) -> list[str]:
     """Delete what ``policy`` does not keep under ``root`` (call on one rank). Returns the names deleted.
 
-    ``protect``: names never deleted (e.g. the Trainer's best checkpoint).
+    ``protect``: names never deleted, besides ``policy.protect``.
     """
     root = Path(root)
     complete = mf.complete_checkpoints(root)
@@ -72,7 +74,7 @@ def apply_retention(root: str | Path, policy: RetentionPolicy, *, protect: tuple
     for path in complete:
         manifest = mf.read_manifest(path)
         entries.append((path.name, manifest.step, manifest.metrics))
-    doomed = [name for name in select_to_delete(entries, policy, latest=latest) if name not in protect]
+    doomed = [name for name in select_to_delete(entries, policy, latest=latest) if name not in protect + policy.protect]
     if entries:
         doomed += _dead_saves(root, newest_step=max(step for _, step, _ in entries), latest=latest)
     for name in doomed:

@@ -37,9 +37,10 @@ def register(subparsers) -> None:
                         "stages a bf16 model; fp32; pure_bf16: a bf16 model, gradients and Adam (8 B/param)")
     parser.add_argument("--host-ram-gb", type=float, default=None,
                         help="host RAM per node in GB (1e9 bytes); default: a typical node of the GPU kind")
-    parser.add_argument("--loading", choices=LOADINGS, default="every_rank",
-                        help="every_rank (default: from_pretrained on each rank) or streaming (meta init, each rank "
-                        "reads its slices): the host-RAM peak while loading")
+    parser.add_argument("--loading", choices=LOADINGS, default="auto",
+                        help="the host-RAM peak while loading: auto (default: as hf_dist.from_pretrained loads each "
+                        "layout: streaming for FSDP2/TP/PP, transformers for DDP/DeepSpeed), every_rank "
+                        "(from_pretrained on each rank) or streaming (meta init, each rank reads its slices)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the efficiency on this machine: a few training steps of the model scaled down "
                         "to --calibrate-layers layers, in the chosen layout's precision, run with the layout's "

@@ -24,7 +24,8 @@ and during backward one layer is recomputed and holds the full set above.
 The head keeps the final norm, the lm_head input (``c·N·h``; not kept when lm_head is frozen), under autocast
 the lm_head weight cast, the fp32 log-softmax output ``4·N·V`` and the labels. Backward of the loss holds two
 more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax input gradient): ``8·N·V``.
-With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split.
+With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split;
+the lm_head weight cast is split where TP splits the head (``states.lm_head_tp``).
 
 The gradient working set while a layer runs backward is counted as two residual-stream gradients
 (``2·r·N·h``) and the larger of two MLP-intermediate gradients (``2·c·N·I/t``, the largest live at once in the
@@ -45,6 +46,7 @@ from dataclasses import dataclass, fields
 
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.states import lm_head_tp
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -157,10 +159,9 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
     r, c, autocast = dtype_bytes(workload, layout)
     n, h, v, t = workload.tokens, model.hidden_size, model.vocab_size, layout.dims.tp
     sp = t if layout.sequence_parallel else 1
-    vocab_t = t if layout.vocab_parallel else 1
     final_norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
     lm_head_input = 0 if layout.lora_rank else c * n * h
-    lm_head_cast = c * model.vocab_size * h // vocab_t if autocast else 0
+    lm_head_cast = c * model.vocab_size * h // lm_head_tp(model, t, layout.vocab_parallel) if autocast else 0
     mask = r * workload.micro_batch_size * workload.seq_len**2 if workload.attention == "eager" else 0
     # eager softmax backward: the fp32 gradient of the probabilities and the fp32 gradient of the scores
     eager_grads = 8 * workload.micro_batch_size * model.num_attention_heads * workload.seq_len**2 if (

@@ -74,8 +74,8 @@ class PlanRequest:
     """Framework allowances."""
     host_ram_bytes: int | None = None
     """Host RAM per node; None: the GPU kind's typical node (``GpuSpec.host_ram_per_gpu_bytes`` x GPUs)."""
-    loading: Loading = "every_rank"
-    """How the weights are loaded (``host.py``)."""
+    loading: Loading = "auto"
+    """How the weights are loaded (``host.py``); ``auto``: as ``hf_dist.from_pretrained`` loads each layout."""
     base_efficiency: float | None = None
     """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
     efficiency_source: str | None = None
@@ -228,12 +228,23 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     if not host_fits:
         reasons.append(f"does not fit: offload needs {gib(host.offload):.0f} GiB of host RAM per node, the node "
                        f"has {gib(req.host_ram):.0f} GiB (--host-ram-gb)")
-    warnings = () if host.loading <= req.host_ram else (
-        f"loading needs {gib(host.loading):.0f} GiB of host RAM per node ({host.how_loaded}), the node has "
-        f"{gib(req.host_ram):.0f} GiB: load on the meta device and stream each rank's slices, or load in bf16",)
+    warnings = () if host.loading <= req.host_ram else (_loading_warning(host, layout, req),)
     return Candidate(layout=layout, tier=tier, batch=batch, memory=memory, throughput=throughput, host=host,
                      fits=gpu_fits and host_fits, reason="; ".join(reasons), warnings=warnings,
                      workload_precision=workload.precision)
+
+
+def _loading_warning(host: HostMemory, layout: Layout, req: PlanRequest) -> str:
+    """The loading peak over the node's RAM, and the fix that applies to this layout."""
+    if not layout.streaming_load:
+        fix = "hf_dist.from_pretrained streams each rank's slices only for FSDP2/TP/PP layouts (ZeRO-3 loads "\
+              "through zero.Init): use one of those, or load in bf16"
+    elif req.loading == "every_rank":
+        fix = "load with hf_dist.from_pretrained, which streams each rank's slices for this layout (--loading auto)"
+    else:
+        fix = "load in bf16, or use more ranks to split the model over"
+    return (f"loading needs {gib(host.loading):.0f} GiB of host RAM per node ({host.how_loaded}), the node has "
+            f"{gib(req.host_ram):.0f} GiB: {fix}")
 
 
 def choose_layout(req: PlanRequest) -> Plan:

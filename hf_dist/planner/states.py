@@ -1,7 +1,10 @@
 """Model states and communication buffers of one rank: parameters, master copy, gradients, Adam, buckets.
 
 Counts are exact per tensor: every parameter this rank holds (after TP/PP splitting) is listed with its
-shape and sharded the way each framework shards it:
+shape and sharded the way each framework shards it. TP splits column-parallel linears on dim 0, row-parallel
+ones on dim 1, the embedding only under ``vocab_parallel``, and the lm_head on the vocabulary where training
+does (``lm_head_tp``: untied with the vocabulary divisible by tp, or ``vocab_parallel``); a tied lm_head stays
+whole with its embedding. Then:
   * FSDP2 (``fully_shard``): each tensor split on dim 0 into ``ceil(d0 / S)`` rows; rank 0 holds the most.
   * DeepSpeed ZeRO-1/2: one flat group per optimizer param group, each parameter padded to 16 bytes and the
     group to a multiple of ``2 x S`` elements (its NCCL alignment), split evenly.
@@ -37,11 +40,13 @@ Not here: activations (``activations.py``) or the phase-by-phase peak (``memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from hf_dist.planner.catalogue import ModelSpec
+from hf_dist.planner.catalogue import ModelSpec, spec_config
 from hf_dist.planner.layout import FSDP_STRATEGIES, Layout, Workload
+from hf_dist.tensor_parallel.plans import lm_head_split
 
 ZERO3_SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed's ``sub_group_size`` default, which ``hf_dist.configs`` writes."""
@@ -85,10 +90,20 @@ class ModelStates:
         return self.parameters + self.master_params + self.gradients + self.optimizer_states + self.comm_buffers
 
 
+@functools.lru_cache(maxsize=None)
+def lm_head_tp(model: ModelSpec, tp: int, vocab_parallel: bool) -> int:
+    """Ranks the lm_head weight is split over on the vocabulary (1: whole on every TP rank), as training
+    splits it (``hf_dist.tensor_parallel.plans.lm_head_split``)."""
+    if tp <= 1:
+        return 1
+    return tp if lm_head_split(spec_config(model), tp, vocab_parallel=vocab_parallel) else 1
+
+
 def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: bool, last: bool):
     """``(name, shape)`` of the base parameters one TP rank of one pipeline stage holds."""
     t = layout.dims.tp
     vocab_t = t if layout.vocab_parallel else 1
+    head_t = lm_head_tp(model, t, layout.vocab_parallel)
     if first:
         yield "embed_tokens", (model.vocab_size // vocab_t, model.hidden_size)
     for _ in range(layers):
@@ -102,7 +117,7 @@ def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: 
     if last:
         yield "norm", (model.hidden_size,)
         if not model.tie_word_embeddings or not first:
-            yield "lm_head", (model.vocab_size // vocab_t, model.hidden_size)
+            yield "lm_head", (model.vocab_size // head_t, model.hidden_size)
 
 
 def lora_shapes(model: ModelSpec, rank: int, layers: int):

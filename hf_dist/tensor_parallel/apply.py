@@ -51,6 +51,27 @@ def _sync_whole_parameters(model: nn.Module, tp_mesh) -> None:
             dist.broadcast(param.data, src=src, group=group)
 
 
+def _to_placements(mesh, placements):
+    def hook(grad):
+        if isinstance(grad, DTensor) and grad.placements != placements:
+            return grad.redistribute(mesh, placements)
+        return grad
+
+    return hook
+
+
+def _keep_grads_sharded(model: nn.Module) -> None:
+    """Make each DTensor parameter's gradient take the parameter's placements before it is accumulated.
+
+    DTensor has no vocab-sharded rule for the embedding backward, so a vocab-parallel embedding's gradient comes
+    back whole (``Replicate``) on every rank: a full vocab x hidden tensor kept until ``zero_grad``. FSDP2 does
+    the same redistribution for the parameters it wraps (it replaces them, dropping these hooks).
+    """
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_hook(_to_placements(param.device_mesh, param.placements))
+
+
 def _retie_embeddings(model: nn.Module) -> None:
     output = model.get_output_embeddings()
     if output is not None and getattr(model.config, "tie_word_embeddings", False):
@@ -106,6 +127,7 @@ def apply_tensor_parallel(
     if vocab_parallel:
         _retie_embeddings(target)
         target.loss_function = VocabParallelCausalLMLoss(tp_mesh)
+        _keep_grads_sharded(target)
     info = TensorParallelInfo(
         tp=tp, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, plan=plan
     )

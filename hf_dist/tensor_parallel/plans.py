@@ -127,6 +127,14 @@ def _head(plan: dict[str, str], config, tp: int | None) -> dict[str, str]:
     return {p: s for p, s in plan.items() if p not in HEAD_PATTERNS or (keep and s == "colwise_gather_output")}
 
 
+def lm_head_split(config, tp: int, *, vocab_parallel: bool = False) -> bool:
+    """Whether TP over ``tp`` ranks splits the lm_head weight on the vocabulary: vocab parallelism, or the
+    head's own column split where ``_head`` keeps it. The planner counts the head by this answer."""
+    if tp <= 1:
+        return False
+    return vocab_parallel or "lm_head" in _head(model_plan(config), config, tp)
+
+
 def base_plan(config, tp: int | None = None) -> dict[str, str]:
     """The model's plan with the fused-projection and head overlays, as ``{pattern: style_name}``."""
     check_tp_support(config)

@@ -145,6 +145,13 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "Signals that mean 'preempted': every rank finishes its step, a checkpoint is saved and "
                   "the process exits with 75 (hf_dist/trainer/preemption.py). Comma-separated, or 'none'."},
     )
+    async_save: bool = field(
+        default=False,
+        metadata={"help": "Checkpoints of the layouts hf_dist owns (FSDP2, TP, PP) are copied into reused CPU buffers "
+                  "during the next forward/backward and written and committed by a background thread; the next "
+                  "optimizer step waits for the copy, train() for the last commit (hf_dist/checkpoint/async_save.py). "
+                  "Refused for DDP and DeepSpeed, whose checkpoints the Trainer writes."},
+    )
     layout_canary: bool = field(
         default=True,
         metadata={"help": "With pp_size > 1: before training, run the requested pipeline layout on a tiny twin of "
@@ -171,12 +178,22 @@ class DistTrainingArguments(TrainingArguments):
         },
     )
 
+    def _check_async_save(self) -> None:
+        owned = self.hf_dist_fsdp is not None or self.tp_size > 1 or self.pp_size > 1
+        if self.async_save and not owned:
+            raise ValueError(
+                "async_save=True applies to the checkpoints hf_dist writes (FSDP2, TP or PP layouts), but this run is "
+                "DDP or DeepSpeed, whose checkpoints the Trainer writes synchronously; drop --async_save, or launch "
+                "with accelerate_configs/fsdp.yaml (FSDP2), --tp_size or --pp_size"
+            )
+
     def __post_init__(self):
         check_values(self)  # before anything reads them: no process group exists yet
         launch_env.prepare_environment(self)
         if self.learning_rate is None:  # None: not given (kept apart from an explicit 5e-5, the Trainer's default)
             self.learning_rate = DEFAULT_LEARNING_RATE if self.base_learning_rate is None else float("nan")
         super().__post_init__()
+        self._check_async_save()
         # derived from the fields above and WORLD_SIZE on every construction (so dataclasses.replace re-derives it)
         self.batch_contract: BatchContract = self._resolve_contract()
         self.gradient_accumulation_steps = self.batch_contract.gradient_accumulation_steps

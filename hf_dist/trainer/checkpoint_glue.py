@@ -4,7 +4,10 @@ For FSDP2, TP and PP (applied by hf_dist, so the plain Trainer cannot checkpoint
 hf_dist checkpoint: sharded model + optimizer (DCP), scheduler, per-rank RNG, the data position, the layout and
 batch contract, and the Trainer's ``trainer_state.json`` — committed atomically, with ``latest`` beside it.
 Resuming loads model and optimizer after the optimizer exists and restores RNG where the Trainer restores it
-(after skipping the batches already trained), so a resumed run continues the uninterrupted one.
+(after skipping the batches already trained), so a resumed run continues the uninterrupted one. With
+``--async_save`` the trainer's ``AsyncCheckpointer`` writes and commits in the background (retention after the
+commit); ``wait_for_saves`` is called before anything reads a checkpoint back and when ``train()`` ends, so
+``on_save`` callbacks may see the checkpoint before it is committed, and nothing else does.
 
 DDP and DeepSpeed keep the Trainer's own checkpoints (accelerate / the DeepSpeed engine write them), but an
 hf_dist checkpoint loads into any layout except DeepSpeed (``loads_with_hf_dist``): a run saved under FSDP2
@@ -22,9 +25,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.api import RNG_DIR, save_checkpoint
+from hf_dist.checkpoint.api import RNG_DIR, AsyncCheckpointer, save_checkpoint
 from hf_dist.checkpoint.load import load_checkpoint
-from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
+from hf_dist.checkpoint.retention import RetentionPolicy
 from hf_dist.checkpoint.safe_io import restore_rng
 
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -64,7 +67,12 @@ def save_trainer_checkpoint(trainer, trial) -> Path:
         if best.exists() or trainer.state.best_global_step == step:
             trainer.state.best_model_checkpoint = str(best)
     contract = trainer.args.batch_contract
-    save_checkpoint(
+    retention = None
+    if trainer.args.save_total_limit:
+        best = trainer.state.best_model_checkpoint
+        retention = RetentionPolicy(keep_last=trainer.args.save_total_limit, protect=(Path(best).name,) if best else ())
+    wait_for_saves(trainer)
+    handle = save_checkpoint(
         output_dir,
         model=trainer.model,
         optimizer=_torch_optimizer(trainer),
@@ -75,14 +83,30 @@ def save_trainer_checkpoint(trainer, trial) -> Path:
         batch_contract=contract,
         tokenizer=trainer.processing_class if trainer.args.should_save else None,
         extra_files={TRAINER_STATE_NAME: _trainer_state_json(trainer)},
+        retention=retention,  # applied by rank 0 after the commit
+        async_save=async_checkpointer(trainer) or False,
     )
-    if trainer.args.save_total_limit and trainer.args.should_save:
-        best = trainer.state.best_model_checkpoint
-        protect = (Path(best).name,) if best else ()
-        apply_retention(run_dir, RetentionPolicy(keep_last=trainer.args.save_total_limit), protect=protect)
-    if dist.is_initialized():
-        dist.barrier()  # no rank starts the next step while rank 0 may still be deleting
+    if not handle.done():
+        trainer._hf_dist_pending_save = handle
     return output_dir
+
+
+def async_checkpointer(trainer) -> AsyncCheckpointer | None:
+    """The trainer's one ``AsyncCheckpointer`` with ``--async_save`` (copies in the background: the Trainer only
+    changes parameters in ``optimizer.step``, which waits for the copy)."""
+    if not trainer.args.async_save:
+        return None
+    if getattr(trainer, "_hf_dist_checkpointer", None) is None:
+        trainer._hf_dist_checkpointer = AsyncCheckpointer(stage_in_background=True)
+    return trainer._hf_dist_checkpointer
+
+
+def wait_for_saves(trainer) -> None:
+    """Block until the last asynchronous save is committed (raises if its write failed)."""
+    handle = getattr(trainer, "_hf_dist_pending_save", None)
+    trainer._hf_dist_pending_save = None
+    if handle is not None:
+        handle.result()
 
 
 def load_trainer_checkpoint(trainer, checkpoint) -> None:
@@ -134,6 +158,7 @@ def sharded_checkpoints_accepted(args, owns_layout: bool):
 
 def load_best_model(trainer) -> None:
     """``load_best_model_at_end``: the model weights of the best hf_dist checkpoint, in place (collective)."""
+    wait_for_saves(trainer)
     load_checkpoint(trainer.state.best_model_checkpoint, model=trainer.model, optimizer=None, restore_rng=False)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from hf_dist.loading import load_checkpoint, meta
 from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.key_map import KeyMap, key_map
+from hf_dist.strategy import streams_weights
 from hf_dist.trainer.laid_out import LaidOut, stamp
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     directory = meta.checkpoint_dir(name_or_dir, resolve)
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
     dims = trainer_dims(args)
-    if args.hf_dist_fsdp is None and not dims.tp_enabled and not dims.pp_enabled:
+    if not streams_weights(fsdp=args.hf_dist_fsdp is not None, tp=dims.tp, pp=dims.pp):
         return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
     config = meta.load_config(directory, model_kwargs, overrides)
     if args.pp_size > 1:

@@ -217,6 +217,7 @@ class DistTrainer(Trainer):
         finally:
             if self.preemption is not None:
                 self.remove_callback(self.preemption)
+        checkpoint_glue.wait_for_saves(self)  # --async_save: the last checkpoint is committed when train() returns
         preemption.exit_if_preempted(self, self.preemption)  # saved at a signal: SystemExit(75)
         return output
 
