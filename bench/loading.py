@@ -17,30 +17,29 @@ Each row is checked against the target: ``memory`` (peak - base as above) and, f
 fastest run and the largest peak. A run is stopped (and says how far it got) when the machine has less than
 ``--guard-gb`` free, before the kernel's OOM killer would pick a process, maybe another job's.
 
-Measured 2026-11-23, 2-core CPU VM with 24 GiB RAM, no GPU, shared with other jobs (load average 5-7); FSDP2 N=2
-from one run, the other scenarios from a second (the first had its N=4 baseline stopped at 15.9 GiB when other
-jobs took memory)::
+Measured 2026-11-23, 2-core CPU VM with 24 GiB RAM, no GPU, shared with other jobs (load average 2-4 during
+this run; an earlier, busier one stopped its N=4 baseline at 15.9 GiB when other jobs took memory), one run::
 
     checkpoint: 980M parameters, 3.65 GiB fp32, largest tensor 250 MiB (4 files of ~1 GiB)
     scenario    method            load s  peak-base MiB (max rank)  target MiB  memory    time
-    FSDP2 N=2   stream               6.6                      2008        2544     met     met
-    FSDP2 N=2   save (rank 0)       22.3                      1336        2544     met       -
-    FSDP2 N=2   from_pretrained      7.2                      4493        2544 not met       -
+    FSDP2 N=2   stream               1.7                      2008        2544     met     met
+    FSDP2 N=2   save (rank 0)       14.1                      1183        2544     met       -
+    FSDP2 N=2   from_pretrained      4.2                      4493        2544 not met       -
     FSDP2 N=4   stream               2.2                      1012        1422     met     met
-    FSDP2 N=4   save (rank 0)       23.2                      1128        1422     met       -
-    FSDP2 N=4   from_pretrained      7.2                      4493        1422 not met       -
-    TP=2        stream               2.6                      2132        2544     met     met
-    TP=2        save (rank 0)       17.8                      1379        2544     met       -
-    TP=2        from_pretrained      7.3                      4493        2544 not met       -
-    PP=2        stream               2.0                      2142        2544     met     met
-    PP=2        save (rank 0)       12.0                       993        2544     met       -
+    FSDP2 N=4   save (rank 0)       19.5                      1145        1422     met       -
+    FSDP2 N=4   from_pretrained      9.0                      4493        1422 not met       -
+    TP=2        stream               1.7                      2132        2544     met     met
+    TP=2        save (rank 0)       14.0                      1331        2544     met       -
+    TP=2        from_pretrained      5.2                      4493        2544 not met       -
+    PP=2        stream               1.6                      2142        2544     met     met
+    PP=2        save (rank 0)       11.1                       993        2544     met       -
     PP=2        from_pretrained      4.0                      4493        2544 not met       -
 
-Read: the streaming load holds about model/N (+ ~130 MiB) per rank and is 1.1-3.3x faster than every rank reading
-the whole model from the page cache (an earlier run with a colder cache and more load: 3-4x). The N=4 baseline
-holds 4 x 4.4 GiB = 17.6 GiB on the machine at once; the streaming load at N=4 holds 4 x 1.0 GiB. The final
-save's rank-0 growth is at most one ~1 GiB output file plus one tensor for every layout (PP=2: the last stage's
-tensors arrive one at a time from rank 1); its time is the gloo gathers on 2 loaded cores.
+Read: the streaming load holds about model/N (+ ~130 MiB) per rank and is 2.5-4x faster than every rank reading
+the whole model from the page cache (busier runs: 1.1-4x). The N=4 baseline holds 4 x 4.4 GiB = 17.6 GiB on the
+machine at once; the streaming load at N=4 holds 4 x 1.0 GiB. The final save's rank-0 growth is at most one ~1 GiB
+output file plus one tensor for every layout (PP=2: the last stage's tensors arrive one at a time from rank 1); its
+time is the gloo gathers on 2 cores.
 """
 
 from __future__ import annotations
