@@ -49,8 +49,26 @@ def _build_twin(config, dims, num_stages: int):
     return AutoModelForCausalLM.from_config(twin_config).float()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+def _worst_gradient(pipe, ref_grads: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """``(max |g_pp - g_ref| / max |g_ref|, its parameter)`` over this rank's parameters. Collective over tp/dp.
+
+    Each gradient is compared whole and in HF row order: the TP shards of a fused projection (Phi-3 ``qkv_proj``,
+    GLM ``gate_up_proj``) hold their rows rank-major (``FusedColwiseParallel``), not in the model's order.
+    """
+    from hf_dist.state_dict import fused_keys, hf_layout
+
+    fused = {key: parts for stage in pipe.modules for key, parts in fused_keys(stage).items()}
+    worst, where = 0.0, ""
+    for name, param in pipe.named_parameters():
+        if param.grad is None:
+            grad = torch.zeros_like(hf_layout(name, param, fused))
+        else:
+            grad = hf_layout(name, param.grad, fused)
+        ref = ref_grads.get(name, torch.zeros_like(grad))
+        diff = float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        if diff > worst:
+            worst, where = diff, name
+    return worst, where
 
 
 def _differences(config, dims, pipeline_config: PipelineConfig, device) -> tuple[float, float, str]:
@@ -71,13 +89,7 @@ def _differences(config, dims, pipeline_config: PipelineConfig, device) -> tuple
     dp_rank = dims.dp_rank(dist.get_rank())
     share = rows // max(dims.dp, 1)
     loss = pipe.train_step({k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()})
-    worst, where = 0.0, ""
-    for name, param in pipe.named_parameters():
-        grad = torch.zeros_like(_full(param)) if param.grad is None else _full(param.grad)
-        ref = ref_grads.get(name, torch.zeros_like(grad))
-        diff = float((grad - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
-        if diff > worst:
-            worst, where = diff, name
+    worst, where = _worst_gradient(pipe, ref_grads)
     return abs(float(loss) - float(ref_loss)), worst, where
 
 
