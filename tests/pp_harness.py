@@ -19,6 +19,21 @@ def tiny_model(seed: int = 0, **overrides):
     return build_tiny_model(seed=seed, **config)
 
 
+def tiny_phi3(seed: int = 0):
+    """A tiny Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``) with non-default values: grouped KV heads, a
+    sliding window shorter than ``SEQ``, an MLP width that is not 4 x hidden, untied head."""
+    from transformers import Phi3Config
+
+    from hf_dist.models.tiny import build_tiny_model
+
+    config = Phi3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return build_tiny_model(config, seed=seed)
+
+
 def padded_batch(batch: int, seed: int) -> dict[str, torch.Tensor]:
     """Right-padded sequences of different lengths; labels are -100 on padding."""
     g = torch.Generator().manual_seed(seed)

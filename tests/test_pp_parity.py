@@ -6,13 +6,14 @@ One spawned group per world size runs every variant, to pay the start-up cost on
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from pp_harness import LAYERS, batches, padded_batch, pipelined_run, portable, reference_run, tiny_model
+from pp_harness import LAYERS, batches, padded_batch, pipelined_run, portable, reference_run, tiny_model, tiny_phi3
 
 SCHEDULE_MICROBATCHES = {"gpipe": 4, "1f1b": 4, "interleaved_1f1b": 8, "interleaved_zb": 8, "zbv": 8}
 GLOBAL_BATCH = 8
@@ -167,13 +168,33 @@ def test_lora_adapter_from_stages_loads_on_a_plain_model(two_rank_run):
         assert_close(got_lora[key], value, atol=1e-4, rtol=0)
 
 
-FOUR_RANK_LAYOUTS = {  # name: (ParallelDims sizes besides pp=2, schedule, tiny_model overrides)
-    "fsdp": (dict(dp_shard=2), "1f1b", {}),  # PP2 x FSDP2
-    "ddp": (dict(dp_replicate=2, dp_shard=1), "interleaved_1f1b", {}),  # PP2 x replicated DP (grad all-reduce)
-    "tp": (dict(tp=2, dp_shard=1), "1f1b", {}),  # PP2 x TP2 (hf_dist.tensor_parallel inside each stage)
-    "tied_fsdp": (dict(dp_shard=2), "1f1b", dict(tie_word_embeddings=True)),  # tied copies, sharded grads summed
-    "zbv_fsdp": (dict(dp_shard=2), "zbv", {}),  # zero bubble (split backward) x FSDP2, two stages per rank
+FOUR_RANK_LAYOUTS = {  # name: (ParallelDims sizes besides pp=2, schedule, model builder)
+    "fsdp": (dict(dp_shard=2), "1f1b", tiny_model),  # PP2 x FSDP2
+    "ddp": (dict(dp_replicate=2, dp_shard=1), "interleaved_1f1b", tiny_model),  # PP2 x replicated DP (grad all-reduce)
+    "tp": (dict(tp=2, dp_shard=1), "1f1b", tiny_model),  # PP2 x TP2 (hf_dist.tensor_parallel inside each stage)
+    "phi3_tp": (dict(tp=2, dp_shard=1), "1f1b", tiny_phi3),  # PP2 x TP2, fused qkv/gate_up sharded part by part
+    "tied_fsdp": (dict(dp_shard=2), "1f1b", partial(tiny_model, tie_word_embeddings=True)),  # tied copies, summed
+    "zbv_fsdp": (dict(dp_shard=2), "zbv", tiny_model),  # zero bubble (split backward) x FSDP2, two stages per rank
 }
+FUSED_CANARY_TYPES = ("glm", "glm4", "phi3")
+"""Pipeline-proven model types whose TP plan shards fused projections (``FusedColwiseParallel``)."""
+
+
+def _fused_canaries(dims) -> dict[str, str | None]:
+    """The layout canary on PP2 x TP2 for each fused-projection type: None when it passes, else its message."""
+    from hf_dist.pipeline_parallel import PipelineConfig
+    from hf_dist.pipeline_parallel.canary import check_pipeline_layout
+    from pp_sweep_cases import non_default_config
+
+    outcome = {}
+    for model_type in FUSED_CANARY_TYPES:
+        config = non_default_config(model_type, tie_word_embeddings=False)  # TP x PP refuses tied embeddings
+        try:
+            check_pipeline_layout(config, dims, PipelineConfig(schedule="1f1b", microbatches=4))
+            outcome[model_type] = None
+        except ValueError as error:
+            outcome[model_type] = str(error)
+    return outcome
 
 
 def _pp_times_dp_four_ranks(rank, world_size):
@@ -183,25 +204,29 @@ def _pp_times_dp_four_ranks(rank, world_size):
     from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict
 
     results = {}
-    for name, (sizes, schedule, model_kwargs) in FOUR_RANK_LAYOUTS.items():
+    for name, (sizes, schedule, build) in FOUR_RANK_LAYOUTS.items():
         dims = ParallelDims(world_size=4, pp=2, **sizes)
         dims.build_mesh("cpu")
         config = PipelineConfig(schedule=schedule, microbatches=4)
-        pipe = PipelinedCausalLM(tiny_model(**model_kwargs), dims=dims, config=config)
+        pipe = PipelinedCausalLM(build(), dims=dims, config=config)
         losses, norms = pipelined_run(pipe, batches(GLOBAL_BATCH), dp_rank=dims.dp_rank(rank), dp=dims.dp)
         sharded = {tuple(p.device_mesh.mesh_dim_names) for p in pipe.parameters() if isinstance(p, DTensor)}
         state = portable(gather_state_dict(pipe))
         results[name] = {"losses": losses, "norms": norms, "state": state, "sharded_on": sharded}
+        if name == "phi3_tp":
+            results["fused_canaries"] = _fused_canaries(dims)
     return results
 
 
 def test_pp_times_dp_and_tp_on_four_ranks():
     results = run_distributed(_pp_times_dp_four_ranks, 4)
     assert results[0]["fsdp"]["sharded_on"] == {("dp_shard",)}
-    assert results[0]["tp"]["sharded_on"] == {("tp",)}
+    assert results[0]["tp"]["sharded_on"] == results[0]["phi3_tp"]["sharded_on"] == {("tp",)}
     assert results[0]["ddp"]["sharded_on"] == set()
-    for name, (_, _, model_kwargs) in FOUR_RANK_LAYOUTS.items():
-        ref_losses, ref_norms, ref_state = reference_run(tiny_model(**model_kwargs), batches(GLOBAL_BATCH))
+    for rank in range(4):  # the canary used to compare fused gradients in rank-major row order and refuse
+        assert results[rank]["fused_canaries"] == dict.fromkeys(FUSED_CANARY_TYPES), f"rank {rank}"
+    for name, (_, _, build) in FOUR_RANK_LAYOUTS.items():
+        ref_losses, ref_norms, ref_state = reference_run(build(), batches(GLOBAL_BATCH))
         for rank in range(4):
             assert_close(results[rank][name]["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"{name} rank {rank}")
             assert_close(results[rank][name]["norms"], ref_norms, atol=1e-5, rtol=1e-5)
