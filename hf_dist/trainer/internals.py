@@ -94,6 +94,10 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                       "shard; hf_dist checkpoints it"),
     PrivateMember(owner="torch DistributedDataParallel", name="_sync_buffers", kind="patch", where="trainer.throughput",
                   why="times the buffer broadcast so the DDP communication wait is reported"),
+    PrivateMember(owner="torch.distributed._state_dict_utils", name="_copy_state_dict", kind="call",
+                  where="checkpoint.async_save",
+                  why="copies the state into the staging buffers cached across async saves (the helper behind "
+                      "BlockingAsyncStager's cache, which always pins memory and so needs a GPU)"),
 )
 
 
