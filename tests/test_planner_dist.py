@@ -12,6 +12,7 @@ from dist_utils import run_distributed
 
 from hf_dist.planner import Workload, make_layout, model_spec
 from hf_dist.planner.measure import model_state_bytes
+from hf_dist.planner.activations import activation_model
 from hf_dist.planner.states import model_states
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
@@ -69,9 +70,11 @@ def _tp_states(rank: int, world: int) -> list[dict[str, int]]:
         parallelize(model, dims, vocab_parallel=vocab_parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, vocab, (2, 16))
-        model(input_ids=ids, labels=ids).loss.backward()
+        output = model(input_ids=ids, labels=ids)
+        output.loss.backward()
         optimizer.step()
-        out.append(model_state_bytes(model, optimizer))
+        logits = getattr(output.logits, "_local_tensor", output.logits)
+        out.append({**model_state_bytes(model, optimizer), "logits": logits.numel() * logits.element_size()})
     return out
 
 
@@ -84,6 +87,8 @@ def test_predicted_model_states_equal_measured_under_tp():
         layout = make_layout("ddp", 2, tp=2, vocab_parallel=vocab_parallel)
         predicted = model_states(spec, Workload(seq_len=16, micro_batch_size=2, precision="fp32"), layout,
                                  layers=spec.num_hidden_layers)
-        for rank_states in measured:
+        logits = activation_model(spec, Workload(seq_len=16, micro_batch_size=2, precision="fp32"), layout)
+        for rank_states in measured:  # logits: the fp32 N x V (vocab parallel: N x V/tp) the loss reads
             assert rank_states[i] == {"parameters": predicted.parameters, "gradients": predicted.gradients,
-                                      "optimizer_states": predicted.optimizer_states}, (tie, vocab_parallel, vocab)
+                                      "optimizer_states": predicted.optimizer_states,
+                                      "logits": logits.logits_forward}, (tie, vocab_parallel, vocab)

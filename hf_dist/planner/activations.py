@@ -24,8 +24,10 @@ and during backward one layer is recomputed and holds the full set above.
 The head keeps the final norm, the lm_head input (``c·N·h``; not kept when lm_head is frozen), under autocast
 the lm_head weight cast, the fp32 log-softmax output ``4·N·V`` and the labels. Backward of the loss holds two
 more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax input gradient): ``8·N·V``.
-With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split;
-the lm_head weight cast is split where TP splits the head (``states.lm_head_tp``).
+With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split,
+except with vocabulary parallelism, where the model returns vocab-sharded logits and the loss runs under
+``loss_parallel``: every ``N x V`` term is then ``N x V/t``. The lm_head weight cast is split where TP splits the
+head (``states.lm_head_tp``).
 
 The gradient working set while a layer runs backward is counted as two residual-stream gradients
 (``2·r·N·h``) and the larger of two MLP-intermediate gradients (``2·c·N·I/t``, the largest live at once in the
@@ -159,6 +161,7 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
     r, c, autocast = dtype_bytes(workload, layout)
     n, h, v, t = workload.tokens, model.hidden_size, model.vocab_size, layout.dims.tp
     sp = t if layout.sequence_parallel else 1
+    v = v // t if layout.vocab_parallel else v  # the logits columns a rank holds
     final_norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
     lm_head_input = 0 if layout.lora_rank else c * n * h
     lm_head_cast = c * model.vocab_size * h // lm_head_tp(model, t, layout.vocab_parallel) if autocast else 0
