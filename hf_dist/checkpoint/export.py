@@ -4,9 +4,9 @@ The output is what ``save_pretrained`` writes: ``model-0000k-of-0000n.safetensor
 ``generation_config.json`` and the tokenizer. Every checkpoint file is first checked against its SHA-256 in the
 manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, as meta tensors, through
 ``huggingface_hub.split_torch_state_dict_into_shards``); each shard's tensors are then read from the DCP files by
-key, written, and dropped, so the export itself holds about one shard in memory. Verification (on by default)
-loads the result with ``AutoModelForCausalLM.from_pretrained`` and compares logits on a probe batch with the
-checkpoint loaded directly: that step holds two models.
+key, written, and dropped, so the export itself holds about one shard in memory. Verification (``export_verify``)
+then checks, by default, the folder's structure on ``meta`` and every exported tensor against the DCP checkpoint,
+one tensor at a time; ``verify="logits"`` compares logits of two whole models instead (~2x the model in RAM).
 
 Not here: LoRA adapters (``lora_export``), ZeRO checkpoints (``zero``), Trainer-native ones (``native_export``).
 """
@@ -44,8 +44,12 @@ class ExportReport:
     """Bytes of tensor data written."""
     largest_shard_bytes: int = 0
     """Tensor bytes of the largest output shard: about the peak memory of the export."""
+    verification: str = "none"
+    """Which check ran: ``'tensors'`` (structure + every tensor, bounded memory), ``'logits'`` or ``'none'``."""
+    tensors_verified: int | None = None
+    """Exported tensors found equal to the checkpoint's (``verification='tensors'``)."""
     max_logit_diff: float | None = None
-    """Largest |logit difference| between the export and the checkpoint on the probe batch (None: not verified)."""
+    """Largest |logit difference| between the export and the checkpoint on the probe batch (``'logits'`` only)."""
     checksums_verified: int | None = None
     """Checkpoint files whose SHA-256 matched the manifest before anything was read (None: it records none)."""
 
@@ -193,10 +197,16 @@ def export_causal_lm(
     *,
     max_shard_size: int | str = "2GB",
     tokenizer_dir: str | Path | None = None,
-    verify: bool = True,
+    verify: bool | str = "tensors",
     overwrite: bool = False,
 ) -> ExportReport:
-    """Write a ``from_pretrained``-ready folder for the model in checkpoint ``ckpt``."""
+    """Write a ``from_pretrained``-ready folder for the model in checkpoint ``ckpt``.
+
+    ``verify``: ``'tensors'`` (default; bounded memory), ``'logits'`` (~2x the model in host RAM) or ``'none'``.
+    """
+    from hf_dist.checkpoint.export_verify import verify_mode, verify_tensors
+
+    mode = verify_mode(verify)
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
     manifest = mf.read_manifest(ckpt)
     if manifest.model_kind == "peft":
@@ -211,7 +221,13 @@ def export_causal_lm(
         check_complete_tensor(name, meta)
     plan = plan_shards({n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}, max_shard_size)
     write_shards(out, plan, lambda names: hf_order(read_tensors(ckpt, names, metas), manifest.fused_rows), report)
-    if verify:
+    report.verification = mode
+    if mode == "tensors":
+        def expected(name: str) -> torch.Tensor:
+            return hf_order(read_tensors(ckpt, [name], metas), manifest.fused_rows)[name]
+
+        report.tensors_verified = verify_tensors(out, expected, set(metas))
+    elif mode == "logits":
         report.max_logit_diff = verify_export(ckpt, out, metas, manifest.fused_rows)
     return report
 

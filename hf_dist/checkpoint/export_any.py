@@ -22,12 +22,16 @@ def export_checkpoint(
     tokenizer_dir: str | Path | None = None,
     adapter: str | None = None,
     config_dir: str | Path | None = None,
-    verify: bool = True,
+    verify: bool | str = "tensors",
     overwrite: bool = False,
     trust_pickles: bool = False,
 ) -> ExportReport:
     """Export an hf_dist checkpoint, a LoRA one (``adapter='adapter'|'merged'``), a DeepSpeed ZeRO folder, or a
-    checkpoint the Trainer wrote itself (DDP, one process: ``model.safetensors`` + ``config.json``)."""
+    checkpoint the Trainer wrote itself (DDP, one process: ``model.safetensors`` + ``config.json``).
+
+    ``verify``: ``'tensors'`` (default: the folder's structure on ``meta`` and every tensor against the checkpoint,
+    about one tensor in memory), ``'logits'`` (two whole models compared on a probe batch: ~2x the model in host
+    RAM) or ``'none'``; ``True``/``False`` mean ``'tensors'``/``'none'``."""
     common = dict(max_shard_size=max_shard_size, tokenizer_dir=tokenizer_dir, verify=verify, overwrite=overwrite)
     if is_native_model_dir(Path(ckpt)):
         if adapter is not None:

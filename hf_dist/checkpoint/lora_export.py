@@ -6,7 +6,11 @@ where an adapter saved as 0-element placeholders) and covered by its saved chunk
 the rank the config declares. Merged writes a plain causal-LM folder, shard by shard: each base weight is read
 with its ``lora_A``/``lora_B`` and merged as ``W + scale * B @ A``.
 
-Both verify against the checkpoint loaded directly into a PEFT model (logits on a probe batch).
+Verification (``export_verify``), by default with about one tensor in memory: the merged folder's structure on
+``meta`` and each merged weight against PEFT's own merge of that one module (a ``peft`` LoRA layer built around the
+checkpoint's base weight and adapter tensors); the adapter folder's keys and shapes against what PEFT saves for the
+config (PEFT model on ``meta``), its config loaded by ``LoraConfig``, and each adapter tensor against the
+checkpoint's. ``verify="logits"`` loads whole models and compares logits on a probe batch (~2x the model in RAM).
 Not here: plain models (``export``). Only LoRA A/B adapters with one adapter name are handled.
 """
 
@@ -34,6 +38,7 @@ from hf_dist.checkpoint.export import (
     tensor_metadata,
     write_shards,
 )
+from hf_dist.checkpoint.lora_verify import verify_adapter, verify_merged
 
 BASE_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -118,10 +123,13 @@ def export_peft(
     mode: str,
     max_shard_size: int | str = "2GB",
     tokenizer_dir: str | Path | None = None,
-    verify: bool = True,
+    verify: bool | str = "tensors",
     overwrite: bool = False,
 ) -> ExportReport:
     """Write the LoRA adapter of ``ckpt`` (``mode='adapter'``) or the merged model (``mode='merged'``)."""
+    from hf_dist.checkpoint.export_verify import verify_mode
+
+    check = verify_mode(verify)
     if mode not in ("adapter", "merged"):
         raise ValueError(f"adapter={mode!r} is not an export mode; use 'adapter' or 'merged'")
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
@@ -155,7 +163,13 @@ def export_peft(
     if mode == "adapter":
         (out / "config.json").unlink()  # an adapter folder is not a model folder: from_pretrained must not see one
         report.files.remove("config.json")
-    if verify:
+    report.verification = check
+    if check == "tensors" and mode == "adapter":
+        report.tensors_verified = verify_adapter(ckpt, out, metas, pairs, adapter_dir.name)
+    elif check == "tensors":
+        base_keys = {_base_name(key): key for key in base}
+        report.tensors_verified = verify_merged(ckpt, out, metas, pairs, base_keys, adapter_dir.name, adapter_dir)
+    elif check == "logits":
         report.max_logit_diff = _verify(ckpt, out, adapter_dir, metas, base, mode)
     return report
 

@@ -3,8 +3,9 @@
 A Trainer-native ``checkpoint-N`` already holds ``save_pretrained`` output (``model.safetensors`` or shards +
 index, ``config.json``) next to the optimizer, scheduler and RNG files. Exporting it means: load the model as a
 user would, refuse it when any weight is missing, unexpected, of the wrong shape or not finite, write it with
-the requested shard size plus the tokenizer, and check that the written folder reproduces the checkpoint's logits
-exactly. Such a checkpoint records no checksums (only hf_dist checkpoints do), so a same-size corruption that
+the requested shard size plus the tokenizer, and check the written folder: by default its structure on ``meta``
+and every tensor against the checkpoint's files, one tensor at a time (``export_verify``); with
+``verify="logits"`` by comparing logits of the two loaded models. The export itself holds the model once. Such a checkpoint records no checksums (only hf_dist checkpoints do), so a same-size corruption that
 stays finite cannot be detected here; the report says so.
 
 Not here: hf_dist checkpoints (``export``), LoRA (``lora_export``), DeepSpeed ZeRO folders (``zero``).
@@ -59,12 +60,15 @@ def export_native(
     *,
     max_shard_size: int | str = "2GB",
     tokenizer_dir: str | Path | None = None,
-    verify: bool = True,
+    verify: bool | str = "tensors",
     overwrite: bool = False,
 ) -> ExportReport:
     """Write a ``from_pretrained``-ready folder for the model in Trainer checkpoint ``ckpt``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_dist.checkpoint.export_verify import source_tensors, verify_mode, verify_tensors
+
+    mode = verify_mode(verify)
     ckpt, out = Path(ckpt), Path(out)
     model = load_checked(ckpt)  # before the output folder is touched
     prepare_out(out, overwrite)
@@ -78,7 +82,11 @@ def export_native(
     shards = [out / name for name in report.files if name.endswith(".safetensors")]
     report.total_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     report.largest_shard_bytes = max(p.stat().st_size for p in shards)
-    if verify:
+    report.verification = mode
+    if mode == "tensors":
+        del model  # the check below holds one tensor of each folder at a time
+        report.tensors_verified = verify_tensors(out, *source_tensors(ckpt))
+    elif mode == "logits":
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=model.dtype).eval()
         report.max_logit_diff = compare_logits(model, exported, model.config.vocab_size, 0.0, f"export {out}")
     return report

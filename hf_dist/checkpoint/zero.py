@@ -109,13 +109,17 @@ def export_zero(
     tag: str | None = None,
     max_shard_size: int | str = "2GB",
     tokenizer_dir: str | Path | None = None,
-    verify: bool = True,
+    verify: bool | str = "tensors",
     overwrite: bool = False,
     trust_pickles: bool = False,
 ) -> ExportReport:
-    """Hub-ready folder from a ZeRO checkpoint, one output shard materialised at a time."""
+    """Hub-ready folder from a ZeRO checkpoint, one output shard materialised at a time (``verify``: as
+    ``export_checkpoint``'s; the default checks every tensor against ``zero_to_fp32``'s, one at a time)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hf_dist.checkpoint.export_verify import verify_mode, verify_tensors
+
+    mode = verify_mode(verify)
     path, out = Path(zero_dir), Path(out)
     tag, _ = _tag_and_step(path, tag)
     config_source = _config_dir(path, config_dir)
@@ -133,7 +137,10 @@ def export_zero(
         report.files.append(source.name)
     plan = plan_shards({n: (tuple(t.shape), t.dtype) for n, t in state.items()}, max_shard_size)
     write_shards(out, plan, lambda names: {n: state[n].contiguous() for n in names}, report)
-    if verify:
+    report.verification = mode
+    if mode == "tensors":
+        report.tensors_verified = verify_tensors(out, lambda name: state[name].contiguous(), set(state))
+    elif mode == "logits":
         reference = _full_model(path, config_source, state)
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         report.max_logit_diff = compare_logits(reference, exported, config.vocab_size, 0.0, f"export {out}")

@@ -27,7 +27,11 @@ def register(subparsers) -> None:
     export.add_argument("--config", default=None, help="config.json folder, for ZeRO checkpoints without one")
     export.add_argument("--trust-deepspeed-pickles", action="store_true",
                         help="allow reading a DeepSpeed ZeRO folder (its files are pickles that can run code)")
-    export.add_argument("--no-verify", action="store_true", help="skip the from_pretrained logits check")
+    export.add_argument("--verify", choices=("tensors", "logits", "none"), default="tensors",
+                        help="tensors (default): the folder's structure on meta and every tensor against the "
+                        "checkpoint, one tensor in memory at a time; logits: load the checkpoint and the export as "
+                        "two whole models and compare logits (needs ~2x the model in host RAM); none: skip")
+    export.add_argument("--no-verify", action="store_true", help="same as --verify none")
     export.add_argument("--overwrite", action="store_true",
                         help="export into a non-empty folder: its model files are replaced, other files kept")
     export.set_defaults(func=run_export)
@@ -87,7 +91,8 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         report = export_checkpoint(
             args.ckpt, args.out, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer,
-            adapter=args.adapter, config_dir=args.config, verify=not args.no_verify, overwrite=args.overwrite,
+            adapter=args.adapter, config_dir=args.config, verify="none" if args.no_verify else args.verify,
+            overwrite=args.overwrite,
             trust_pickles=args.trust_deepspeed_pickles,
         )
     except (mf.CheckpointError, ValueError, FileNotFoundError) as err:
@@ -100,8 +105,11 @@ def run_export(args: argparse.Namespace) -> int:
               "every shape and value finite cannot be detected")
     print(f"wrote {len(report.files)} files ({_human(report.total_bytes)} of tensors, largest shard "
           f"{_human(report.largest_shard_bytes)}) to {report.out_dir}")
-    if report.max_logit_diff is None:
-        print("not verified with from_pretrained (--no-verify)")
-    else:
+    if report.verification == "tensors":
+        print(f"verified tensor by tensor: the folder holds exactly what from_pretrained fills, and all "
+              f"{report.tensors_verified} tensors equal the checkpoint's (--verify logits for a logits comparison)")
+    elif report.verification == "logits":
         print(f"verified with from_pretrained: max |logit diff| on the probe batch = {report.max_logit_diff:.3g}")
+    else:
+        print("not verified (--verify none)")
     return 0

@@ -1,0 +1,98 @@
+"""Bounded verification of a LoRA export: PEFT's own code on one module at a time, never a whole model.
+
+``verify_merged``: the merged folder's structure (``export_verify.check_structure``), then each merged weight
+against PEFT's merge of that one module: a ``peft`` LoRA ``Linear`` built around the checkpoint's base weight,
+given the checkpoint's ``lora_A``/``lora_B`` and the adapter's ``LoraConfig``, merged by ``merge()``. So a wrong
+scale, transpose or pairing in hf_dist's merge fails here. ``verify_adapter``: the adapter file's keys and shapes
+against what PEFT saves for that config (``get_peft_model_state_dict`` of the PEFT model on ``meta``),
+``adapter_config.json`` loaded by ``LoraConfig``, and each adapter tensor equal to the checkpoint's.
+
+Not here: writing the export (``lora_export``), plain models (``export_verify``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.api import HF_DIR
+from hf_dist.checkpoint.export import read_tensors
+from hf_dist.checkpoint.export_verify import close, exact, meta_model, verify_tensors
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def _peft_layer(weight: torch.Tensor, config, adapter: str) -> nn.Module:
+    """PEFT's LoRA layer around ``weight`` (a ``Conv1D`` base when the config says ``fan_in_fan_out``)."""
+    from peft.tuners.lora import Linear
+
+    if config.fan_in_fan_out:
+        from transformers.pytorch_utils import Conv1D
+
+        base = Conv1D(weight.shape[1], weight.shape[0])
+    else:
+        base = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    base.weight = nn.Parameter(weight, requires_grad=False)
+    return Linear(base, adapter, config=config, r=config.r, lora_alpha=config.lora_alpha,
+                  is_target_conv_1d_layer=bool(config.fan_in_fan_out))
+
+
+def peft_merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config, adapter: str) -> torch.Tensor:
+    """``weight`` with the adapter ``(a, b)`` merged in by PEFT's ``merge()``."""
+    with torch.no_grad():
+        layer = _peft_layer(weight.clone(), config, adapter)
+        layer.lora_A[adapter].weight.copy_(a)
+        layer.lora_B[adapter].weight.copy_(b)
+        layer.merge(adapter_names=[adapter])
+        return layer.get_base_layer().weight.detach()
+
+
+def verify_merged(ckpt: Path, out: Path, metas: dict, pairs: dict, base_keys: dict[str, str], adapter: str,
+                  adapter_dir: Path) -> int:
+    """Structure of the merged folder, then every weight against PEFT's merge of its module; the count checked."""
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(str(adapter_dir))
+
+    def expected(name: str) -> torch.Tensor:
+        key = base_keys[name]
+        module = key.rsplit(".base_layer.", 1)[0] if ".base_layer." in key else None
+        if module not in pairs:
+            return read_tensors(ckpt, [key], metas)[key]
+        a_key, b_key = pairs[module]["A"], pairs[module]["B"]
+        t = read_tensors(ckpt, [key, a_key, b_key], metas)
+        return peft_merged_weight(t[key], t[a_key], t[b_key], config, adapter)
+
+    untouched = {name for name, key in base_keys.items() if ".base_layer." not in key}
+    return verify_tensors(out, expected, set(base_keys),
+                          lambda name, got, want: (exact if name in untouched else close)(name, got, want))
+
+
+def verify_adapter(ckpt: Path, out: Path, metas: dict, pairs: dict, adapter: str) -> int:
+    """The adapter folder against PEFT's own saved form of its config and the checkpoint's tensors; the count."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    config = LoraConfig.from_pretrained(str(out))
+    wanted = get_peft_model_state_dict(get_peft_model(meta_model(ckpt / HF_DIR), config))
+    source = {key.replace(f".{adapter}.", "."): key for keys in pairs.values() for key in keys.values()}
+    with safe_open(str(out / ADAPTER_FILE), framework="pt") as handle:
+        written = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    missing, extra = sorted(set(wanted) - set(written)), sorted(set(written) - set(wanted))
+    if missing or extra:
+        raise mf.CheckpointError(f"adapter export {out}: PEFT expects tensors {missing[:6]} that are missing, and "
+                                 f"does not know {extra[:6]}")
+    for key, shape in sorted(written.items()):
+        if shape != tuple(wanted[key].shape):
+            raise mf.CheckpointError(f"adapter export {out}: tensor {key} has shape {shape}, PEFT expects "
+                                     f"{tuple(wanted[key].shape)} for this adapter config")
+        with safe_open(str(out / ADAPTER_FILE), framework="pt") as handle:
+            got = handle.get_tensor(key)
+        problem = exact(key, got, read_tensors(ckpt, [source[key]], metas)[source[key]])
+        if problem is not None:
+            raise mf.CheckpointError(f"adapter export {out}: tensor {key} {problem}")
+    return len(written)
