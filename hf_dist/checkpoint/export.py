@@ -204,7 +204,7 @@ def export_causal_lm(
 
     ``verify``: ``'tensors'`` (default; bounded memory), ``'logits'`` (~2x the model in host RAM) or ``'none'``.
     """
-    from hf_dist.checkpoint.export_verify import verify_mode, verify_tensors
+    from hf_dist.checkpoint.export_verify import verify_mode
 
     mode = verify_mode(verify)
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
@@ -221,15 +221,25 @@ def export_causal_lm(
         check_complete_tensor(name, meta)
     plan = plan_shards({n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}, max_shard_size)
     write_shards(out, plan, lambda names: hf_order(read_tensors(ckpt, names, metas), manifest.fused_rows), report)
+    check_export(ckpt, out, mode, report)
+    return report
+
+
+def check_export(ckpt: Path, out: Path, mode: str, report: ExportReport) -> None:
+    """Verify folder ``out`` against hf_dist checkpoint ``ckpt`` (``mode``: see ``export_causal_lm``) into ``report``."""
+    from hf_dist.checkpoint.export_verify import verify_tensors
+
+    fused = mf.read_manifest(ckpt).fused_rows
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    metas = drop_tied(tensor_metadata(ckpt), config)
     report.verification = mode
     if mode == "tensors":
         def expected(name: str) -> torch.Tensor:
-            return hf_order(read_tensors(ckpt, [name], metas), manifest.fused_rows)[name]
+            return hf_order(read_tensors(ckpt, [name], metas), fused)[name]
 
         report.tensors_verified = verify_tensors(out, expected, set(metas))
     elif mode == "logits":
-        report.max_logit_diff = verify_export(ckpt, out, metas, manifest.fused_rows)
-    return report
+        report.max_logit_diff = verify_export(ckpt, out, metas, fused)
 
 
 def probe_batch(vocab_size: int) -> torch.Tensor:
