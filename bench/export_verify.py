@@ -9,6 +9,8 @@ export (``hf_dist.checkpoint.export.check_export``); the process reports ``base`
 and ``peak`` (its largest resident set from then on, ``VmHWM`` reset after ``base``). ``tensors``: the folder's structure on ``meta``, then
 every tensor read alone from the DCP checkpoint and from the export and compared; ``logits``: the checkpoint
 built as a model and the export loaded with ``from_pretrained``, logits compared (two models in memory).
+``native:SIZE``: the whole ``hf-dist checkpoint export`` of the same model saved by ``save_pretrained`` (a
+Trainer-native folder): source check, streamed copy in SIZE shards, default verification.
 """
 
 from __future__ import annotations
@@ -38,11 +40,16 @@ def child(mode: str, ckpt: str, out: str) -> None:
     from hf_dist.checkpoint import export_verify  # noqa: F401
     from hf_dist.checkpoint.export import ExportReport, check_export
 
+    from hf_dist.checkpoint.export_any import export_checkpoint
+
     base = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
     start = time.perf_counter()
-    report = ExportReport(out_dir=Path(out))
-    check_export(Path(ckpt), Path(out), mode, report)
+    if mode.startswith("native"):  # the whole export of a Trainer-native folder: check, copy, verify
+        report = export_checkpoint(ckpt, out, max_shard_size=mode.split(":")[1])
+    else:
+        report = ExportReport(out_dir=Path(out))
+        check_export(Path(ckpt), Path(out), mode, report)
     print(json.dumps({"base": base, "peak": _status_mib("VmHWM"), "s": time.perf_counter() - start,
                       "tensors": report.tensors_verified, "diff": report.max_logit_diff}))
 
@@ -63,6 +70,7 @@ def prepare(root: Path, args: argparse.Namespace) -> tuple[Path, Path, int, int]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     ckpt = root / "ckpt"
+    model.save_pretrained(root / "native", max_shard_size="500MB")
     save_checkpoint(ckpt, model=model, optimizer=None, step=0, samples_consumed=0,
                     layout=ParallelDims(world_size=1), batch_contract=None)
     del model
@@ -85,13 +93,15 @@ def main() -> None:
         mib = 2**20
         print(f"model: {model_bytes / 4 / 1e6:.0f}M parameters, {model_bytes / mib:.0f} MiB fp32, largest tensor "
               f"{largest / mib:.0f} MiB")
-        print(f"{'verify':<8} {'seconds':>8} {'base MiB':>9} {'peak MiB':>9} {'peak-base MiB':>14} {'x model':>8} {'x largest tensor':>17}")
-        for mode in ("tensors", "logits"):
-            run = subprocess.run([sys.executable, __file__, "--child", mode, str(ckpt), str(out)],
+        print(f"{'verify':<14} {'seconds':>8} {'base MiB':>9} {'peak MiB':>9} {'peak-base MiB':>14} {'x model':>8} {'x largest tensor':>17}")
+        jobs = [("tensors", ckpt, out), ("logits", ckpt, out),
+                (f"native:{args.max_shard_size}", Path(tmp) / "native", Path(tmp) / "native_out")]
+        for mode, source, target in jobs:
+            run = subprocess.run([sys.executable, __file__, "--child", mode, str(source), str(target)],
                                  capture_output=True, text=True, check=True)
             r = json.loads(run.stdout.strip().splitlines()[-1])
             grow = r["peak"] - r["base"]
-            print(f"{mode:<8} {r['s']:>8.1f} {r['base']:>9.0f} {r['peak']:>9.0f} {grow:>14.0f} "
+            print(f"{mode:<14} {r['s']:>8.1f} {r['base']:>9.0f} {r['peak']:>9.0f} {grow:>14.0f} "
                   f"{grow * mib / model_bytes:>8.2f} {grow * mib / largest:>17.2f}")
 
 

@@ -202,3 +202,27 @@ def test_trainer_native_folder_verifies_tensor_by_tensor(tmp_path, monkeypatch, 
                 _flip(key if tied else "model.norm.weight"))
         with pytest.raises(CheckpointError, match=key if tied else r"model\.norm\.weight"):
             export_checkpoint(tmp_path / "checkpoint-3", tmp_path / "flipped")
+
+
+def test_trainer_native_folder_is_checked_before_writing(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hf_dist.models import build_tiny_model
+
+    build_tiny_model(seed=1, **MODEL_KWARGS).save_pretrained(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    original = load_file(str(weights))
+    report = export_checkpoint(tmp_path / "ckpt", tmp_path / "logits", verify="logits")
+    assert report.verification == "logits" and report.max_logit_diff == 0.0
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier export")
+    bad = dict(original, **{"model.norm.weight": torch.full_like(original["model.norm.weight"], float("nan"))})
+    save_file(bad, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"NaN or Inf values: \['model\.norm\.weight'\]"):
+        export_checkpoint(tmp_path / "ckpt", out, overwrite=True)
+    save_file({k: v for k, v in original.items() if k != "model.layers.0.mlp.up_proj.weight"}, str(weights),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"checkpoint .*\['model\.layers\.0\.mlp\.up_proj\.weight'\] .* missing"):
+        export_checkpoint(tmp_path / "ckpt", out, overwrite=True)
+    assert (out / "model.safetensors").read_bytes() == b"an earlier export"  # refused before touching it

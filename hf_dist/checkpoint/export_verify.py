@@ -31,6 +31,10 @@ VERIFY_MODES: tuple[str, ...] = ("tensors", "logits", "none")
 Compare = Callable[[str, torch.Tensor, torch.Tensor], str | None]
 
 
+class AssembledError(mf.CheckpointError):
+    """Transformers builds some model tensors from several stored ones: no one-to-one tensor comparison."""
+
+
 def verify_mode(verify: bool | str) -> str:
     """``True`` -> ``'tensors'``, ``False`` -> ``'none'``; a string must be one of ``VERIFY_MODES``."""
     if verify is True:
@@ -59,7 +63,7 @@ def model_names(model: torch.nn.Module, file_keys: list[str], where: str) -> dic
 
     names = key_map(model, file_keys)
     if names.assembled:
-        raise mf.CheckpointError(f"{where}: tensors {names.describe_assembly()} are assembled from several stored "
+        raise AssembledError(f"{where}: tensors {names.describe_assembly()} are assembled from several stored "
                                  f"tensors; check this folder with verify='logits' (--verify logits)")
     unexpected = sorted(set(file_keys) - set(names.to_file.values()))
     if unexpected:
@@ -68,25 +72,26 @@ def model_names(model: torch.nn.Module, file_keys: list[str], where: str) -> dic
     return names.to_file
 
 
-def check_structure(out: Path):
-    """``(files, model name -> file key)`` after checking that ``out`` holds exactly what ``from_pretrained`` fills."""
+def check_structure(out: Path, what: str = "export"):
+    """``(files, model name -> file key, tied alias -> source)`` after checking that folder ``out`` holds exactly
+    what ``from_pretrained`` fills (``what`` names the folder in errors)."""
     from hf_dist.loading.checkpoint_files import CheckpointFiles
     from hf_dist.state_dict import tied_sources
 
     files = CheckpointFiles(out)
     model = meta_model(out)
-    to_file = model_names(model, files.keys(), f"export {out}")
+    to_file = model_names(model, files.keys(), f"{what} {out}")
     tied = tied_sources(model)
     wanted = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing = [n for n in wanted if n not in to_file and not (n in tied and tied[n] in to_file)]
     if missing:
-        raise mf.CheckpointError(f"export {out}: tensors {missing[:6]} of {type(model).__name__} are missing "
+        raise mf.CheckpointError(f"{what} {out}: tensors {missing[:6]} of {type(model).__name__} are missing "
                                  f"({len(missing)} in all); from_pretrained would initialise them randomly")
     for name, key in to_file.items():
         if files.shape_of[key] != wanted[name]:
-            raise mf.CheckpointError(f"export {out}: tensor {key} has shape {files.shape_of[key]} but the model's "
+            raise mf.CheckpointError(f"{what} {out}: tensor {key} has shape {files.shape_of[key]} but the model's "
                                      f"{name} is {wanted[name]}")
-    return files, to_file
+    return files, to_file, tied
 
 
 def exact(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -120,7 +125,7 @@ def verify_tensors(
 
     ``expected_names``: the model names the source holds (its tied alias dropped); the export must hold exactly these.
     """
-    files, to_file = check_structure(out)
+    files, to_file, _ = check_structure(out)
     absent = sorted(expected_names - set(to_file))
     extra = sorted(set(to_file) - expected_names)
     if absent or extra:
@@ -136,16 +141,11 @@ def verify_tensors(
 def source_tensors(model_dir: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
     """For a ``save_pretrained`` folder: ``(read one tensor by model name, the model names it holds)``.
 
-    Names follow ``from_pretrained``'s renaming rules; a tied alias stored next to its source is left out, as
-    ``save_pretrained`` leaves it out of an export.
+    The folder's structure is checked first (``check_structure``). A tied alias stored next to its source is left
+    out, as ``save_pretrained`` leaves it out of an export.
     """
-    from hf_dist.loading.checkpoint_files import CheckpointFiles
-    from hf_dist.state_dict import tied_sources
-
-    files = CheckpointFiles(model_dir)
-    model = meta_model(model_dir)
-    to_file = model_names(model, files.keys(), f"checkpoint {model_dir}")
-    for alias, source in tied_sources(model).items():
+    files, to_file, tied = check_structure(model_dir, "checkpoint")
+    for alias, source in tied.items():
         if alias in to_file and source in to_file:
             del to_file[alias]
     return (lambda name: files.read(to_file[name], ())), set(to_file)
