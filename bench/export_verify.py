@@ -1,13 +1,13 @@
 """Peak memory of ``hf-dist checkpoint export``'s verification: tensor by tensor (default) vs logits.
 
-    .venv/bin/python bench/export_verify.py                          # ~270M-parameter Llama (1 GiB fp32)
+    .venv/bin/python bench/export_verify.py                          # 246M-parameter Llama (938 MiB fp32)
     .venv/bin/python bench/export_verify.py --layers 2 --hidden 256  # a quick check of the bench itself
 
 A Llama built from a config with random weights is saved as a one-rank hf_dist checkpoint and exported once
 without verification (``--max-shard-size``). Each verification then runs alone in a fresh process on that
 export (``hf_dist.checkpoint.export.check_export``); the process reports ``base`` (resident set after imports)
-and ``peak`` (its largest resident set from then on, ``VmHWM`` reset after ``base``). ``tensors``: the folder's structure on ``meta``, then
-every tensor read alone from the DCP checkpoint and from the export and compared; ``logits``: the checkpoint
+and ``peak`` (its largest resident set from then on, ``VmHWM`` reset after ``base``). ``tensors``: the folder's
+structure on ``meta``, then every tensor read alone from the DCP checkpoint and from the export and compared; ``logits``: the checkpoint
 built as a model and the export loaded with ``from_pretrained``, logits compared (two models in memory).
 ``native:SIZE``: the whole ``hf-dist checkpoint export`` of the same model saved by ``save_pretrained`` (a
 Trainer-native folder): source check, streamed copy in SIZE shards, default verification.
@@ -93,7 +93,8 @@ def main() -> None:
         mib = 2**20
         print(f"model: {model_bytes / 4 / 1e6:.0f}M parameters, {model_bytes / mib:.0f} MiB fp32, largest tensor "
               f"{largest / mib:.0f} MiB")
-        print(f"{'verify':<14} {'seconds':>8} {'base MiB':>9} {'peak MiB':>9} {'peak-base MiB':>14} {'x model':>8} {'x largest tensor':>17}")
+        print(f"{'verify':<14} {'seconds':>8} {'base MiB':>9} {'peak MiB':>9} {'peak-base MiB':>14} {'x model':>8} "
+              f"{'x largest tensor':>17}")
         jobs = [("tensors", ckpt, out), ("logits", ckpt, out),
                 (f"native:{args.max_shard_size}", Path(tmp) / "native", Path(tmp) / "native_out")]
         for mode, source, target in jobs:

@@ -226,3 +226,29 @@ def test_trainer_native_folder_is_checked_before_writing(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint .*\['model\.layers\.0\.mlp\.up_proj\.weight'\] .* missing"):
         export_checkpoint(tmp_path / "ckpt", out, overwrite=True)
     assert (out / "model.safetensors").read_bytes() == b"an earlier export"  # refused before touching it
+
+
+def test_tied_gpt2_and_per_expert_mixtral(tmp_path, monkeypatch):
+    """Tied aliases by the model's own ``_tied_weights_keys`` (not Llama names); per-expert MoE folders, which
+    transformers assembles on load, are checked stored tensor against stored tensor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dist import ParallelDims
+    from hf_dist.checkpoint import save_checkpoint
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=96, n_embd=32, n_layer=2,
+                                                                 n_head=4, n_positions=32))
+    save_checkpoint(tmp_path / "gpt2", model=gpt2, optimizer=None, step=0, samples_consumed=0,
+                    layout=ParallelDims(world_size=1), batch_contract=None)
+    report = export_checkpoint(tmp_path / "gpt2", tmp_path / "gpt2_out")
+    assert report.tensors_verified == len(gpt2.state_dict()) - 1  # lm_head.weight is transformer.wte.weight
+    config = AutoConfig.for_model("mixtral", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=3)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "checkpoint-1")
+    report = export_checkpoint(tmp_path / "checkpoint-1", tmp_path / "moe_out")
+    assert report.verification == "tensors" and report.tensors_verified > 20
+    key = "model.layers.1.block_sparse_moe.experts.2.w1.weight"  # as save_pretrained stores it
+    with monkeypatch.context() as patch:
+        _tamper(patch, export_verify, "verify_same_files", tmp_path / "moe_flipped", _flip(key))
+        with pytest.raises(CheckpointError, match=rf"tensor {key} \(in model\.safetensors\) differs"):
+            export_checkpoint(tmp_path / "checkpoint-1", tmp_path / "moe_flipped")

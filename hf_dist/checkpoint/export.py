@@ -159,10 +159,14 @@ def copy_hf_files(ckpt: Path, out: Path, report: ExportReport, tokenizer_dir: st
                 report.files.append(item.name)
 
 
-def drop_tied(names: dict, config: dict) -> dict:
-    if config.get("tie_word_embeddings") and "lm_head.weight" in names and "model.embed_tokens.weight" in names:
-        return {k: v for k, v in names.items() if k != "lm_head.weight"}
-    return names
+def drop_tied(names: dict, config_dir: Path) -> dict:
+    """``names`` without the tied aliases whose source is there (as ``save_pretrained`` writes a tied pair once),
+    by the model's own ``_tied_weights_keys`` (model of ``config_dir/config.json`` on ``meta``)."""
+    from hf_dist.checkpoint.export_verify import meta_model
+    from hf_dist.state_dict import tied_sources
+
+    tied = tied_sources(meta_model(config_dir))
+    return {k: v for k, v in names.items() if not (k in tied and tied[k] in names)}
 
 
 # What an export writes besides config/tokenizer files (those are overwritten by name). With ``overwrite``, these
@@ -215,8 +219,7 @@ def export_causal_lm(
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)
     copy_hf_files(ckpt, out, report, tokenizer_dir)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    metas = drop_tied(tensor_metadata(ckpt), config)
+    metas = drop_tied(tensor_metadata(ckpt), out)
     for name, meta in metas.items():
         check_complete_tensor(name, meta)
     plan = plan_shards({n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}, max_shard_size)
@@ -226,12 +229,11 @@ def export_causal_lm(
 
 
 def check_export(ckpt: Path, out: Path, mode: str, report: ExportReport) -> None:
-    """Verify folder ``out`` against hf_dist checkpoint ``ckpt`` (``mode``: see ``export_causal_lm``) into ``report``."""
+    """Verify folder ``out`` against hf_dist checkpoint ``ckpt`` into ``report`` (``mode``: ``export_causal_lm``'s)."""
     from hf_dist.checkpoint.export_verify import verify_tensors
 
     fused = mf.read_manifest(ckpt).fused_rows
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    metas = drop_tied(tensor_metadata(ckpt), config)
+    metas = drop_tied(tensor_metadata(ckpt), out)
     report.verification = mode
     if mode == "tensors":
         def expected(name: str) -> torch.Tensor:

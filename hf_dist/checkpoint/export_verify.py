@@ -149,3 +149,21 @@ def source_tensors(model_dir: Path) -> tuple[Callable[[str], torch.Tensor], set[
         if alias in to_file and source in to_file:
             del to_file[alias]
     return (lambda name: files.read(to_file[name], ())), set(to_file)
+
+
+def verify_same_files(out: Path, source_dir: Path) -> int:
+    """``out`` holds the same stored tensors as ``source_dir`` (a folder ``from_pretrained`` has loaded without a
+    missing, unexpected or mis-shaped weight), each equal; the count. For folders whose tensors transformers
+    assembles on load (per-expert MoE weights), where a tensor-by-model-name comparison does not exist."""
+    from hf_dist.loading.checkpoint_files import CheckpointFiles
+
+    got, want = CheckpointFiles(out), CheckpointFiles(source_dir)
+    missing, extra = sorted(set(want.keys()) - set(got.keys())), sorted(set(got.keys()) - set(want.keys()))
+    if missing or extra:
+        raise mf.CheckpointError(f"export {out}: tensors {missing[:6]} of the checkpoint are not in it, "
+                                 f"tensors {extra[:6]} are not in the checkpoint")
+    for key in sorted(got.keys()):
+        problem = exact(key, got.read(key, ()), want.read(key, ()))
+        if problem is not None:
+            raise mf.CheckpointError(f"export {out}: tensor {key} (in {got.file_of[key]}) {problem}")
+    return len(got.keys())

@@ -111,7 +111,7 @@ def export_native(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dist.checkpoint.export_verify import source_tensors, verify_mode, verify_tensors
+    from hf_dist.checkpoint.export_verify import source_tensors, verify_mode, verify_same_files, verify_tensors
 
     mode = verify_mode(verify)
     ckpt, out = Path(ckpt), Path(out)
@@ -137,7 +137,8 @@ def export_native(
     report.verification = mode
     if mode == "tensors":
         del model  # the check below holds one tensor of each folder at a time
-        report.tensors_verified = verify_tensors(out, *source_tensors(ckpt))
+        report.tensors_verified = (verify_tensors(out, *source_tensors(ckpt)) if streamed is not None
+                                   else verify_same_files(out, ckpt))
     elif mode == "logits":
         model = model if model is not None else load_checked(ckpt)
         exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=model.dtype).eval()
