@@ -8,7 +8,8 @@ without verification (``--max-shard-size``). Each verification then runs alone i
 export (``hf_dist.checkpoint.export.check_export``); the process reports ``base`` (resident set after imports)
 and ``peak`` (its largest resident set from then on, ``VmHWM`` reset after ``base``). ``tensors``: the folder's
 structure on ``meta``, then every tensor read alone from the DCP checkpoint and from the export and compared;
-``logits``: the checkpoint built as a model and the export loaded with ``from_pretrained``, logits compared (two models in memory).
+``logits``: the checkpoint built as a model and the export loaded with ``from_pretrained``, logits compared (two
+models in memory).
 ``native:SIZE``: the whole ``hf-dist checkpoint export`` of the same model saved by ``save_pretrained`` (a
 Trainer-native folder): source check, streamed copy in SIZE shards, default verification.
 """

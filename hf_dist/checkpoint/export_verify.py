@@ -28,7 +28,6 @@ from hf_dist.checkpoint import manifest as mf
 
 VerifyMode = Literal["tensors", "logits", "none"]
 VERIFY_MODES: tuple[str, ...] = ("tensors", "logits", "none")
-Compare = Callable[[str, torch.Tensor, torch.Tensor], str | None]
 
 
 class AssembledError(mf.CheckpointError):
@@ -104,22 +103,10 @@ def exact(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
     return f"differs from the checkpoint: {int((diff > 0).sum())} values, max |diff| {diff.max().item():.3g}"
 
 
-def close(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """Like ``exact`` but within ``torch.testing.assert_close``'s default tolerance for the dtype."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return exact(name, got, want)
-    try:
-        torch.testing.assert_close(got, want)
-    except AssertionError as err:
-        return "differs from the expected value: " + " ".join(str(err).split("\n")[1:3])
-    return None
-
-
 def verify_tensors(
     out: Path,
     expected: Callable[[str], torch.Tensor],
     expected_names: set[str],
-    compare: Compare = exact,
 ) -> int:
     """Structure of ``out``, then every exported tensor against ``expected(model name)``; the count checked.
 
@@ -132,7 +119,7 @@ def verify_tensors(
         raise mf.CheckpointError(f"export {out}: tensors {absent[:6]} of the checkpoint are not in it, "
                                  f"tensors {extra[:6]} are not in the checkpoint")
     for name, key in sorted(to_file.items()):
-        problem = compare(name, files.read(key, ()), expected(name))
+        problem = exact(name, files.read(key, ()), expected(name))
         if problem is not None:
             raise mf.CheckpointError(f"export {out}: tensor {key} (in {files.file_of[key]}) {problem}")
     return len(to_file)

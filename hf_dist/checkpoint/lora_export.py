@@ -95,6 +95,13 @@ def _scale(config: dict) -> float:
     return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
+def _delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * B @ A`` in the adapter's dtype; half-precision adapters multiply in fp32 (as PEFT does on CPU)."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        return (b.float() @ a.float() * scale).to(a.dtype)
+    return b @ a * scale
+
+
 def _merged_producer(ckpt: Path, metas: dict, pairs: dict, base_keys: dict[str, str], config: dict):
     scale, transpose = _scale(config), bool(config.get("fan_in_fan_out"))
     module_of = {key: key.rsplit(".base_layer.", 1)[0] for key in base_keys.values() if ".base_layer." in key}
@@ -108,8 +115,10 @@ def _merged_producer(ckpt: Path, metas: dict, pairs: dict, base_keys: dict[str, 
             weight = tensors[key]
             module = module_of.get(key)
             if module in pairs:
-                delta = tensors[pairs[module]["B"]] @ tensors[pairs[module]["A"]] * scale
-                weight = weight + (delta.T if transpose else delta).to(weight.dtype)
+                a, b = tensors[pairs[module]["A"]], tensors[pairs[module]["B"]]
+                delta = _delta(a, b, scale)
+                # one rounding to the weight's dtype, after the sum (as PEFT's in-place merge rounds)
+                weight = (weight + (delta.T if transpose else delta)).to(weight.dtype)
             out[name] = weight
         return out
 
