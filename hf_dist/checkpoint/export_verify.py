@@ -9,7 +9,9 @@
 2. Values: every exported tensor is read alone (``safe_open``) and compared with the same tensor read alone from
    the source (the caller's ``expected(name)``): same dtype, same shape, equal values.
 
-So the peak is one exported tensor + one source tensor (+ what the source reader holds). ``verify="logits"``
+So the peak is one exported tensor + one source tensor (+ what the source reader holds). Where transformers
+assembles model tensors from several stored ones (per-expert MoE folders), ``verify_same_files`` compares the
+stored tensors of the export with those of a source that ``from_pretrained`` has already loaded cleanly. ``verify="logits"``
 keeps the older end-to-end check (the checkpoint loaded as a model and the export loaded with
 ``from_pretrained``, logits compared on a probe batch): it needs about twice the model in host RAM.
 
@@ -63,7 +65,7 @@ def model_names(model: torch.nn.Module, file_keys: list[str], where: str) -> dic
     names = key_map(model, file_keys)
     if names.assembled:
         raise AssembledError(f"{where}: tensors {names.describe_assembly()} are assembled from several stored "
-                                 f"tensors; check this folder with verify='logits' (--verify logits)")
+                             f"tensors; check this folder with verify='logits' (--verify logits)")
     unexpected = sorted(set(file_keys) - set(names.to_file.values()))
     if unexpected:
         raise mf.CheckpointError(f"{where}: tensors {unexpected[:6]} are not parameters of the "
@@ -125,16 +127,19 @@ def verify_tensors(
     return len(to_file)
 
 
-def source_tensors(model_dir: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
-    """For a ``save_pretrained`` folder: ``(read one tensor by model name, the model names it holds)``.
-
-    The folder's structure is checked first (``check_structure``). A tied alias stored next to its source is left
-    out, as ``save_pretrained`` leaves it out of an export.
-    """
+def stored_tensors(model_dir: Path):
+    """``(files, model name -> file key)`` of a ``save_pretrained`` folder after ``check_structure``, a tied alias
+    stored next to its source left out (``save_pretrained`` writes a tied pair once)."""
     files, to_file, tied = check_structure(model_dir, "checkpoint")
     for alias, source in tied.items():
         if alias in to_file and source in to_file:
             del to_file[alias]
+    return files, to_file
+
+
+def source_tensors(model_dir: Path) -> tuple[Callable[[str], torch.Tensor], set[str]]:
+    """For a ``save_pretrained`` folder: ``(read one tensor by model name, the model names it holds)``."""
+    files, to_file = stored_tensors(model_dir)
     return (lambda name: files.read(to_file[name], ())), set(to_file)
 
 

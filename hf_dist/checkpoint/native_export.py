@@ -60,13 +60,10 @@ def _streamable(ckpt: Path):
     finite; ``None`` where transformers assembles tensors from several stored ones (then ``load_checked``)."""
     from safetensors import SafetensorError
 
-    from hf_dist.checkpoint.export_verify import AssembledError, check_structure
+    from hf_dist.checkpoint.export_verify import AssembledError, stored_tensors
 
     try:
-        files, to_file, tied = check_structure(ckpt, "checkpoint")
-        for alias, source in tied.items():
-            if alias in to_file and source in to_file:
-                del to_file[alias]  # save_pretrained writes a tied pair once
+        files, to_file = stored_tensors(ckpt)
         bad = [name for name, key in to_file.items() if not _finite(files.read(key, ()))]
     except AssembledError:
         return None
