@@ -46,6 +46,9 @@ An earlier run the same day (3 async saves per mode, sync 3.42 s): caller stagin
 background staging 4% first / 1-3% cached. A later one at load average ~4 (``--only-hf-dist``, sync 1.67 s):
 caller staging 9% first / 6% cached, background staging 1% first / 1-2% cached. Before ``AsyncCheckpointer`` (``dcp.async_save`` with a fresh
 staging copy and the commit in the caller) a quiet run blocked 2.20 s of a 2.75 s sync save (80%).
+On the same machine with nothing else running (2026-11-23, load average < 2, sync 2.14 s, a step alone 2.63 s):
+caller staging 9% first / 5% cached (0.19 s, then 0.09-0.10 s), background staging 1% first / 1% cached
+(0.01-0.02 s); commits 1.8-4.9 s after the call.
 
 Read: hf_dist writes each rank's shards from where they live (almost no extra memory; the save includes
 fsync of every file); torch.save gathers the full state to rank 0 first. accelerate runs DDP here (every rank
