@@ -8,7 +8,8 @@ to the parameter's dtype. Tensors that already hold values (non-persistent buffe
 computed by the model's own ``__init__``, LoRA adapters initialised by PEFT) keep them; a ``meta`` tensor with
 no checkpoint entry is an error (no silent random weights), as are shape mismatches. Tied weights are one
 Parameter, filled once; where a rank holds only the tied alias (the last pipeline stage's lm_head) the
-model's ``_tied_weights_keys`` name its source.
+model's ``_tied_weights_keys`` name its source. A tensor transformers assembles from several checkpoint tensors
+(``KeyMap.assembled``) is built by transformers' converter one tensor at a time (``assembly.py``).
 
 Not for: building the model (``meta.py``), applying the layout (``hf_dist.trainer``), or saving (``hf_dist.state_dict``).
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hf_dist.loading.assembly import fill_assembled
 from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.key_map import KeyMap, identity_map
 from hf_dist.loading.slices import checkpoint_key, local_blocks, local_tensor
@@ -149,10 +151,17 @@ def load_checkpoint(
     with torch.no_grad():
         for fqn, module, _, tensor in _named_tensors(module_roots(model)):
             key = _resolve_key(fqn, names, tied)
+            assembly = names.assembled.get(checkpoint_key(fqn))
+            sources = [source for source, _ in assembly.sources] if assembly is not None else []
             if fqn not in pending:
                 report.kept.append(fqn)
-                if key is not None:
-                    report.loaded.append(key)  # already holds its value; the key is used, not unexpected
+                # already holds its value; the keys are used, not unexpected
+                report.loaded.extend(([key] if key is not None else []) + sources)
+                continue
+            if assembly is not None:
+                config = getattr(model, "config", None)
+                report.bytes_read += fill_assembled(tensor, module, checkpoint_key(fqn), assembly, files, config)
+                report.loaded.extend(sources)
                 continue
             if key is None:
                 missing.append(fqn)

@@ -41,16 +41,18 @@ def _as_dtype(dtype, args, lora: bool) -> torch.dtype:
 
 
 def _names_or_none(model: nn.Module, directory: str) -> KeyMap | None:
-    """Checkpoint name of every model tensor, or None (with a warning) when transformers must assemble some."""
+    """Checkpoint name of every model tensor, or None (with a warning) when transformers must split some stored
+    tensor into several model tensors (a converter with several targets; the streaming load builds a tensor from
+    several stored ones, not several from one)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = key_map(base, CheckpointFiles(directory).keys())
-    if not names.assembled:
+    if not names.unsupported:
         return names
     logger.warning(
-        "%s: the checkpoint in %r stores %d tensors in another form than the model (%s); transformers assembles "
-        "them while loading, so this model is loaded with transformers' from_pretrained on every rank (each rank "
-        "holds the whole model until the layout shards it) instead of streaming its slices",
-        base.config.model_type, directory, len(names.assembled), names.describe_assembly(),
+        "%s: the checkpoint in %r stores %d tensors that transformers splits into several model tensors while "
+        "loading (%s); the streaming load does not split stored tensors, so this model is loaded with "
+        "transformers' from_pretrained on every rank (each rank holds the whole model until the layout shards it)",
+        base.config.model_type, directory, len(names.unsupported), names.describe_assembly(unsupported=True),
     )
     return None
 
@@ -67,8 +69,10 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
 
     Returns the model ready for ``DistTrainer(model=..., args=args)``; for DDP and DeepSpeed, transformers'
     own ``from_pretrained`` (plus ``get_peft_model``). Checkpoint names are mapped by transformers' own renaming
-    rules (``hf_dist.loading.key_map``); a checkpoint whose tensors transformers must assemble (per-expert MoE
-    weights, e.g. Mixtral) is loaded with transformers on every rank, with a warning, and laid out by DistTrainer.
+    rules (``hf_dist.loading.key_map``); a tensor transformers assembles from several stored ones (per-expert MoE
+    weights, e.g. Mixtral) is built by transformers' converter one tensor at a time and its slices kept. A
+    checkpoint where transformers splits one stored tensor into several is loaded with transformers on every
+    rank, with a warning, and laid out by DistTrainer.
     """
     from hf_dist.planner.flops import module_flop_counts
     from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
@@ -87,7 +91,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     device = args.device  # starts the process group
     model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
     names = _names_or_none(model, directory)
-    if names is None:  # the checkpoint must be converted by transformers: no slice of it is a model tensor
+    if names is None:  # transformers must split stored tensors: the streaming load does not
         return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
     flops = module_flop_counts(model)  # of the whole model, before a pipeline rank drops other stages
     meta.load_generation_config(model, directory)
