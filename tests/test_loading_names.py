@@ -1,10 +1,10 @@
 """Checkpoints stored under other names than the model's: transformers' renaming rules apply to the streaming load.
 
-Two checkpoints nobody here wrote in the model's in-memory form: a bare ``LlamaModel`` saved without the
-``model.`` prefix (tied embeddings, so it is a whole causal LM), which must stream like any other; and a Mixtral,
-which transformers 5 saves one tensor per expert and assembles while loading, so ``hf_dist.from_pretrained``
-must hand it to transformers' loader (with a warning) and DistTrainer's layout must then equal the one-process
-model. One 2-rank spawn runs both.
+Checkpoints nobody here wrote in the model's in-memory form: a bare ``LlamaModel`` saved without the ``model.``
+prefix (tied embeddings, so it is a whole causal LM), which must stream like any other; and a Mixtral and a
+Qwen2-MoE, which transformers 5 saves one tensor per expert and assembles while loading: ``hf_dist.from_pretrained``
+must stream them too (transformers' converter builds one expert tensor at a time, no fallback warning) and equal
+transformers' ``from_pretrained`` plus the same layout, shard for shard. One 2-rank spawn runs all of them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_loading import BATCH, SEQ, VOCAB, _args, _case, _check, _logits, tiny_config
+from tests.test_loading import BATCH, SEQ, VOCAB, _args, _case, _check, _local_state, _logits, tiny_config
 
 
 def _mixtral_config():
@@ -25,6 +25,17 @@ def _mixtral_config():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=3000.0,
         router_jitter_noise=0.0, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+
+
+def _qwen2_moe_config():
+    import transformers
+
+    return transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+        shared_expert_intermediate_size=36, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=5, num_experts_per_tok=3, norm_topk_prob=True, rope_theta=5000.0, max_position_embeddings=64,
+        attn_implementation="sdpa",
     )
 
 
@@ -38,10 +49,13 @@ def checkpoints(tmp_path_factory):
     tied.model.save_pretrained(bare)  # keys without the "model." prefix
     mixtral = tmp_path_factory.mktemp("mixtral")
     AutoModelForCausalLM.from_config(_mixtral_config(), dtype=torch.float32).save_pretrained(mixtral)
-    return {"bare": str(bare), "mixtral": str(mixtral)}
+    qwen2_moe = tmp_path_factory.mktemp("qwen2_moe")
+    AutoModelForCausalLM.from_config(_qwen2_moe_config(), dtype=torch.float32).save_pretrained(qwen2_moe)
+    return {"bare": str(bare), "mixtral": str(mixtral), "qwen2_moe": str(qwen2_moe)}
 
 
-def _mixtral_case(directory: str, output_dir: str, caplog) -> dict:
+def _moe_case(directory: str, output_dir: str, caplog) -> dict:
+    """Streamed (laid out, no fallback warning) and equal to from_pretrained + the same layout, shard for shard."""
     import hf_dist
     from transformers import AutoModelForCausalLM
 
@@ -51,15 +65,18 @@ def _mixtral_case(directory: str, output_dir: str, caplog) -> dict:
     args = _args(output_dir, {"fsdp": True})
     batch = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
     with caplog.at_level(logging.WARNING, logger="hf_dist.trainer.pretrained"):
-        loaded = hf_dist.from_pretrained(directory, args)
-    warned = any("assembles" in r.getMessage() and "mixtral" in r.getMessage() for r in caplog.records)
-    not_laid = LAYOUT_ATTR not in loaded.__dict__  # DistTrainer lays it out, as for any in-memory model
-    streamed = apply_owned_layout(loaded, args, trainer_dims(args))
+        streamed = hf_dist.from_pretrained(directory, args)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert not warnings, warnings  # the fallback to transformers' loader warns
+    assert LAYOUT_ATTR in streamed.__dict__  # laid out and streamed by hf_dist, not loaded whole
+    assert streamed.__dict__[LAYOUT_ATTR].load.bytes_read > 0
     reference = apply_owned_layout(AutoModelForCausalLM.from_pretrained(directory), args, trainer_dims(args))
-    return {
-        "logits": (_logits(reference, batch), _logits(streamed, batch)),
-        "flags": (torch.tensor([1, 1]), torch.tensor([int(warned), int(not_laid)])),
-    }
+    ref_state, got_state = _local_state(reference), _local_state(streamed)
+    assert sorted(ref_state) == sorted(got_state), set(ref_state) ^ set(got_state)
+    assert any("experts" in name for name in got_state), sorted(got_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(got_state[name], value, rtol=0, atol=0, msg=name)
+    return {"logits": (_logits(reference, batch), _logits(streamed, batch))}
 
 
 class _Records(logging.Handler):
@@ -94,11 +111,12 @@ def _run(rank: int, world_size: int, checkpoints: dict, output_dir: str) -> dict
     return {
         "bare_fsdp2": _case(checkpoints["bare"], f"{output_dir}/bare_fsdp2", {"fsdp": True}),
         "bare_tp2": _case(checkpoints["bare"], f"{output_dir}/bare_tp2", {"tp": 2}),
-        "mixtral_fsdp2": _mixtral_case(checkpoints["mixtral"], f"{output_dir}/mixtral", _Records()),
+        "mixtral_fsdp2": _moe_case(checkpoints["mixtral"], f"{output_dir}/mixtral", _Records()),
+        "qwen2_moe_fsdp2": _moe_case(checkpoints["qwen2_moe"], f"{output_dir}/qwen2_moe", _Records()),
     }
 
 
-def test_renamed_checkpoints_stream_and_assembled_ones_load_through_transformers(checkpoints, tmp_path):
+def test_renamed_and_assembled_checkpoints_stream(checkpoints, tmp_path):
     _check(run_distributed(_run, 2, checkpoints, str(tmp_path), timeout_s=600))
 
 
@@ -113,9 +131,12 @@ def test_key_map_follows_transformers_rules(checkpoints):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         names = key_map(model, CheckpointFiles(checkpoints[name]).keys())
-        assert len(names.assembled) == assembled, names.assembled
+        assert len(names.assembled) == assembled and not names.unsupported, names.assembled
         if name == "bare":
             assert names.to_file["model.layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
             assert "lm_head.weight" not in names.to_file  # tied: filled from the embedding
         else:
             assert names.to_file["model.layers.0.mlp.gate.weight"] == "model.layers.0.block_sparse_moe.gate.weight"
+            sources = [key for key, _ in names.assembled["model.layers.1.mlp.experts.gate_up_proj"].sources]
+            experts = [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w3")]
+            assert sources == experts, sources  # every expert, in the order transformers' loader feeds them

@@ -63,8 +63,9 @@ def model_names(model: torch.nn.Module, file_keys: list[str], where: str) -> dic
     from hf_dist.loading.key_map import key_map
 
     names = key_map(model, file_keys)
-    if names.assembled:
-        raise AssembledError(f"{where}: tensors {names.describe_assembly()} are assembled from several stored "
+    if names.assembled or names.unsupported:
+        described = names.describe_assembly() or names.describe_assembly(unsupported=True)
+        raise AssembledError(f"{where}: tensors {described} are converted by transformers from other stored "
                              f"tensors; check this folder with verify='logits' (--verify logits)")
     unexpected = sorted(set(file_keys) - set(names.to_file.values()))
     if unexpected:

@@ -127,6 +127,30 @@ def _fill(tensor: torch.Tensor, module: nn.Module, key: str, files: CheckpointFi
     return read
 
 
+def _load_one(
+    fqn: str, module: nn.Module, tensor: torch.Tensor, is_pending: bool, names: KeyMap, tied: dict[str, str],
+    files: CheckpointFiles, report: LoadReport, model: nn.Module,
+) -> bool:
+    """Fill one tensor (read as stored, or assembled by transformers' converter); False when nothing names it."""
+    key = _resolve_key(fqn, names, tied)
+    assembly = names.assembled.get(checkpoint_key(fqn))
+    sources = [source for source, _ in assembly.sources] if assembly is not None else []
+    if not is_pending:
+        report.kept.append(fqn)
+        report.loaded.extend(([key] if key is not None else []) + sources)  # it holds its value; keys are used
+        return True
+    if assembly is not None:
+        config = getattr(model, "config", None)
+        report.bytes_read += fill_assembled(tensor, module, checkpoint_key(fqn), assembly, files, config)
+        report.loaded.extend(sources)
+        return True
+    if key is None:
+        return False
+    report.bytes_read += _fill(tensor, module, key, files)
+    report.loaded.append(key)
+    return True
+
+
 def load_checkpoint(
     model: nn.Module,
     directory: str | os.PathLike,
@@ -150,24 +174,8 @@ def load_checkpoint(
     missing = []
     with torch.no_grad():
         for fqn, module, _, tensor in _named_tensors(module_roots(model)):
-            key = _resolve_key(fqn, names, tied)
-            assembly = names.assembled.get(checkpoint_key(fqn))
-            sources = [source for source, _ in assembly.sources] if assembly is not None else []
-            if fqn not in pending:
-                report.kept.append(fqn)
-                # already holds its value; the keys are used, not unexpected
-                report.loaded.extend(([key] if key is not None else []) + sources)
-                continue
-            if assembly is not None:
-                config = getattr(model, "config", None)
-                report.bytes_read += fill_assembled(tensor, module, checkpoint_key(fqn), assembly, files, config)
-                report.loaded.extend(sources)
-                continue
-            if key is None:
+            if not _load_one(fqn, module, tensor, fqn in pending, names, tied, files, report, model):
                 missing.append(fqn)
-                continue
-            report.bytes_read += _fill(tensor, module, key, files)
-            report.loaded.append(key)
     if missing and strict:
         raise ValueError(
             f"{len(missing)} tensors of the model are not in the checkpoint {files.directory!r}: {missing[:6]}; "
