@@ -5,6 +5,7 @@ prefix (tied embeddings, so it is a whole causal LM), which must stream like any
 Qwen2-MoE, which transformers 5 saves one tensor per expert and assembles while loading: ``hf_dist.from_pretrained``
 must stream them too (transformers' converter builds one expert tensor at a time, no fallback warning) and equal
 transformers' ``from_pretrained`` plus the same layout, shard for shard. One 2-rank spawn runs all of them.
+An hrm_text checkpoint, whose fused tensors transformers *splits*, is the one kind left to transformers' loader.
 """
 
 from __future__ import annotations
@@ -140,3 +141,26 @@ def test_key_map_follows_transformers_rules(checkpoints):
             sources = [key for key, _ in names.assembled["model.layers.1.mlp.experts.gate_up_proj"].sources]
             experts = [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w3")]
             assert sources == experts, sources  # every expert, in the order transformers' loader feeds them
+
+
+def test_split_checkpoint_falls_back_to_transformers_with_a_warning(tmp_path, caplog):
+    """hrm_text stores q/k/v/gate as one tensor that transformers splits: not streamed, and the warning says so."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.loading.checkpoint_files import CheckpointFiles
+    from hf_dist.loading.key_map import key_map
+    from hf_dist.trainer.pretrained import _names_or_none
+
+    config = transformers.HrmTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        head_dim=8, num_layers_per_stack=2, H_cycles=1, L_cycles=1,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = key_map(model, CheckpointFiles(tmp_path).keys())
+    assert not names.assembled and len(names.unsupported) == 2 * 4, names.unsupported  # attn + mlp of each layer
+    with caplog.at_level(logging.WARNING, logger="hf_dist.trainer.pretrained"):
+        assert _names_or_none(model, str(tmp_path)) is None
+    assert any("splits" in r.getMessage() and "hrm_text" in r.getMessage() for r in caplog.records)
