@@ -109,3 +109,18 @@ def launcher_env(path: str | Path) -> tuple[object, dict]:
         fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mixed_precision_from_config else [])
         args.deepspeed_fields_from_accelerate_config = ",".join(fields)
         return args, prepare_deepspeed_cmd_env(args)[1]
+
+
+def load_recipe():
+    """examples/harbor/train.py as a module (it is a script, not part of the package), loaded once per process."""
+    import importlib.util
+    import sys
+
+    if "harbor_train" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "harbor_train", Path(__file__).resolve().parents[1] / "examples" / "harbor" / "train.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up in sys.modules
+        spec.loader.exec_module(module)
+    return sys.modules["harbor_train"]

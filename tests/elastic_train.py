@@ -17,7 +17,6 @@ Not for anything but tests: it patches the recipe's ``DistTrainer`` name.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -28,9 +27,9 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from dist_utils import load_recipe  # tests/ is this script's folder, first on sys.path
 from hf_dist import DistTrainer
 
-RECIPE = Path(__file__).resolve().parents[1] / "examples" / "harbor" / "train.py"
 ID = "sample_id"
 RECORD = "sample_ids.jsonl"
 
@@ -77,17 +76,6 @@ class RecordingTrainer(DistTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.micro_ids.append(inputs.pop(ID).tolist())
         return super().training_step(model, inputs, num_items_in_batch)
-
-
-def load_recipe():
-    """examples/harbor/train.py as a module (it is a script, not part of the package)."""
-    if "harbor_train" in sys.modules:
-        return sys.modules["harbor_train"]
-    spec = importlib.util.spec_from_file_location("harbor_train", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # its dataclasses look their module up
-    spec.loader.exec_module(recipe)
-    return recipe
 
 
 def main(argv: list[str]) -> int:

@@ -6,10 +6,8 @@ pipeline micro-batches, DeepSpeed with TP/PP, and the Harbor recipe's data flags
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,8 @@ import pytest
 from hf_dist import DistTrainingArguments
 from hf_dist.batch import BatchContract
 from hf_dist.cli import main as cli_main
+from tests.dist_utils import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -89,17 +87,9 @@ def test_deepspeed_with_tp_or_pp_is_refused(tmp_path, monkeypatch, sizes):
         _args(tmp_path, **sizes)
 
 
-def _harbor():
-    spec = importlib.util.spec_from_file_location("harbor_train", ROOT / "examples" / "harbor" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_recipe_data_path_needs_a_model(tmp_path):
     with pytest.raises(ValueError, match=r"--data_path .*x.jsonl needs --model_name_or_path"):
-        _harbor().parse(["--data_path", str(tmp_path / "x.jsonl"), "--output_dir", str(tmp_path)])
+        load_recipe().parse(["--data_path", str(tmp_path / "x.jsonl"), "--output_dir", str(tmp_path)])
 
 
 # -- hf-dist config / plan ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from elastic_train import load_recipe
+from dist_utils import load_recipe
 from torch.distributed.run import get_args_parser
 
 from hf_dist.trainer.args import resolve_contract

@@ -3,27 +3,18 @@
 One process, in this process (the recipe's ``main``), a tiny model saved like a Hub checkpoint, a few steps.
 """
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.dist_utils import load_recipe
+
 COMMON = [
     "--preset", "tiny", "--max_seq_len", "48", "--per_device_train_batch_size", "4", "--global_batch_size", "4",
     "--max_steps", "4", "--logging_steps", "1", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
     "--base_learning_rate", "3e-3", "--base_batch_size", "4", "--eval_fraction", "0.2", "--use_cpu", "true",
 ]
-
-
-def _recipe():
-    if "harbor_train" not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location("harbor_train", ROOT / "examples" / "harbor" / "train.py")
-        sys.modules["harbor_train"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["harbor_train"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +31,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def _train(tiny_model_dir: Path, data_path: Path, out: Path) -> dict:
-    assert _recipe().main([*COMMON, "--model_name_or_path", str(tiny_model_dir), "--data_path", str(data_path),
+    assert load_recipe().main([*COMMON, "--model_name_or_path", str(tiny_model_dir), "--data_path", str(data_path),
                            "--output_dir", str(out)]) == 0
     return json.loads((out / "summary.json").read_text())
 
@@ -68,5 +59,5 @@ def test_trains_from_a_prompt_completion_file(tiny_model_dir, tmp_path):
 
 def test_data_without_a_model_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="--data_path .* needs --model_name_or_path"):
-        _recipe().main(["--data_path", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "run")])
+        load_recipe().main(["--data_path", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()

@@ -11,14 +11,12 @@ a bf16 base under ``--lora``), and the gathered weights must equal the checkpoin
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dist_utils import launcher_env, run_distributed
+from tests.dist_utils import launcher_env, load_recipe, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {  # name: (accelerate config, extra recipe flags)
@@ -26,14 +24,6 @@ CASES = {  # name: (accelerate config, extra recipe flags)
     "fsdp_lora": ("harbor_13b_fsdp_8gpu.yaml", ["--lora", "true", "--lora_r", "4"]),
     "grad_op_full": ("harbor_13b_fsdp_grad_op_8gpu.yaml", []),
 }
-
-
-def _recipe():
-    if "harbor_train" not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location("harbor_train", ROOT / "examples" / "harbor" / "train.py")
-        sys.modules["harbor_train"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["harbor_train"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +57,7 @@ def _load(rank: int, world_size: int, model_dir: str, output_dir: str, envs: dic
     from hf_dist.state_dict import full_state_dict
     from hf_dist.trainer.laid_out import LAYOUT_ATTR
 
-    recipe = _recipe()
+    recipe = load_recipe()
     results = {}
     for name, (env, extra) in envs.items():
         with mock.patch.dict(os.environ, env):
