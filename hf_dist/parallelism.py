@@ -47,6 +47,8 @@ class FsdpRequest:
     """Keep sharded parameters on CPU (``CPUOffloadPolicy``)."""
     dp_replicate: int = 1
     """Replica groups (HYBRID_SHARD / HSDP): shard inside a group of world / dp_replicate ranks, all-reduce across."""
+    dp_shard: int | None = None
+    """Ranks a replica shards over, when the launch config states it (checked against the world by ``Layout``)."""
     source: str = "TrainingArguments.fsdp"
     """Where the request came from, for messages."""
 
@@ -59,6 +61,7 @@ class FsdpRequest:
             "fsdp2_wrap_classes": list(self.wrap_classes) if self.wrap_classes else None,
             "fsdp2_cpu_offload": self.cpu_offload,
             "fsdp2_dp_replicate": self.dp_replicate,
+            "fsdp2_dp_shard": self.dp_shard,
         }
 
     @classmethod
@@ -72,6 +75,7 @@ class FsdpRequest:
             wrap_classes=tuple(args.fsdp2_wrap_classes) if args.fsdp2_wrap_classes else None,
             cpu_offload=args.fsdp2_cpu_offload,
             dp_replicate=args.fsdp2_dp_replicate,
+            dp_shard=getattr(args, "fsdp2_dp_shard", None),
             source="DistTrainingArguments.fsdp2",
         )
 

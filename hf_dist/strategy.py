@@ -2,10 +2,11 @@
 
 ``Layout`` names a job's layout: the data-parallel flavour (``STRATEGIES``), GPUs per node and nodes, TP/PP
 degrees, offload, the TP options and LoRA. Its ``__post_init__`` holds every rule about which combinations
-hf_dist runs (a ``ValueError`` naming the value, the rule and the fix), and ``strategy_dims`` is the one mapping
-from a strategy to ``ParallelDims``. The planner (``hf_dist.planner``) chooses among ``Layout``s, config
-generation (``hf_dist.configs``) writes the files that launch one, and the trainer builds its mesh with
-``strategy_dims``; ``precision_that_runs`` says which tensors are bf16 and which fp32 for a layout.
+hf_dist runs (a ``ValueError`` naming the value, the rule and the fix), and ``Layout.dims`` is the one mapping
+from a layout to ``ParallelDims``. The planner (``hf_dist.planner``) chooses among ``Layout``s, config
+generation (``hf_dist.configs``) writes the files that launch one, and a training run resolves its one ``Layout``
+from its arguments and launcher (``hf_dist.trainer.layout.resolve_layout``, in ``DistTrainingArguments``), which
+the trainer, ``hf_dist.from_pretrained`` and the checkpoint manifest use; ``precision_that_runs`` says which tensors are bf16 and which fp32 for a layout.
 
 Not here: the model's shape rules for TP (``hf_dist.tensor_parallel.checks``), batch arithmetic
 (``hf_dist.batch``), memory, or files.
@@ -50,18 +51,6 @@ MIXED_PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "pure_bf16")
 loaded in bf16 and trained with no fp32 copy: bf16 parameters, gradients and Adam states, 8 bytes/parameter)."""
 
 
-def strategy_dims(strategy: str, *, world_size: int, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> ParallelDims:
-    """The ``ParallelDims`` of ``strategy``: DDP replicates over the data-parallel ranks; ZeRO, FULL_SHARD and
-    SHARD_GRAD_OP shard over all of them; HYBRID_SHARD replicates over ``dp_replicate`` groups (nodes) and
-    shards inside each."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
-    if strategy == "ddp":
-        return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=-1, dp_shard=1)
-    replicate = dp_replicate if strategy == "fsdp_hybrid_shard" else 1
-    return ParallelDims(world_size=world_size, tp=tp, pp=pp, dp_replicate=replicate, dp_shard=-1)
-
-
 def streams_weights(*, fsdp: bool, tp: int, pp: int) -> bool:
     """Whether ``hf_dist.from_pretrained`` streams each rank's slices (meta init, no rank holds the whole model):
     for the layouts hf_dist owns, FSDP2, TP, PP and their products. DDP and DeepSpeed keep transformers' loader
@@ -69,27 +58,26 @@ def streams_weights(*, fsdp: bool, tp: int, pp: int) -> bool:
     return fsdp or tp > 1 or pp > 1
 
 
-def check_tp_options(*, tp: int, pp: int, sequence_parallel: bool, vocab_parallel: bool,
-                     prefix: str = "", suffix: str = "") -> None:
-    """Sequence and vocabulary parallelism shard over the TP ranks, and pipeline stages apply TP without them.
-
-    ``prefix``/``suffix`` spell the names as the caller's user knows them (``tp_`` and ``_size`` for the
-    training arguments ``tp_sequence_parallel``, ``tp_size``).
-    """
-    tp_name, pp_name = f"tp{suffix}", f"pp{suffix}"
-    for name, value in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
-        name = prefix + name
+def check_tp_options(*, tp: int, pp: int, sequence_parallel: bool, vocab_parallel: bool) -> None:
+    """Sequence and vocabulary parallelism shard over the TP ranks, and pipeline stages apply TP without them."""
+    for name, value in (("tp_sequence_parallel", sequence_parallel), ("tp_vocab_parallel", vocab_parallel)):
         if value and tp == 1:
-            raise ValueError(f"{name}=True needs {tp_name} > 1 (it shards over the TP ranks); set {tp_name} or "
+            raise ValueError(f"{name}=True needs tp_size > 1 (it shards over the TP ranks); set tp_size or "
                              f"drop {name}")
         if value and pp > 1:
-            raise ValueError(f"{name}=True is not available with {pp_name}={pp} (pipeline stages apply TP without "
+            raise ValueError(f"{name}=True is not available with pp_size={pp} (pipeline stages apply TP without "
                              f"it); set {name}=False")
 
 
 @dataclass(kw_only=True, frozen=True)
 class Layout:
-    """A parallel layout hf_dist runs: invalid combinations raise ``ValueError`` here, before anything starts."""
+    """A parallel layout hf_dist runs: invalid combinations raise ``ValueError`` here, before anything starts.
+
+    The planner and ``hf-dist config`` build one from their choices; a training run resolves one from its
+    arguments and launcher (``hf_dist.trainer.layout.resolve_layout``), so both obey the same rules. Error
+    messages name the training arguments (``tp_size``, ``pp_size``, ...); the planner's options have the same
+    meaning.
+    """
 
     strategy: Strategy
     """Data-parallel flavour: ddp, zero1/2/3 (DeepSpeed) or fsdp_full_shard/shard_grad_op/hybrid_shard (FSDP2)."""
@@ -109,14 +97,20 @@ class Layout:
     """With TP: embedding and lm_head split over the vocabulary (``--tp_vocab_parallel``); else replicated."""
     lora_rank: int = 0
     """LoRA rank on all seven linears of every layer over a frozen base; 0: full fine-tune."""
+    dp_replicate: int | None = None
+    """fsdp_hybrid_shard only: replica groups, each sharding over ``dp / dp_replicate`` ranks. None: one per node."""
+    dp_shard: int | None = None
+    """Ranks each replica shards over, when a launch config states it (accelerate's
+    ``parallelism_config_dp_shard_size``); None: the ranks left over. A stated size must fill the world."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
         for name in ("num_gpus", "num_nodes", "tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            _check_positive(name, getattr(self, name))
+        for name in ("dp_replicate", "dp_shard"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r} must be a non-negative integer (0: no LoRA)")
         if self.offload not in OFFLOADS:
@@ -125,54 +119,92 @@ class Layout:
             raise ValueError(f"offload={self.offload!r} with strategy={self.strategy!r}: "
                              f"{_OFFLOAD_WHY[self.strategy]}")
         if self.offload != "none" and self.pp > 1:
-            raise ValueError(f"offload={self.offload!r} with pp={self.pp}: pipeline stages keep their parameters "
-                             f"on the GPU; drop the offload or set pp=1")
+            raise ValueError(f"offload={self.offload!r} with pp_size={self.pp}: pipeline stages keep their "
+                             f"parameters on the device; drop the offload (fsdp cpu_offload / offload_params) or set "
+                             f"pp_size=1")
         self._check_model_parallel()
         check_tp_options(tp=self.tp, pp=self.pp, sequence_parallel=self.sequence_parallel,
                          vocab_parallel=self.vocab_parallel)
-        self.dims  # noqa: B018 -- raises if the world does not factor
+        self._check_data_parallel()
 
     def _check_model_parallel(self) -> None:
         if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):
-            raise ValueError(f"strategy={self.strategy} with tp={self.tp}, pp={self.pp}: hf_dist's TP/PP compose "
-                             f"with ddp and FSDP, not with DeepSpeed ZeRO; use an fsdp_* strategy, or tp=pp=1")
-        if self.strategy == "fsdp_hybrid_shard" and self.num_nodes < 2:
-            raise ValueError(f"fsdp_hybrid_shard replicates across nodes and needs num_nodes >= 2 (got "
-                             f"{self.num_nodes}); use fsdp_full_shard on one node")
+            raise ValueError(f"DeepSpeed {self.strategy} with tp_size={self.tp}, pp_size={self.pp}: DeepSpeed ZeRO "
+                             f"shards the whole model itself and does not compose with hf_dist's TP/PP; use FSDP2 "
+                             f"(accelerate_configs/fsdp.yaml) or DDP with TP/PP, or drop tp_size/pp_size")
         if self.strategy == "fsdp_hybrid_shard" and (self.tp > 1 or self.pp > 1):
-            raise ValueError(f"fsdp_hybrid_shard with tp={self.tp}, pp={self.pp}: accelerate's HSDP mesh "
-                             f"(replicate x shard = world) has no room for hf_dist's TP/PP axes; use "
-                             f"fsdp_full_shard with tp/pp, or tp=pp=1")
+            raise ValueError(f"HYBRID_SHARD (dp_replicate={self.replicas}) with tp_size={self.tp}, pp_size={self.pp}: "
+                             f"hf_dist does not run HSDP with TP/PP (no parity test covers it); use FULL_SHARD "
+                             f"(dp_replicate=1) with tp/pp, or tp_size=pp_size=1")
         if self.num_gpus % self.tp:
             valid = [d for d in range(1, self.num_gpus + 1) if self.num_gpus % d == 0]
-            raise ValueError(f"tp={self.tp} does not divide num_gpus={self.num_gpus} per node; tensor parallelism "
-                             f"stays inside a node: use tp in {valid}")
+            raise ValueError(f"tp_size={self.tp} does not divide the {self.num_gpus} processes per node; tensor "
+                             f"parallelism stays inside a node: use tp_size in {valid}")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"tp_size={self.tp} x pp_size={self.pp} = {self.tp * self.pp} does not divide the world size "
+                f"{self.world_size}; launch a multiple of {self.tp * self.pp} processes or lower tp_size/pp_size")
+
+    def _check_data_parallel(self) -> None:
+        dp = self.world_size // (self.tp * self.pp)
+        if self.dp_replicate is not None and self.dp_replicate > 1 and self.strategy != "fsdp_hybrid_shard":
+            raise ValueError(f"dp_replicate={self.dp_replicate} with strategy={self.strategy}: replica groups are "
+                             f"HYBRID_SHARD's (FSDP2); drop dp_replicate or use FSDP2 with it")
+        if self.strategy == "fsdp_hybrid_shard" and self.replicas < 2:
+            raise ValueError(f"fsdp_hybrid_shard replicates over dp_replicate >= 2 groups (default: one per node), "
+                             f"got {self.replicas} on {self.num_nodes} node(s); set dp_replicate "
+                             f"(--fsdp2_dp_replicate, parallelism_config_dp_replicate_size), or use FULL_SHARD")
+        if dp % self.replicas:
+            valid = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(f"dp_replicate={self.replicas} does not divide the {dp} data-parallel ranks (world "
+                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp}); use dp_replicate in {valid}")
+        if self.dp_shard is not None and self.replicas * self.dp_shard != dp:
+            raise ValueError(
+                f"dp_replicate={self.replicas} x dp_shard={self.dp_shard} = {self.replicas * self.dp_shard} but the "
+                f"launch has {dp} data-parallel ranks (world {self.world_size} / tp_size {self.tp} / pp_size "
+                f"{self.pp}): the request would silently run as {self.replicas} x {dp // self.replicas}; launch "
+                f"{self.replicas * self.dp_shard * self.tp * self.pp} processes or set dp_shard={dp // self.replicas}")
 
     @property
     def world_size(self) -> int:
         return self.num_gpus * self.num_nodes
 
     @property
+    def replicas(self) -> int:
+        """HYBRID_SHARD replica groups (1 for every other strategy)."""
+        if self.strategy != "fsdp_hybrid_shard":
+            return 1
+        return self.dp_replicate if self.dp_replicate is not None else self.num_nodes
+
+    @property
     def dims(self) -> ParallelDims:
-        """The mesh (``strategy_dims``): HYBRID_SHARD replicates across nodes."""
-        return strategy_dims(self.strategy, world_size=self.world_size, tp=self.tp, pp=self.pp,
-                             dp_replicate=self.num_nodes)
+        """A new ``ParallelDims`` (mesh not built): DDP replicates over the data-parallel ranks; ZeRO, FULL_SHARD and
+        SHARD_GRAD_OP shard over all of them; HYBRID_SHARD replicates over ``replicas`` groups, sharding inside."""
+        if self.strategy == "ddp":
+            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, dp_replicate=-1, dp_shard=1)
+        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, dp_replicate=self.replicas,
+                            dp_shard=-1)
 
     @property
     def dp(self) -> int:
-        return self.dims.dp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def shard_degree(self) -> int:
         """Ranks that model states are sharded over (1: replicated)."""
         if self.is_deepspeed:
-            return self.dims.dp
-        return self.dims.dp_shard if self.is_fsdp else 1
+            return self.dp
+        return self.dp // self.replicas if self.is_fsdp else 1
 
     @property
     def streaming_load(self) -> bool:
         """Whether ``hf_dist.from_pretrained`` streams this layout's weights (``streams_weights``)."""
         return streams_weights(fsdp=self.is_fsdp, tp=self.tp, pp=self.pp)
+
+    @property
+    def owned_by_hf_dist(self) -> bool:
+        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP); else accelerate (DDP, DeepSpeed)."""
+        return self.is_fsdp or self.tp > 1 or self.pp > 1
 
     @property
     def is_deepspeed(self) -> bool:
@@ -196,6 +228,42 @@ class Layout:
         if self.lora_rank:
             parts.append(f"lora{self.lora_rank}")
         return "+".join(parts)
+
+    def describe(self, backend: str | None = None) -> str:
+        """The layout for people, e.g. ``FSDP2 FULL_SHARD (hf_dist fully_shard) x TP2 (sequence parallel)``: the one
+        description the trainer's table, ``hf-dist config`` and the planner print. ``backend`` names what runs the
+        data-parallel part, when known (the trainer passes accelerate's distributed type for DDP)."""
+        if self.is_fsdp:
+            kind = "FSDP2 " + _FSDP_KIND[self.strategy]
+            if self.strategy == "fsdp_hybrid_shard":
+                kind += f" ({self.replicas} replicas x {self.shard_degree} shards)"
+        elif self.is_deepspeed:
+            kind = f"DeepSpeed ZeRO-{self.strategy[-1]}"
+        elif self.dp > 1:
+            kind = "DDP" if not (self.tp > 1 or self.pp > 1) else f"DP{self.dp} (hf_dist gradient averaging)"
+        else:
+            kind = "single process" if self.world_size == 1 else "no data parallelism"
+        if backend:
+            kind += f" ({backend})"
+        if self.tp > 1:
+            options = [n for n, on in (("sequence", self.sequence_parallel), ("vocab", self.vocab_parallel)) if on]
+            kind += f" x TP{self.tp}" + (f" ({' + '.join(options)} parallel)" if options else "")
+        if self.pp > 1:
+            kind += f" x PP{self.pp}"
+        if self.offload != "none":
+            kind = f"{kind}, offload {self.offload}"
+        if self.lora_rank:
+            kind = f"{kind}, LoRA r={self.lora_rank}"
+        return kind
+
+
+_FSDP_KIND = {"fsdp_full_shard": "FULL_SHARD", "fsdp_shard_grad_op": "SHARD_GRAD_OP",
+              "fsdp_hybrid_shard": "HYBRID_SHARD"}
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 Precision = Literal["fp32", "bf16_autocast", "bf16_mixed", "pure_bf16"]

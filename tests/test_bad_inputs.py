@@ -82,8 +82,8 @@ def test_pp_microbatches_zero_is_named(tmp_path):
 @pytest.mark.parametrize("sizes", [dict(tp_size=2), dict(pp_size=2)])
 def test_deepspeed_with_tp_or_pp_is_refused(tmp_path, monkeypatch, sizes):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch` with zero2.yaml sets
-    with pytest.raises(ValueError, match=r"with DeepSpeed .* does not compose with hf_dist's TP/PP; launch with "
-                                         r"accelerate_configs/fsdp.yaml"):
+    with pytest.raises(ValueError, match=r"DeepSpeed zero2 with .* does not compose with hf_dist's TP/PP; use FSDP2 "
+                                         r"\(accelerate_configs/fsdp.yaml\)"):
         _args(tmp_path, **sizes)
 
 

@@ -131,11 +131,11 @@ def test_batch_arithmetic_names_all_four():
     ({"strategy": "ddp", "offload": "cpu"}, "DDP replicates everything"),
     ({"strategy": "fsdp_full_shard", "offload": "nvme", "no_split_modules": LLAMA}, "FSDP offloads .* to CPU only"),
     ({"strategy": "zero2", "offload": "nvme"}, "NVMe .* only at ZeRO-3"),
-    ({"strategy": "zero3", "tp": 2}, "not with DeepSpeed ZeRO"),
-    ({"strategy": "fsdp_hybrid_shard", "no_split_modules": LLAMA}, "needs num_nodes >= 2"),
+    ({"strategy": "zero3", "tp": 2}, "does not compose with hf_dist's TP/PP"),
+    ({"strategy": "fsdp_hybrid_shard", "no_split_modules": LLAMA}, "dp_replicate >= 2 groups"),
     ({"strategy": "fsdp_full_shard"}, "needs no_split_modules"),
-    ({"strategy": "ddp", "tp": 3}, r"tp=3 does not divide num_gpus=8 .* use tp in \[1, 2, 4, 8\]"),
-    ({"strategy": "ddp", "tp": 2, "pp": 2, "sequence_parallel": True}, "not available with pp=2"),
+    ({"strategy": "ddp", "tp": 3}, r"tp_size=3 does not divide the 8 processes per node.* use tp_size in \[1, 2, 4, 8\]"),
+    ({"strategy": "ddp", "tp": 2, "pp": 2, "sequence_parallel": True}, "not available with pp_size=2"),
     ({"strategy": "ddp", "micro_batch_size": 0}, "micro_batch_size=0 must be a positive integer"),
 ])
 def test_layout_refuses(kwargs, match):

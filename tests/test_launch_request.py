@@ -65,11 +65,11 @@ def test_request_survives_replace_to_dict_and_json(fsdp_env, tmp_path):
 def test_request_fields_parse_from_the_command_line(tmp_path):
     (args,) = HfArgumentParser(DistTrainingArguments).parse_args_into_dataclasses(
         args=["--output_dir", str(tmp_path), "--use_cpu", "--fsdp2", "--fsdp2_reshard_after_forward", "false",
-              "--fsdp2_wrap_classes", "LlamaDecoderLayer", "--fsdp2_dp_replicate", "2"]
+              "--fsdp2_wrap_classes", "LlamaDecoderLayer"]
     )
     request = args.hf_dist_fsdp
-    assert (request.reshard_after_forward, request.wrap_classes, request.dp_replicate) == (
-        False, ("LlamaDecoderLayer",), 2)
+    assert (request.reshard_after_forward, request.wrap_classes) == (False, ("LlamaDecoderLayer",))
+    assert args.layout.strategy == "fsdp_shard_grad_op"
 
 
 def test_accelerate_view_masks_the_flags_only_while_the_accelerator_is_built(fsdp_env, tmp_path):

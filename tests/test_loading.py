@@ -64,14 +64,14 @@ def _lora():
 def _reference(directory: str, args, dtype, lora: bool):
     from transformers import AutoModelForCausalLM
 
-    from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+    from hf_dist.trainer.trainer import apply_owned_layout
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     if lora:
         from peft import get_peft_model
 
         model = get_peft_model(model, _lora())
-    return apply_owned_layout(model, args, trainer_dims(args))
+    return apply_owned_layout(model, args, args.layout.dims)
 
 
 def _local_state(model) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ def _moe_case(directory: str, output_dir: str, caplog) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_dist.trainer.laid_out import LAYOUT_ATTR
-    from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+    from hf_dist.trainer.trainer import apply_owned_layout
 
     args = _args(output_dir, {"fsdp": True})
     batch = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
@@ -71,7 +71,7 @@ def _moe_case(directory: str, output_dir: str, caplog) -> dict:
     assert not warnings, warnings  # the fallback to transformers' loader warns
     assert LAYOUT_ATTR in streamed.__dict__  # laid out and streamed by hf_dist, not loaded whole
     assert streamed.__dict__[LAYOUT_ATTR].load.bytes_read > 0
-    reference = apply_owned_layout(AutoModelForCausalLM.from_pretrained(directory), args, trainer_dims(args))
+    reference = apply_owned_layout(AutoModelForCausalLM.from_pretrained(directory), args, args.layout.dims)
     ref_state, got_state = _local_state(reference), _local_state(streamed)
     assert sorted(ref_state) == sorted(got_state), set(ref_state) ^ set(got_state)
     assert any("experts" in name for name in got_state), sorted(got_state)

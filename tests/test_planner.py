@@ -48,7 +48,7 @@ def test_unknown_names_are_errors_that_list_the_choices():
         model_spec("llama-13b")
     with pytest.raises(ValueError, match="a100-80gb"):
         gpu_spec("a100")
-    with pytest.raises(ValueError, match=r"not with DeepSpeed ZeRO; use an fsdp_\* strategy"):
+    with pytest.raises(ValueError, match=r"does not compose with hf_dist's TP/PP; use FSDP2"):
         make_layout("zero2", 8, tp=2)
 
 

@@ -22,10 +22,9 @@ from transformers import HfArgumentParser, TrainingArguments
 from hf_dist.cli import main as cli_main
 from hf_dist.planner import PlanRequest, choose_layout, gpu_spec, model_spec
 from hf_dist.planner.catalogue import ModelSpec
-from hf_dist.strategy import OFFLOADS, STRATEGIES, Layout, strategy_dims
+from hf_dist.strategy import OFFLOADS, STRATEGIES, Layout
 from hf_dist.trainer import launch_env
 from hf_dist.trainer.args import DistTrainingArguments
-from hf_dist.trainer.layout import layout_dims
 
 MQA = ModelSpec(name="mqa", model_type="llama", hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=1, intermediate_size=688, vocab_size=1000)
@@ -66,7 +65,8 @@ def _trainer_view(layout: Layout, folder: Path) -> DistTrainingArguments:
     _, env = launcher_env(folder / "accelerate.yaml")
     launch = (folder / "launch.sh").read_text()
     train_args = shlex.split(launch.split('"$SCRIPT"')[1].split('"$@"')[0])
-    with mock.patch.dict(os.environ, {**env, "WORLD_SIZE": str(layout.world_size)}):
+    world = {"WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(layout.num_gpus)}
+    with mock.patch.dict(os.environ, {**env, **world}):
         (args,) = HfArgumentParser(DistTrainingArguments).parse_args_into_dataclasses(
             ["--output_dir", str(folder / "run"), *train_args])
         assert launch_env.deepspeed_requested(args) == ("ACCELERATE_DEEPSPEED_CONFIG_FILE" in env)
@@ -91,31 +91,30 @@ def test_every_layout_the_planner_can_choose_is_written_and_accepted_as_it_was_p
         folder = tmp_path / str(i)
         argv = ["config", "--strategy", layout.strategy, "--gpus", str(layout.num_gpus), "--nodes",
                 str(layout.num_nodes), "--tp", str(layout.tp), "--pp", str(layout.pp), "--offload", layout.offload,
-                "--micro-batch", "1", "--global-batch", str(2 * layout.dp), "--model", "llama", "--out", str(folder)]
+                "--micro-batch", "1", "--global-batch", str(2 * layout.pp * layout.dp), "--model", "llama", "--out", str(folder)]
         argv += ["--tp-sequence-parallel"] * layout.sequence_parallel + ["--tp-vocab-parallel"] * layout.vocab_parallel
         assert cli_main(argv) == 0, layout.name
         args = _trainer_view(layout, folder)
+        resolved = args.layout  # the run's one Layout, from the written YAML, DeepSpeed JSON and launch flags
+        assert (resolved.strategy, resolved.num_gpus, resolved.num_nodes, resolved.tp, resolved.pp, resolved.offload,
+                resolved.sequence_parallel, resolved.vocab_parallel, resolved.replicas) == (
+            layout.strategy, layout.num_gpus, layout.num_nodes, layout.tp, layout.pp, layout.offload,
+            layout.sequence_parallel, layout.vocab_parallel, layout.replicas), layout.name
+        assert resolved.dims == layout.dims and resolved.name == layout.name, layout.name
         fsdp = args.hf_dist_fsdp
-        assert (args.tp_size, args.pp_size, args.tp_sequence_parallel, args.tp_vocab_parallel) == (
-            layout.tp, layout.pp, layout.sequence_parallel, layout.vocab_parallel), layout.name
         assert (fsdp is not None) == layout.is_fsdp and (args.zero_stage > 0) == layout.is_deepspeed, layout.name
         if layout.is_fsdp:
             assert fsdp.reshard_after_forward == (layout.strategy != "fsdp_shard_grad_op")
             assert fsdp.cpu_offload == (layout.offload == "cpu")
-            dims = layout_dims(world_size=layout.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=True,
-                               dp_replicate=fsdp.dp_replicate)
-        else:
-            dims = layout_dims(world_size=layout.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=False)
-        if layout.is_deepspeed:
+        if layout.is_deepspeed:  # what DeepSpeed itself will read agrees with the resolved layout
             assert args.zero_stage == int(layout.strategy[-1])
             expected = {"none": ("none", "none"), "cpu_optimizer": ("cpu", "none"),
                         "cpu": ("cpu", "cpu" if layout.strategy == "zero3" else "none"), "nvme": ("nvme", "nvme")}
             assert args.zero_offload == expected[layout.offload], layout.name
-        else:  # the trainer's mesh is the planner's mesh
-            assert dims == layout.dims, layout.name
-        assert args.batch_contract.dp == layout.dp and args.batch_contract.gradient_accumulation_steps == 2
+        accumulation = 2 * layout.pp  # at least one micro-batch per stage (1F1B)
+        assert args.batch_contract.dp == layout.dp and args.batch_contract.gradient_accumulation_steps == accumulation
         if layout.pp > 1:  # accumulation becomes pipeline micro-batches
-            assert args.pp_microbatches == 2
+            assert args.pp_microbatches == accumulation
 
 
 def _fields_grid():
@@ -156,29 +155,47 @@ def test_what_the_strategy_model_refuses_config_refuses_and_the_planner_never_of
     assert refused > 100  # the grid reaches the rules
 
 
-@pytest.mark.parametrize("fields", [
-    dict(strategy="fsdp_full_shard", tp=2, pp=2, sequence_parallel=True),
-    dict(strategy="ddp", tp=1, pp=1, sequence_parallel=True),
-    dict(strategy="fsdp_full_shard", tp=1, pp=2, vocab_parallel=True),
-])
-def test_what_the_training_arguments_refuse_the_strategy_model_refuses(gpu_node, monkeypatch, fields, tmp_path):
+_REFUSED = [  # (Layout fields, the same request as training arguments)
+    (dict(strategy="fsdp_full_shard", tp=2, pp=2, sequence_parallel=True),
+     dict(fsdp2=True, tp_size=2, pp_size=2, tp_sequence_parallel=True)),
+    (dict(strategy="ddp", sequence_parallel=True), dict(tp_sequence_parallel=True)),
+    (dict(strategy="fsdp_full_shard", pp=2, vocab_parallel=True), dict(fsdp2=True, pp_size=2, tp_vocab_parallel=True)),
+    (dict(strategy="fsdp_hybrid_shard", tp=2, dp_replicate=2), dict(fsdp2=True, fsdp2_dp_replicate=2, tp_size=2)),
+    (dict(strategy="fsdp_hybrid_shard", pp=2, dp_replicate=2), dict(fsdp2=True, fsdp2_dp_replicate=2, pp_size=2)),
+    (dict(strategy="fsdp_hybrid_shard", dp_replicate=2, dp_shard=2),
+     dict(fsdp2=True, fsdp2_dp_replicate=2, fsdp2_dp_shard=2)),
+    (dict(strategy="fsdp_hybrid_shard", dp_replicate=3), dict(fsdp2=True, fsdp2_dp_replicate=3)),
+    (dict(strategy="fsdp_full_shard", pp=2, offload="cpu"), dict(fsdp2=True, fsdp2_cpu_offload=True, pp_size=2)),
+    (dict(strategy="zero3", tp=2), dict(deepspeed={"zero_optimization": {"stage": 3}}, tp_size=2)),
+    (dict(strategy="zero2", pp=2), dict(deepspeed={"zero_optimization": {"stage": 2}}, pp_size=2)),
+    (dict(strategy="ddp", tp=3), dict(tp_size=3)),
+]
+
+
+@pytest.mark.parametrize(("fields", "arguments"), _REFUSED)
+def test_what_the_training_arguments_refuse_the_strategy_model_refuses(gpu_node, monkeypatch, fields, arguments,
+                                                                       tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ValueError) as trainer_error:
-        DistTrainingArguments(output_dir=str(tmp_path), tp_size=fields["tp"], pp_size=fields["pp"],
-                              tp_sequence_parallel=fields.get("sequence_parallel", False),
-                              tp_vocab_parallel=fields.get("vocab_parallel", False))
+        DistTrainingArguments(output_dir=str(tmp_path), **arguments)
     with pytest.raises(ValueError) as model_error:
         Layout(num_gpus=8, **fields)
-    # one rule (check_tp_options), spelled as each user knows the names
-    spelled = str(model_error.value).replace("sequence_parallel", "tp_sequence_parallel").replace(
-        "vocab_parallel", "tp_vocab_parallel").replace("tp >", "tp_size >").replace("with pp=", "with pp_size=")
-    assert str(trainer_error.value) == spelled.replace("set tp or", "set tp_size or")
+    assert str(trainer_error.value) == str(model_error.value)  # one rule, raised from one place
 
 
-def test_one_mapping_to_parallel_dims():
-    assert strategy_dims("ddp", world_size=8, tp=2) == Layout(strategy="ddp", num_gpus=8, tp=2).dims
+def test_one_mapping_to_parallel_dims(gpu_node, monkeypatch, tmp_path):
+    ddp = Layout(strategy="ddp", num_gpus=8, tp=2).dims
+    assert (ddp.dp_replicate, ddp.dp_shard, ddp.tp) == (4, 1, 2)
     hybrid = Layout(strategy="fsdp_hybrid_shard", num_gpus=4, num_nodes=2).dims
     assert (hybrid.dp_replicate, hybrid.dp_shard) == (2, 4)
-    assert layout_dims(world_size=8, tp=1, pp=1, fsdp=True, dp_replicate=2) == hybrid
     zero = Layout(strategy="zero3", num_gpus=8).dims
     assert (zero.dp_replicate, zero.dp_shard) == (1, 8)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    args = DistTrainingArguments(output_dir=str(tmp_path), fsdp2=True, fsdp2_dp_replicate=2)
+    assert args.layout.strategy == "fsdp_hybrid_shard" and args.layout.dims == hybrid
+    (args,) = HfArgumentParser(DistTrainingArguments).parse_args_into_dataclasses(  # as a launch config states it
+        ["--output_dir", str(tmp_path), "--fsdp2", "--fsdp2_dp_replicate", "2", "--fsdp2_dp_shard", "4"])
+    assert args.hf_dist_fsdp.dp_shard == 4 and args.layout.dims == hybrid
+    args = DistTrainingArguments(output_dir=str(tmp_path), tp_size=2)
+    assert args.layout == Layout(strategy="ddp", num_gpus=4, num_nodes=2, tp=2)

@@ -95,13 +95,11 @@ def test_dist_trainer_tp2_matches_single_process_trainer(runs, variant):
         assert_close(torch.as_tensor(result["predictions"]), torch.as_tensor(ref["predictions"]), atol=1e-4, rtol=0)
 
 
-def test_sequence_parallel_needs_tp():
-    from types import SimpleNamespace
-
-    from hf_dist.trainer.tensor_parallel_glue import check_tp_arguments
+def test_sequence_parallel_needs_tp(tmp_path):
+    from hf_dist import DistTrainingArguments
 
     with pytest.raises(ValueError, match="tp_sequence_parallel=True needs tp_size > 1"):
-        check_tp_arguments(SimpleNamespace(tp_sequence_parallel=True, tp_size=1, pp_size=1))
+        DistTrainingArguments(output_dir=str(tmp_path), tp_sequence_parallel=True)
 
 
 @pytest.mark.parametrize("variant", [name for name, _, _ in VARIANTS])

@@ -65,9 +65,10 @@ def test_without_global_batch_it_behaves_like_training_arguments(tmp_path):
     assert args.batch_contract.global_batch_size == 12 and args.learning_rate == 1e-4
 
 
-def test_tp_that_does_not_divide_the_world():
-    with pytest.raises(ValueError, match="tp_size=4"):
-        resolve_contract(world_size=6, micro_batch_size=1, global_batch_size=None, tp_size=4)
+def test_tp_that_does_not_divide_the_world(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match="tp_size=4 does not divide the 6 processes per node"):
+        DistTrainingArguments(output_dir=str(tmp_path), tp_size=4)
 
 
 def test_cpu_multi_process_gets_use_cpu(monkeypatch):

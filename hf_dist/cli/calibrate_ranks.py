@@ -33,7 +33,7 @@ from hf_dist.planner.calibrate import (Calibration, calibrate, calibration_layou
                                        device_peak_flops, efficiency_from, scaled_model, timed_steps)
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.layout import Workload
-from hf_dist.strategy import FSDP_STRATEGIES, Layout, strategy_dims
+from hf_dist.strategy import FSDP_STRATEGIES, Layout
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def _measure(device: torch.device, ranks: int, job: _Job, run: Layout) -> dict:
     dtype, param_dtype, autocast = compute_dtypes(workload, device, fsdp=fsdp)
     torch.manual_seed(0)  # the same weights and batch on every rank
     net = scaled_model(job.model, job.layers, dtype, device)
-    dims = strategy_dims(run.strategy, world_size=ranks, tp=run.tp)
+    dims = run.dims  # the Layout of these ranks (planner.calibrate builds it for this world size)
     dims.build_mesh(device.type)
     net = _apply(net, dims, run, activation_checkpointing=workload.activation_checkpointing,
                  param_dtype=param_dtype)

@@ -231,7 +231,7 @@ def launch_script(layout: LaunchSpec) -> str:
 
 def describe(layout: LaunchSpec) -> str:
     dims = layout.layout.dims
-    return (f"{layout.layout.name} on {layout.num_nodes} x {layout.layout.num_gpus} GPUs (dp={dims.dp}, tp={dims.tp}, "
+    return (f"{layout.layout.describe()} on {layout.num_nodes} x {layout.layout.num_gpus} GPUs (dp={dims.dp}, tp={dims.tp}, "
             f"pp={dims.pp}); micro {layout.micro_batch_size} x accumulation {layout.gradient_accumulation_steps} x "
             f"dp {dims.dp} = global batch {layout.global_batch_size}; {layout.mixed_precision}")
 

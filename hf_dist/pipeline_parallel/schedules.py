@@ -89,6 +89,30 @@ class PipelineConfig:
         return SCHEDULES[self.schedule]
 
 
+def microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:
+    """Why torch's ``schedule`` cannot run ``microbatches`` per step over ``pp`` ranks; None when it can (pure).
+
+    1F1B needs at least one micro-batch per stage; the interleaved schedules run rounds of ``pp`` micro-batches and
+    need a count that splits into whole rounds (``torch.distributed.pipelining.schedules``); GPipe and ZB-V take any.
+    """
+    if schedule == "1f1b" and microbatches < pp:
+        return f"pp_schedule='1f1b' needs at least pp_size={pp} micro-batches per step (one per stage)"
+    if schedule.startswith("interleaved"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            return (f"pp_schedule={schedule!r} runs rounds of pp_size={pp} micro-batches and {microbatches} does not "
+                    f"split into {rounds} equal rounds")
+    return None
+
+
+def smallest_valid_microbatches(schedule: str, pp: int, at_least: int = 1) -> int:
+    """The smallest micro-batch count >= ``at_least`` that ``schedule`` runs over ``pp`` ranks (pure)."""
+    m = max(1, at_least)
+    while microbatch_problem(schedule, m, pp) is not None:
+        m += 1
+    return m
+
+
 _warned: set[str] = set()
 
 

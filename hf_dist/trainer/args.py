@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
+from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env, preemption
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
-from hf_dist.trainer.tensor_parallel_glue import check_tp_arguments
+from hf_dist.trainer.layout import resolve_layout
 
 
 DEFAULT_LEARNING_RATE = 5e-5  # transformers.TrainingArguments' default
@@ -27,6 +28,28 @@ DEFAULT_LEARNING_RATE = 5e-5  # transformers.TrainingArguments' default
 
 def check_values(args) -> None:
     """Values no layout can use, refused by name before any process group (pure)."""
+    given = args.learning_rate
+    if given is not None and not math.isnan(given) and not (math.isfinite(given) and given >= 0):
+        raise ValueError(f"learning_rate={given!r} must be a finite non-negative number")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise ValueError(f"peak_tflops={args.peak_tflops!r} must be a positive number of TFLOP/s (one device's "
+                         f"dense peak, e.g. 312 for an A100 in bf16); leave it unset to look it up")
+    if args.pp_microbatches is not None and args.pp_microbatches < 1:
+        raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
+                         f"pipeline step); leave it unset to use the accumulation the global batch gives")
+    preemption.parse_signals(args.preemption_signals)
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer (sequences per forward on one rank for "
+                             f"the batch sizes; 1 disables tp_size/pp_size)")
+    if args.fp16 and not launch_env.has_gpu() and not launch_env.deepspeed_requested(args):
+        raise ValueError("fp16=True on a machine without a GPU: the Trainer's fp16 needs CUDA's gradient scaler and "
+                         "would not train in fp16 here; drop --fp16 (fp32), or use --bf16 true")
+
+
+def check_learning_rate(args) -> None:
+    """``learning_rate`` and ``base_learning_rate`` together must agree (after the layout is resolved)."""
     given = args.learning_rate
     if args.base_learning_rate is not None and given is not None and not math.isnan(given):
         derived = resolve_contract_lr(args)
@@ -37,21 +60,6 @@ def check_values(args) -> None:
                 f"so pass only one of them (a preset's base_learning_rate stays: to fix the rate, pass "
                 f"--base_learning_rate {given:g} --lr_scaling none instead)"
             )
-    if given is not None and not math.isnan(given) and not (math.isfinite(given) and given >= 0):
-        raise ValueError(f"learning_rate={given!r} must be a finite non-negative number")
-    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
-        raise ValueError(f"peak_tflops={args.peak_tflops!r} must be a positive number of TFLOP/s (one device's "
-                         f"dense peak, e.g. 312 for an A100 in bf16); leave it unset to look it up")
-    if args.pp_microbatches is not None and args.pp_microbatches < 1:
-        raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
-                         f"pipeline step); leave it unset to use the accumulation the global batch gives")
-    preemption.parse_signals(args.preemption_signals)
-    if (args.tp_size > 1 or args.pp_size > 1) and launch_env.deepspeed_requested(args):
-        raise ValueError(
-            f"tp_size={args.tp_size}, pp_size={args.pp_size} with DeepSpeed (from the accelerate config or "
-            f"deepspeed=): DeepSpeed ZeRO shards the whole model itself and does not compose with hf_dist's TP/PP; "
-            f"launch with accelerate_configs/fsdp.yaml or ddp.yaml for TP/PP, or drop --tp_size/--pp_size"
-        )
 
 
 def resolve_contract_lr(args) -> float | None:
@@ -140,6 +148,11 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
                   "all-reduce across groups."},
     )
+    fsdp2_dp_shard: int | None = field(
+        default=None,
+        metadata={"help": "With fsdp2: ranks each replica shards over, when a launch config states it (accelerate's "
+                  "parallelism_config_dp_shard_size); must fill the world. Default: the ranks left over."},
+    )
     preemption_signals: str = field(
         default="SIGTERM,SIGUSR1",
         metadata={"help": "Signals that mean 'preempted': every rank finishes its step, a checkpoint is saved and "
@@ -179,8 +192,7 @@ class DistTrainingArguments(TrainingArguments):
     )
 
     def _check_async_save(self) -> None:
-        owned = self.hf_dist_fsdp is not None or self.tp_size > 1 or self.pp_size > 1
-        if self.async_save and not owned:
+        if self.async_save and not self.layout.owned_by_hf_dist:
             raise ValueError(
                 "async_save=True applies to the checkpoints hf_dist writes (FSDP2, TP or PP layouts), but this run is "
                 "DDP or DeepSpeed, whose checkpoints the Trainer writes synchronously; drop --async_save, or launch "
@@ -190,6 +202,9 @@ class DistTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_values(self)  # before anything reads them: no process group exists yet
         launch_env.prepare_environment(self)
+        # the one layout of this run, from every source; re-resolved on every construction (dataclasses.replace)
+        self.layout: Layout = resolve_layout(self)
+        check_learning_rate(self)
         if self.learning_rate is None:  # None: not given (kept apart from an explicit 5e-5, the Trainer's default)
             self.learning_rate = DEFAULT_LEARNING_RATE if self.base_learning_rate is None else float("nan")
         super().__post_init__()
@@ -200,7 +215,6 @@ class DistTrainingArguments(TrainingArguments):
         if self.batch_contract.learning_rate is not None:
             self.learning_rate = self.batch_contract.learning_rate
         pipeline_trainer.fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
-        check_tp_arguments(self)
 
     @property
     def hf_dist_fsdp(self) -> launch_env.FsdpRequest | None:
@@ -209,12 +223,12 @@ class DistTrainingArguments(TrainingArguments):
 
     def _resolve_contract(self) -> BatchContract:
         return resolve_contract(
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            world_size=self.layout.world_size,
             micro_batch_size=self.per_device_train_batch_size,
             global_batch_size=self.global_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
-            tp_size=self.tp_size,
-            pp_size=self.pp_size,
+            tp_size=self.layout.tp,
+            pp_size=self.layout.pp,
             base_learning_rate=self.base_learning_rate,
             base_batch_size=self.base_batch_size,
             lr_scaling=self.lr_scaling,
@@ -233,17 +247,9 @@ def resolve_contract(
     base_batch_size: int | None = None,
     lr_scaling: str = "linear",
 ) -> BatchContract:
-    """The batch contract of a run (pure). Without ``global_batch_size`` it is micro x dp x accumulation."""
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be a positive integer (1 disables it)")
-    model_parallel = tp_size * pp_size
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"tp_size={tp_size} x pp_size={pp_size} = {model_parallel} does not divide the world size "
-            f"{world_size}; launch a multiple of {model_parallel} processes or lower tp_size/pp_size"
-        )
-    dp = world_size // model_parallel
+    """The batch contract of a run (pure). Without ``global_batch_size`` it is micro x dp x accumulation; the
+    layout's rules (``hf_dist.strategy.Layout``) have already checked ``tp_size`` and ``pp_size``."""
+    dp = world_size // (tp_size * pp_size)
     if global_batch_size is None:
         global_batch_size = micro_batch_size * dp * gradient_accumulation_steps
     else:

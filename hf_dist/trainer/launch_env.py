@@ -58,6 +58,12 @@ def _reshard_from_env() -> bool:
     return value.lower() in (*_TRUE, "full_shard")
 
 
+def _stated_size(name: str) -> int | None:
+    """A positive size the launch config states; None when absent or left to accelerate (<= 0)."""
+    value = int(os.environ.get(name, "0") or 0)
+    return value if value > 0 else None
+
+
 def read_fsdp_request(args) -> tuple[int, FsdpRequest] | None:
     """The FSDP version and settings asked for by the accelerate launcher's env or ``args.fsdp``; None if none."""
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in _TRUE:
@@ -68,6 +74,7 @@ def read_fsdp_request(args) -> tuple[int, FsdpRequest] | None:
             wrap_classes=tuple(c.strip() for c in classes.split(",") if c.strip()) if classes else None,
             cpu_offload=_env_flag("FSDP_OFFLOAD_PARAMS", False),
             dp_replicate=int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1")),
+            dp_shard=_stated_size("PARALLELISM_CONFIG_DP_SHARD_SIZE"),
             source="the accelerate config (ACCELERATE_USE_FSDP)",
         )
     if not getattr(args, "fsdp", None):

@@ -1,24 +1,110 @@
-"""Which ``ParallelDims`` a DistTrainer run has, and telling the Trainer that hf_dist owns the model's placement.
+"""The one ``Layout`` of a DistTrainer run, resolved from every source, and telling the Trainer that hf_dist owns
+the model's placement.
+
+``resolve_layout(args)`` reads the training arguments (``tp_size``, ``pp_size``, the TP options, the ``fsdp2*``
+fields that ``launch_env`` fills from an accelerate FSDP launch config or ``TrainingArguments.fsdp``), the
+DeepSpeed config (``deepspeed=`` or the accelerate launcher's) and the launcher's world (``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``), and returns the ``hf_dist.strategy.Layout`` whose rules decide what runs; it is called once,
+in ``DistTrainingArguments.__post_init__``, before any process group. Nothing is changed: the environment is read.
 
 Applying the layout is ``hf_dist.parallelize`` (``hf_dist.parallelism``); DDP (without TP/PP) and DeepSpeed are
-left to accelerate, which does them correctly on CPU and GPU once ``use_cpu`` is right (``launch_env``).
-Not here: checkpointing (``checkpoint_glue``).
+left to accelerate. Not here: checkpointing (``checkpoint_glue``).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from torch import nn
 
-from hf_dist.parallel_dims import ParallelDims
+from hf_dist.strategy import Layout
 
 
-def layout_dims(*, world_size: int, tp: int, pp: int, fsdp: bool, dp_replicate: int = 1) -> ParallelDims:
-    """The ``ParallelDims`` of a DistTrainer run: data-parallel ranks shard under FSDP (HSDP: inside each of
-    ``dp_replicate`` groups), replicate otherwise (``hf_dist.strategy.strategy_dims``, the one mapping)."""
-    from hf_dist.strategy import strategy_dims
+def _world() -> tuple[int, int]:
+    """(processes per node, nodes) from the launcher; one node when it does not say."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local < 1 or world % local:
+        return world, 1
+    return local, world // local
 
-    strategy = ("fsdp_hybrid_shard" if dp_replicate > 1 else "fsdp_full_shard") if fsdp else "ddp"
-    return strategy_dims(strategy, world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate)
+
+def _deepspeed_config(args) -> dict | None:
+    """The DeepSpeed config this run asks for (``deepspeed=`` path or dict, or the accelerate launcher's file);
+    ``{}`` when only the launcher's flags are known; None without DeepSpeed."""
+    value = getattr(args, "deepspeed", None)
+    if isinstance(value, dict):
+        return value
+    path = value or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:
+        try:
+            return json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"the DeepSpeed config {path!r} could not be read from {os.getcwd()} ({error}); pass an "
+                             f"existing DeepSpeed JSON (an absolute path, or one relative to the working "
+                             f"directory)") from None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes"):
+        return {}
+    return None
+
+
+def _deepspeed_fields(config: dict) -> dict:
+    """``strategy`` and ``offload`` of a ZeRO config (accelerate's flags fill what the file leaves out)."""
+    zero = config.get("zero_optimization", {}) or {}
+    # the file's stage; else the launcher's; else accelerate's default (2) for a flags-only request, DeepSpeed's (0)
+    stage = zero.get("stage", os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2 if not config else 0))
+    try:
+        stage = int(stage)
+    except (TypeError, ValueError):
+        stage = -1
+    if stage not in (1, 2, 3):
+        raise ValueError(f"DeepSpeed zero_optimization.stage={stage!r}: hf_dist runs ZeRO stages 1, 2 and 3; set the "
+                         f"stage in the DeepSpeed config, or launch without DeepSpeed (accelerate_configs/ddp.yaml) "
+                         f"for no sharding")
+
+    def device(key: str, env: str) -> str:
+        found = (zero.get(key) or {}).get("device") or os.environ.get(env) or "none"
+        return str(found).lower()
+
+    optimizer = device("offload_optimizer", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+    params = device("offload_param", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")
+    if "nvme" in (optimizer, params):
+        offload = "nvme"
+    elif stage == 3 and params == "cpu":
+        offload = "cpu"
+    elif optimizer == "cpu":
+        offload = "cpu_optimizer" if stage == 3 else "cpu"
+    else:
+        offload = "none"
+    return {"strategy": f"zero{stage}", "offload": offload}
+
+
+def resolve_layout(args) -> Layout:
+    """The ``Layout`` ``args`` and the launcher ask for; a combination hf_dist does not run raises ``ValueError``."""
+    num_gpus, num_nodes = _world()
+    fields: dict = {"tp": args.tp_size, "pp": args.pp_size, "sequence_parallel": args.tp_sequence_parallel,
+                    "vocab_parallel": args.tp_vocab_parallel, "num_gpus": num_gpus, "num_nodes": num_nodes}
+    deepspeed = _deepspeed_config(args)
+    fsdp = args.hf_dist_fsdp
+    if deepspeed is not None and fsdp is not None:
+        raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
+    if deepspeed is not None:
+        fields |= _deepspeed_fields(deepspeed)
+    elif fsdp is not None:
+        hybrid = fsdp.dp_replicate > 1
+        fields["strategy"] = ("fsdp_hybrid_shard" if hybrid else "fsdp_full_shard" if fsdp.reshard_after_forward
+                              else "fsdp_shard_grad_op")
+        fields["offload"] = "cpu" if fsdp.cpu_offload else "none"
+        fields["dp_replicate"] = fsdp.dp_replicate if hybrid else None
+        fields["dp_shard"] = fsdp.dp_shard
+        if hybrid and not fsdp.reshard_after_forward:
+            raise ValueError(f"fsdp2_dp_replicate={fsdp.dp_replicate} (HYBRID_SHARD) with fsdp2_reshard_after_forward"
+                             f"=False: hf_dist's HSDP reshards after forward; drop one of them")
+    else:
+        fields["strategy"] = "ddp"
+    return Layout(**fields)
 
 
 def mark_distribution_owned(model: nn.Module) -> None:

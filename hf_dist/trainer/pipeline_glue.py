@@ -23,6 +23,7 @@ the Trainer runs with ``gradient_accumulation_steps=1`` and a data-loader batch 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -32,9 +33,11 @@ from hf_dist.parallelism import apply_activation_checkpointing
 from hf_dist.pipeline_parallel.checkpoint import save_pretrained
 from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
-from hf_dist.pipeline_parallel.schedules import PipelineConfig
+from hf_dist.pipeline_parallel.schedules import PipelineConfig, microbatch_problem, smallest_valid_microbatches
 from hf_dist.pipeline_parallel.stage_module import causal_lm_of
 from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
+
+logger = logging.getLogger(__name__)
 
 
 def fold_accumulation_into_pipeline(args) -> None:
@@ -55,11 +58,45 @@ def fold_accumulation_into_pipeline(args) -> None:
                 f"accumulation steps, so drop pp_microbatches or set global_batch_size="
                 f"{contract.micro_batch_size * contract.dp * m}"
             )
+    if microbatch_problem(args.pp_schedule, contract.gradient_accumulation_steps, args.pp_size) is not None:
+        contract = _split_micro_batch(args, explicit=m is not None)
     PipelineConfig(schedule=args.pp_schedule, microbatches=contract.gradient_accumulation_steps)  # validate early
     # Idempotent: re-creating the arguments from these values (to_dict, resume) resolves the same contract.
     # The data loader's batch (micro x micro-batches) is set on the Trainer in finish_init.
     args.pp_microbatches = contract.gradient_accumulation_steps
     args.gradient_accumulation_steps = 1
+
+
+def _split_micro_batch(args, *, explicit: bool):
+    """Too few micro-batches for the schedule: split ``per_device_train_batch_size`` into the smallest valid count
+    (the global batch unchanged) when it divides, else stop naming the smallest valid settings."""
+    contract = args.batch_contract
+    a, micro, dp = contract.gradient_accumulation_steps, contract.micro_batch_size, contract.dp
+    problem = microbatch_problem(args.pp_schedule, a, args.pp_size)
+    rows = micro * a  # sequences per data-parallel rank and step
+    split = next((k for k in range(a + 1, rows + 1) if rows % k == 0
+                  and microbatch_problem(args.pp_schedule, k, args.pp_size) is None), None)
+    if split is not None and not explicit:
+        args.per_device_train_batch_size = rows // split
+        args.gradient_accumulation_steps = split
+        args.batch_contract = args._resolve_contract()
+        _note_split(args, micro, split)
+        return args.batch_contract
+    need = smallest_valid_microbatches(args.pp_schedule, args.pp_size, at_least=a)
+    raise ValueError(
+        f"{problem}, but this run gives {a} (global_batch_size={contract.global_batch_size} = "
+        f"per_device_train_batch_size={micro} x dp={dp} x {a} micro-batches). Set pp_microbatches={need} (or "
+        f"gradient_accumulation_steps={need}, or global_batch_size={micro * dp * need}), or a "
+        f"per_device_train_batch_size that splits into {need} micro-batches, or another pp_schedule (gpipe takes any)"
+    )
+
+
+def _note_split(args, micro: int, split: int) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(
+            "pp_size=%d: per_device_train_batch_size=%d is run as %d pipeline micro-batches of %d (the global batch "
+            "is unchanged); set pp_microbatches or global_batch_size to choose", args.pp_size, micro, split,
+            micro // split)
 
 
 def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
@@ -72,8 +109,6 @@ def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
     fsdp = getattr(args, "hf_dist_fsdp", None)
     if args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing):
         apply_activation_checkpointing(model)  # per decoder layer, before the layers are split out
-    if fsdp is not None and fsdp.cpu_offload:
-        raise ValueError("FSDP cpu_offload with pp_size > 1 is not supported; drop cpu offload or set pp_size=1")
     wanted = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     dtype = next(model.parameters()).dtype
     if wanted is not None and dtype != wanted:

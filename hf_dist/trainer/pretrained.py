@@ -21,7 +21,6 @@ from torch import nn
 from hf_dist.loading import load_checkpoint, meta
 from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.key_map import KeyMap, key_map
-from hf_dist.strategy import streams_weights
 from hf_dist.trainer.laid_out import LaidOut, stamp
 
 logger = logging.getLogger(__name__)
@@ -75,13 +74,13 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     rank, with a warning, and laid out by DistTrainer.
     """
     from hf_dist.planner.flops import module_flop_counts
-    from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+    from hf_dist.trainer.trainer import apply_owned_layout
 
     resolve, model_kwargs, dtype, overrides = meta.split_kwargs(dict(from_pretrained_kwargs))
     directory = meta.checkpoint_dir(name_or_dir, resolve)
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
-    dims = trainer_dims(args)
-    if not streams_weights(fsdp=args.hf_dist_fsdp is not None, tp=dims.tp, pp=dims.pp):
+    dims = args.layout.dims  # the run's one Layout, resolved by DistTrainingArguments
+    if not args.layout.streaming_load:
         return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
     config = meta.load_config(directory, model_kwargs, overrides)
     if args.pp_size > 1:

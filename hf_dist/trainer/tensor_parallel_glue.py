@@ -21,14 +21,6 @@ from hf_dist.tensor_parallel.apply import tensor_parallel_info
 from hf_dist.trainer.dp_data import dp_gather_for_metrics, shard_data_by_dp
 
 
-def check_tp_arguments(args) -> None:
-    """``DistTrainingArguments`` rules for the TP options (``hf_dist.strategy.check_tp_options``, the one rule)."""
-    from hf_dist.strategy import check_tp_options
-
-    check_tp_options(tp=args.tp_size, pp=args.pp_size, sequence_parallel=getattr(args, "tp_sequence_parallel", False),
-                     vocab_parallel=getattr(args, "tp_vocab_parallel", False), prefix="tp_", suffix="_size")
-
-
 def whole_logits(model, logits):
     """Prediction logits with the whole vocabulary: vocab-sharded ones are gathered over the TP ranks.
 

@@ -38,7 +38,7 @@ from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
-from hf_dist.trainer.layout import layout_dims, mark_distribution_owned
+from hf_dist.trainer.layout import mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -52,15 +52,6 @@ def as_dist_args(args: TrainingArguments | None) -> DistTrainingArguments:
         return args
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     return DistTrainingArguments(**values)
-
-
-def trainer_dims(args: DistTrainingArguments) -> ParallelDims:
-    """The layout ``args`` ask for (mesh not built)."""
-    fsdp = args.hf_dist_fsdp
-    return layout_dims(
-        world_size=args.batch_contract.world_size, tp=args.tp_size, pp=args.pp_size, fsdp=fsdp is not None,
-        dp_replicate=fsdp.dp_replicate if fsdp is not None else 1,
-    )
 
 
 def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
@@ -98,8 +89,8 @@ class DistTrainer(Trainer):
             self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
         teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
-        self.dims = trainer_dims(args)
-        self.owns_layout = args.hf_dist_fsdp is not None or self.dims.tp_enabled or self.dims.pp_enabled
+        self.dims = args.layout.dims  # the run's one Layout (DistTrainingArguments), its mesh built when applied
+        self.owns_layout = args.layout.owned_by_hf_dist
         if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead
             model = self._prepare_model(model, args)
         with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
@@ -176,30 +167,16 @@ class DistTrainer(Trainer):
     def describe(self) -> str:
         """The resolved table: layout, batch contract and LR."""
         contract = dataclasses.replace(self.args.batch_contract, seq_len=self._mean_sequence_length())
-        if self.args.hf_dist_fsdp is not None:
-            kind = "FSDP2 FULL_SHARD" if self.args.hf_dist_fsdp.reshard_after_forward else "FSDP2 SHARD_GRAD_OP"
-            if self.dims.dp_replicate > 1:
-                kind += f" HYBRID ({self.dims.dp_replicate} replicas x {self.dims.dp_shard} shards)"
-            kind += " (hf_dist fully_shard)"
-        elif self.is_deepspeed_enabled:
-            stage = self.accelerator.state.deepspeed_plugin.zero_stage
-            kind = f"DeepSpeed ZeRO-{stage}"
-        elif self.dims.tp_enabled or self.dims.pp_enabled:  # never DDP-wrapped: hf_dist averages over dp itself
-            kind = f"DP{self.dims.dp} (hf_dist gradient averaging)" if self.dims.dp_enabled else "no data parallelism"
-        elif contract.world_size > 1:
-            kind = f"DDP ({self.accelerator.distributed_type.value})"
-        else:
-            kind = "single process"
-        if self.dims.tp_enabled:
-            options = [n for n, on in (("sequence", self.args.tp_sequence_parallel),
-                                       ("vocab", self.args.tp_vocab_parallel)) if on]
-            kind += f" x TP{self.dims.tp}" + (f" ({' + '.join(options)} parallel)" if options else "")
-        if self.dims.pp_enabled:
-            kind += f" x PP{self.dims.pp}"
         note = ""
         if self.dims.pp_enabled:
             note = f"{'':<22}  (under PP the accumulation steps run as the pipeline's micro-batches)\n"
-        return f"{contract.table()}\n{'layout':<22}  {kind}\n{note}"
+        layout = self.args.layout
+        backend = None  # what runs the data-parallel part, as the accelerator really is (no silent fallback)
+        if layout.is_fsdp:
+            backend = "hf_dist fully_shard"
+        elif not layout.owned_by_hf_dist and not layout.is_deepspeed and layout.world_size > 1:
+            backend = self.accelerator.distributed_type.value
+        return f"{contract.table()}\n{'layout':<22}  {layout.describe(backend)}\n{note}"
 
     # -- training -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
