@@ -22,7 +22,7 @@ from tests.dist_utils import load_recipe
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for key in list(os.environ):
-        if key.startswith(("FSDP_", "ACCELERATE_")) or key == "WORLD_SIZE":
+        if key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")) or key == "WORLD_SIZE":
             monkeypatch.delenv(key)
 
 
@@ -157,3 +157,37 @@ def test_plan_output_paths_are_checked_before_planning(tmp_path, capsys):
     assert cli_main([*PLAN, "--model", "llama-2-13b", "--out", str(out)]) == 2
     assert f"--out {out} is not empty" in capsys.readouterr().err
     assert (out / "launch.sh").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["per_device_train_batch_size", "per_device_eval_batch_size"])
+def test_batch_sizes_must_be_positive(tmp_path, name):
+    with pytest.raises(ValueError, match=rf"{name}=0 must be a positive integer"):
+        _args(tmp_path, **{name: 0})
+
+
+def test_fp16_on_a_machine_without_gpu_is_refused(tmp_path, monkeypatch):
+    from hf_dist.trainer import launch_env
+
+    monkeypatch.setattr(launch_env, "has_gpu", lambda: False)
+    with pytest.raises(ValueError, match=r"fp16=True on a machine without a GPU.*use --bf16 true"):
+        _args(tmp_path, fp16=True)
+
+
+def test_hsdp_request_that_does_not_fill_the_world_is_refused(tmp_path, monkeypatch):
+    # an accelerate HSDP YAML asking 2 replicas x 2 shards, launched on 2 processes
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"dp_replicate=2 x dp_shard=2 = 4 but the launch has 2 data-parallel ranks.*"
+                                         r"would silently run as 2 x 1; launch 4 processes"):
+        _args(tmp_path)
+
+
+@pytest.mark.parametrize("axis", ["CP", "SP"])
+def test_context_or_sequence_parallel_request_is_refused_not_dropped(tmp_path, monkeypatch, axis):
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv(f"PARALLELISM_CONFIG_{axis}_SIZE", "2")
+    with pytest.raises(ValueError, match=rf"parallelism_config_{axis.lower()}_size=2, but hf_dist does not run"):
+        _args(tmp_path)

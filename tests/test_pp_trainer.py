@@ -144,3 +144,55 @@ def test_accumulation_becomes_pipeline_microbatches():
         fold_accumulation_into_pipeline(_fake_args(global_batch_size=8, pp_microbatches=3))
     with pytest.raises(ValueError, match="pp_schedule='nope' is not known"):
         fold_accumulation_into_pipeline(_fake_args(global_batch_size=8, pp_schedule="nope"))
+
+
+def test_too_few_microbatches_split_the_micro_batch_or_stop_with_the_smallest_valid_values():
+    from hf_dist.trainer.pipeline_glue import fold_accumulation_into_pipeline
+
+    args = _fake_args(per_device_train_batch_size=8)  # bare pp_size=2: the Trainer's default micro batch, 1 step
+    fold_accumulation_into_pipeline(args)  # 8 rows per rank run as 2 micro-batches of 4: the global batch kept
+    assert (args.pp_microbatches, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4, 1)
+    assert args.batch_contract.global_batch_size == 8
+    message = (r"pp_schedule='1f1b' needs at least pp_size=2 micro-batches.*gives 1 .*Set pp_microbatches=2 \(or "
+               r"gradient_accumulation_steps=2, or global_batch_size=2\)")
+    with pytest.raises(ValueError, match=message):  # one row per rank cannot split
+        fold_accumulation_into_pipeline(_fake_args(per_device_train_batch_size=1))
+    with pytest.raises(ValueError, match="needs at least pp_size=2"):  # stated explicitly: never changed behind it
+        fold_accumulation_into_pipeline(_fake_args(per_device_train_batch_size=8, pp_microbatches=1))
+    args = _fake_args(per_device_train_batch_size=1, pp_schedule="gpipe")  # GPipe runs one micro-batch
+    fold_accumulation_into_pipeline(args)
+    assert args.pp_microbatches == 1
+    with pytest.raises(ValueError, match="interleaved_1f1b.*3 does not split into 2 equal rounds|5 does not split"):
+        fold_accumulation_into_pipeline(_fake_args(per_device_train_batch_size=1, gradient_accumulation_steps=5,
+                                                   pp_schedule="interleaved_1f1b"))
+
+
+def test_microbatch_rule_matches_torch_schedules():
+    from hf_dist.pipeline_parallel.schedules import microbatch_problem, smallest_valid_microbatches
+
+    assert microbatch_problem("1f1b", 1, 2) and microbatch_problem("1f1b", 2, 2) is None
+    assert microbatch_problem("interleaved_zb", 5, 2) and microbatch_problem("interleaved_zb", 6, 2) is None
+    assert smallest_valid_microbatches("1f1b", 4) == 4 and smallest_valid_microbatches("gpipe", 4) == 1
+    assert smallest_valid_microbatches("interleaved_1f1b", 2, at_least=5) == 6
+
+
+def _bare_pp_rank(rank, world_size, model_dir, output_dir):
+    """``--pp_size 2`` and nothing else about the pipeline, through hf_dist.from_pretrained and the Trainer."""
+    import hf_dist
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    args = DistTrainingArguments(output_dir=output_dir, pp_size=2, max_steps=1, report_to=[], save_strategy="no",
+                                 disable_tqdm=True, dataloader_num_workers=0, layout_canary=False)
+    model = hf_dist.from_pretrained(model_dir, args)
+    trainer = DistTrainer(model=model, args=args, train_dataset=PaddedDataset(16, seed=1))
+    result = trainer.train()
+    return (args.per_device_train_batch_size, args.pp_microbatches, args.batch_contract.global_batch_size,
+            result.training_loss)
+
+
+def test_bare_pp_size_2_runs_through_from_pretrained_and_the_trainer(tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    results = run_distributed(_bare_pp_rank, 2, str(model_dir), str(tmp_path / "out"))
+    assert [r[:3] for r in results] == [(4, 2, 8)] * 2  # the default micro batch 8 split in 2: global batch 8
+    assert results[0][3] == results[1][3] and results[0][3] > 0

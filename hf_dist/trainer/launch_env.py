@@ -118,7 +118,16 @@ def accelerate_view(args) -> Iterator[None]:
 
 
 def _check_parallelism_env(args) -> None:
-    """accelerate's parallelism_config TP size must agree with hf_dist's (hf_dist applies TP itself)."""
+    """accelerate's parallelism_config TP size must agree with hf_dist's (hf_dist applies TP itself); a context or
+    sequence parallel request is refused, never dropped (hf_dist does not split sequences across ranks)."""
+    for axis in ("CP", "SP"):
+        size = int(os.environ.get(f"PARALLELISM_CONFIG_{axis}_SIZE", "1") or 1)
+        if size > 1:
+            raise ValueError(
+                f"the accelerate config asks for parallelism_config_{axis.lower()}_size={size}, but hf_dist does not "
+                f"run {'context' if axis == 'CP' else 'sequence'} parallelism: the request would silently train as "
+                f"data parallelism over those ranks; set parallelism_config_{axis.lower()}_size: 1 (the sequence then "
+                f"stays whole on each rank; tp_sequence_parallel splits only the norms under TP)")
     tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
     if tp > 1 and tp != getattr(args, "tp_size", 1):
         raise ValueError(
