@@ -6,7 +6,7 @@ The statuses are the support decisions themselves (``hf_dist.tensor_parallel.sup
 parity test against one process (tests/test_tp_sweep.py, and the PP sweep for PP). Nothing is run here.
 
     python bench/coverage.py                      # print the table
-    python bench/coverage.py --write docs/coverage.md --readme README.md   # also write both
+    python bench/coverage.py --write docs/coverage.md --readme README.md   # also write the table, README counts
 
 Not a test and not a benchmark of speed: a table of decisions.
 """
@@ -88,7 +88,8 @@ def render(rows: list[tuple[str, str, str, str]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", help="also write the table to this markdown file")
-    parser.add_argument("--readme", help="also replace the table between the coverage markers of this file")
+    parser.add_argument("--readme", help="also replace the summary line (the counts) between the coverage markers "
+                        "of this file")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.write, "w") as handle:
             handle.write(header + table)
     if args.readme:
-        write_between_markers(args.readme, table)
+        write_between_markers(args.readme, table.splitlines()[0] + "\n")
 
 
 START, END = "<!-- coverage table: start -->", "<!-- coverage table: end -->"

@@ -7,7 +7,7 @@ tiny` with a few steps, a save and the final export, in a fresh output folder, w
 processes compete for the cores. A run is clean when it exits 0 with no "terminate called" in its output.
 Prints one row per layout: runs, clean, abnormal exit codes, and the median wall time.
 
-Figures (2-core CPU machine shared with other jobs, load average ~20 before the hog, 2026-11-23): see README.
+Figures (2-core CPU machine shared with other jobs, load average ~20 before the hog, 2026-11-23): see docs/benchmarks.md.
 """
 
 from __future__ import annotations
