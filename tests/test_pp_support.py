@@ -54,7 +54,7 @@ def test_cli_and_planner_use_the_same_decision(capsys):
     from hf_dist.cli import main
     from hf_dist.planner.catalogue import ModelSpec
     from hf_dist.planner.chooser import _shape_rule
-    from hf_dist.planner.layout import make_layout
+    from hf_dist.planner.workload import make_layout
 
     mixtral = ModelSpec(name="m", model_type="mixtral", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=128, vocab_size=256)

@@ -39,12 +39,18 @@ from hf_dist.checkpoint.writer import (
     write_and_commit,
 )
 from hf_dist.parallel_dims import ParallelDims
+from hf_dist.strategy import Layout
 
 __all__ = ["DCP_DIR", "HF_DIR", "RNG_DIR", "TRAIN_STATE", "AsyncCheckpointer", "SaveHandle", "save_checkpoint"]
 _LAYOUT_FIELDS = ("world_size", "pp", "dp_replicate", "dp_shard", "tp")
 
 
-def layout_dict(layout: ParallelDims) -> dict:
+def layout_dict(layout: ParallelDims | Layout) -> dict:
+    """The manifest's ``layout``: the mesh factors, and for a run's ``Layout`` its name and description."""
+    if isinstance(layout, Layout):
+        dims = layout.dims
+        return {name: getattr(dims, name) for name in _LAYOUT_FIELDS} | {"name": layout.name,
+                                                                         "description": layout.describe()}
     return {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
 
 
@@ -165,7 +171,7 @@ def save_checkpoint(
     scaler=None,
     step: int,
     samples_consumed: int,
-    layout: ParallelDims,
+    layout: ParallelDims | Layout,
     batch_contract: BatchContract | None,
     extra: dict | None = None,
     metrics: dict[str, float] | None = None,

@@ -32,7 +32,7 @@ from torch.multiprocessing.spawn import ProcessException
 from hf_dist.planner.calibrate import (Calibration, calibrate, calibration_layout, compute_dtypes,
                                        device_peak_flops, efficiency_from, scaled_model, timed_steps)
 from hf_dist.planner.catalogue import ModelSpec
-from hf_dist.planner.layout import Workload
+from hf_dist.planner.workload import Workload
 from hf_dist.strategy import FSDP_STRATEGIES, Layout
 
 

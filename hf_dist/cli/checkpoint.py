@@ -65,7 +65,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         ("step", str(manifest.step)),
         ("samples consumed", f"{manifest.samples_consumed:,}"),
         ("layout", " x ".join(f"{k}={layout[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
-         + f" (world size {layout['world_size']})"),
+         + f" (world size {layout['world_size']})" + (f", {layout['description']}" if "description" in layout else "")),
         ("contents", ", ".join(manifest.contents)),
         ("files", f"{len(manifest.files)}, {_human(manifest.total_bytes)}"),
     ]

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from hf_dist.batch import BatchContract
-from hf_dist.configs.layout import LaunchSpec, describe, layout_files, write_files
+from hf_dist.configs.launch import LaunchSpec, describe, layout_files, write_files
 from hf_dist.strategy import OFFLOADS, STRATEGIES, Layout
 
 

@@ -10,7 +10,7 @@ import json
 import sys
 
 from hf_dist.planner.host import LOADINGS
-from hf_dist.planner.layout import ATTENTIONS
+from hf_dist.planner.workload import ATTENTIONS
 from hf_dist.strategy import MIXED_PRECISIONS
 
 

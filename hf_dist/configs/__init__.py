@@ -19,7 +19,7 @@ from hf_dist.configs.deepspeed import (
     DeepSpeedSpec,
     deepspeed_config,
 )
-from hf_dist.configs.layout import LaunchSpec, layout_files, write_layout_configs
+from hf_dist.configs.launch import LaunchSpec, layout_files, write_layout_configs
 from hf_dist.configs.strict import (
     read_accelerate_config,
     read_config_file,

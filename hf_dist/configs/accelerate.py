@@ -6,7 +6,7 @@ accelerate's own loader by the tests.
 
 Things a YAML cannot carry are not here: hf_dist's tensor/pipeline-parallel degrees are training arguments
 (``--tp_size``/``--pp_size``) and go in the launch command and the ``hf_dist.yaml`` layout file
-(``hf_dist.configs.layout``).
+(``hf_dist.configs.launch``).
 
 On a machine without a GPU, ``distributed_type: MULTI_GPU`` is what starts N processes (accelerate then runs
 MULTI_CPU over gloo); ``MULTI_CPU`` or ``use_cpu`` would start one. So DDP is always written as MULTI_GPU and

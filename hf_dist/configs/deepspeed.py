@@ -11,7 +11,7 @@ Two modes:
   and refuses a mismatch. Optimizer hyper-parameters stay ``"auto"`` unless ``adamw`` is given, and the ZeRO
   bucket sizes unless ``hidden_size`` is (they are the model's, filled by the Trainer).
 
-Not here: which stage to pick (that is the planner's job), writing files (``hf_dist.configs.layout``) or
+Not here: which stage to pick (that is the planner's job), writing files (``hf_dist.configs.launch``) or
 reading them back (``hf_dist.configs.strict``). Pure: no torch, no DeepSpeed import.
 """
 

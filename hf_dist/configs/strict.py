@@ -9,7 +9,7 @@ nearest valid key (``difflib``), never a silent default.
 * ``read_deepspeed_config`` -- a DeepSpeed JSON. DeepSpeed ignores unknown top-level keys; here they are errors
   (``DEEPSPEED_TOP_LEVEL_KEYS``), and ``zero_optimization`` is checked against DeepSpeed's own ZeRO model.
 
-Not here: generating files (``hf_dist.configs.layout``) or judging whether values are sensible beyond the
+Not here: generating files (``hf_dist.configs.launch``) or judging whether values are sensible beyond the
 batch arithmetic.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from hf_dist.configs.deepspeed import check_batch_arithmetic
-from hf_dist.configs.layout import LaunchSpec
+from hf_dist.configs.launch import LaunchSpec
 from hf_dist.strategy import Layout
 
 # Top-level keys of a DeepSpeed config (DeepSpeed's config-json documentation and deepspeed/runtime/config.py).
@@ -217,7 +217,7 @@ def read_config_file(path: str | Path) -> object:
 
 def read_layout_dir(folder: str | Path) -> LaunchSpec:
     """Read a folder written by ``write_layout_configs`` and check that its files agree with each other."""
-    from hf_dist.configs.layout import ACCELERATE_FILE, DEEPSPEED_FILE, LAYOUT_FILE
+    from hf_dist.configs.launch import ACCELERATE_FILE, DEEPSPEED_FILE, LAYOUT_FILE
 
     folder = Path(folder)
     layout = read_layout_file(folder / LAYOUT_FILE)

@@ -13,7 +13,7 @@ Not here: writing DeepSpeed/accelerate configs (``hf_dist.configs``) or running 
 from hf_dist.planner.catalogue import GPU_CATALOGUE, MODEL_CATALOGUE, GpuSpec, ModelSpec, gpu_spec, model_spec
 from hf_dist.planner.chooser import Candidate, Plan, PlanRequest, choose_layout
 from hf_dist.planner.host import HostMemory, host_memory
-from hf_dist.planner.layout import Layout, Workload, make_layout
+from hf_dist.planner.workload import Layout, Workload, make_layout
 from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_memory
 from hf_dist.planner.throughput import Throughput, estimate_throughput
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from hf_dist.planner.catalogue import ModelSpec
-from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import lm_head_tp
 
 

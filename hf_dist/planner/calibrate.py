@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from hf_dist.planner.catalogue import ModelSpec, gpu_from_device_name, spec_config
-from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.throughput import flops_per_token
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from hf_dist.batch import BatchContract
 from hf_dist.planner.catalogue import GpuSpec, ModelSpec, spec_config
 from hf_dist.planner.host import HostMemory, Loading, host_memory
-from hf_dist.planner.layout import Attention, Layout, Workload, make_layout
+from hf_dist.planner.workload import Attention, Layout, Workload, make_layout
 from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_memory, gib
 from hf_dist.planner.throughput import Throughput, estimate_throughput
 from hf_dist.strategy import MIXED_PRECISIONS, MixedPrecision, precision_that_runs

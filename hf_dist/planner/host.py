@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hf_dist.planner.catalogue import ModelSpec
-from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown
 
 Loading = Literal["auto", "every_rank", "streaming"]

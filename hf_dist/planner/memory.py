@@ -42,7 +42,7 @@ from typing import Literal
 
 from hf_dist.planner.activations import ActivationModel, activation_model
 from hf_dist.planner.catalogue import ModelSpec
-from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import ModelStates, model_states
 
 _MIB = 2**20

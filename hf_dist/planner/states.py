@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 
 from hf_dist.planner.catalogue import ModelSpec, spec_config
-from hf_dist.planner.layout import FSDP_STRATEGIES, Layout, Workload
+from hf_dist.planner.workload import FSDP_STRATEGIES, Layout, Workload
 from hf_dist.tensor_parallel.plans import lm_head_split
 
 ZERO3_SUB_GROUP_SIZE = 1_000_000_000

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hf_dist.planner.catalogue import GpuSpec, ModelSpec
 from hf_dist.planner.flops import FlopCounts
-from hf_dist.planner.layout import Layout, Workload
+from hf_dist.planner.workload import Layout, Workload
 
 BASE_EFFICIENCY: dict[str, float] = {
     "ddp": 0.50,

@@ -79,7 +79,7 @@ def save_trainer_checkpoint(trainer, trial) -> Path:
         lr_scheduler=trainer.lr_scheduler,
         step=step,
         samples_consumed=step * contract.global_batch_size,
-        layout=trainer.dims,
+        layout=trainer.args.layout,  # the run's one Layout: mesh factors, name and description in the manifest
         batch_contract=contract,
         tokenizer=trainer.processing_class if trainer.args.should_save else None,
         extra_files={TRAINER_STATE_NAME: _trainer_state_json(trainer)},
