@@ -7,7 +7,7 @@ the same dict -- for the whole model only where that is small (tests), or for th
 whole model streamed. The final save of a whole model never gathers it: ``write_streaming``
 fetches one whole tensor at a time into the current output file (shards planned from the global shapes first, so
 names and index are exact), so rank 0 holds one file plus one tensor. ``save_streaming`` feeds it from a model
-every rank holds a shard of; the pipeline's saver (``pipeline_parallel.checkpoint``) from the stage that owns each
+every rank holds a shard of; the pipeline's saver (``pipeline_parallel.save``) from the stage that owns each
 tensor. ``gather_meter`` counts the whole tensors a rank holds, to check that bound.
 
 Not for: sharded checkpoints for resuming (``hf_dist.checkpoint``, DCP).

@@ -125,7 +125,7 @@ def _fake_args(**values):
 
 
 def test_accumulation_becomes_pipeline_microbatches():
-    from hf_dist.trainer.pipeline_glue import fold_accumulation_into_pipeline
+    from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
 
     args = _fake_args(global_batch_size=8)
     fold_accumulation_into_pipeline(args)
@@ -147,7 +147,7 @@ def test_accumulation_becomes_pipeline_microbatches():
 
 
 def test_too_few_microbatches_split_the_micro_batch_or_stop_with_the_smallest_valid_values():
-    from hf_dist.trainer.pipeline_glue import fold_accumulation_into_pipeline
+    from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
 
     args = _fake_args(per_device_train_batch_size=8)  # bare pp_size=2: the Trainer's default micro batch, 1 step
     fold_accumulation_into_pipeline(args)  # 8 rows per rank run as 2 micro-batches of 4: the global batch kept

@@ -8,7 +8,7 @@ is the global count of samples consumed, so a checkpoint taken after ``k`` optim
 skipped across a reshard.
 
 ``DataParallelBatchSampler`` is the same order cut into epochs, as batches for one dp rank: what ``DistTrainer``
-trains from on every layout (``hf_dist.trainer.dp_data``). An epoch's last round, when short, is completed from
+trains from on every layout (``hf_dist.trainer.data``). An epoch's last round, when short, is completed from
 the start of that epoch, so every rank gets the same number of batches -- the order accelerate's sharding of the
 Trainer's seeded sampler yields (so a ``DistTrainer`` run reads what a one-process ``Trainer`` reads). When the
 round divides the dataset, the epochs concatenated are exactly ``ResumableSampler``'s stream.

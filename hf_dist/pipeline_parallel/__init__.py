@@ -8,10 +8,10 @@
 
 - ``PipelineModel``: this rank's stages as one module with HF parameter names (what DistTrainer holds).
 
-Not for: the Trainer glue (``hf_dist.trainer.pipeline_glue``).
+Not for: the Trainer glue (``hf_dist.trainer``).
 """
 
-from hf_dist.pipeline_parallel.checkpoint import gather_state_dict, save_pretrained
+from hf_dist.pipeline_parallel.save import gather_state_dict, save_pretrained
 from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import (

@@ -2,7 +2,7 @@
 
 What ``DistTrainer`` (and any training loop wanting one module) holds under PP: optimizers, ``zero_grad``,
 ``train()`` and checkpoints see exactly the local parameters under their HF names. Not for: running the schedule
-(``PipelinedCausalLM.train_step``) or the Trainer hooks (``hf_dist.trainer.pipeline_glue``).
+(``PipelinedCausalLM.train_step``) or the Trainer hooks (``hf_dist.trainer``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -138,3 +139,18 @@ def apply_tensor_parallel(
 def tensor_parallel_info(model: nn.Module) -> TensorParallelInfo | None:
     """What ``apply_tensor_parallel`` recorded on ``model`` (``None`` for a model without TP)."""
     return getattr(unwrap_peft(model), TP_INFO_ATTR, None)
+
+
+def whole_logits(model, logits):
+    """Prediction logits with the whole vocabulary: vocab-sharded ones are gathered over the TP ranks.
+
+    Only for ``Trainer.prediction_step``, whose caller needs whole predictions; the loss was already computed
+    without them (``VocabParallelCausalLMLoss``).
+    """
+    info = tensor_parallel_info(model)
+    if logits is None or info is None or not info.vocab_parallel or not isinstance(logits, torch.Tensor):
+        return logits
+    group = info.tp_mesh.get_group()
+    parts = [torch.empty_like(logits) for _ in range(info.tp)]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)

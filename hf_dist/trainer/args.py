@@ -19,7 +19,7 @@ from transformers import TrainingArguments
 from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env, preemption
-from hf_dist.trainer import pipeline_glue as pipeline_trainer
+from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
 from hf_dist.trainer.layout import resolve_layout
 
 
@@ -214,7 +214,7 @@ class DistTrainingArguments(TrainingArguments):
         self.gradient_accumulation_steps = self.batch_contract.gradient_accumulation_steps
         if self.batch_contract.learning_rate is not None:
             self.learning_rate = self.batch_contract.learning_rate
-        pipeline_trainer.fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
+        fold_accumulation_into_pipeline(self)  # pp_size > 1: accumulation -> micro-batches
 
     @property
     def hf_dist_fsdp(self) -> launch_env.FsdpRequest | None:

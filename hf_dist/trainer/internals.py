@@ -6,7 +6,7 @@ when a ``DistTrainer`` is built and stops with the installed versions if one of 
 ``tests/test_trainer_internals.py`` checks that each override is still *called*, in a real run, for the versions
 in ``TESTED_VERSIONS`` (the bounds in ``setup.cfg`` and the README).
 
-Not here: the overrides themselves (``trainer.py`` and the ``*_glue`` modules call what this lists).
+Not here: the overrides themselves (``trainer.py`` and the modules of ``hf_dist.trainer`` call what this lists).
 """
 
 from __future__ import annotations
@@ -66,25 +66,27 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                   why="gather DTensor shards (hf_dist.state_dict) into a normal HF directory; PP: from every stage"),
     PrivateMember(owner=_T, name="_get_output_dir", kind="call", where="trainer.checkpoint_glue",
                   why="the run folder checkpoints go to (hyperparameter search trials included), as the Trainer's"),
-    PrivateMember(owner=_T, name="_remove_unused_columns", kind="call", where="trainer.dp_data",
+    PrivateMember(owner=_T, name="_remove_unused_columns", kind="call", where="trainer.data",
                   why="the train loader hf_dist builds drops the columns the model does not take, as the Trainer's"),
-    PrivateMember(owner=_T, name="_get_collator_with_removed_columns", kind="call", where="trainer.dp_data",
+    PrivateMember(owner=_T, name="_get_collator_with_removed_columns", kind="call", where="trainer.data",
                   why="the same for datasets that are not a datasets.Dataset"),
-    PrivateMember(owner=_T, name="_prepare_inputs", kind="call", where="trainer.pipeline_glue",
+    PrivateMember(owner=_T, name="_prepare_inputs", kind="call", where="trainer.step",
                   why="a pipeline step moves its batch to the device as training_step would"),
-    PrivateMember(owner=_T, name="_train_batch_size", kind="set", where="trainer.pipeline_glue",
+    PrivateMember(owner=_T, name="_train_batch_size", kind="set", where="trainer.data",
                   why="under PP the data loader's batch is micro batch x micro-batches (accumulation runs inside the "
                       "pipeline)"),
     PrivateMember(owner=_T, name="_mixed_mesh_grad_norm", kind="call", where="tests (reference for TP norms)",
                   why="the Trainer's own norm over DTensor and plain gradients; tests compare against it"),
     PrivateMember(owner="transformers.PreTrainedModel", name="_is_distributed_loading_by_transformers", kind="set",
-                  where="trainer.layout, trainer.pipeline_glue",
+                  where="trainer.layout, pipeline_parallel.apply",
                   why="tells the Trainer the model owns placement and gradient reduction: no DDP wrap, no re-shard"),
-    PrivateMember(owner=_A, name="prepare_data_loader", kind="patch", where="trainer.dp_data",
+    PrivateMember(owner=_A, name="prepare_data_loader", kind="patch", where="trainer.data",
                   why="under TP/PP the ranks of one model replica must read the same batch: shard by dp rank"),
-    PrivateMember(owner=_A, name="gather_for_metrics", kind="patch", where="trainer.dp_data",
+    PrivateMember(owner=_A, name="gather_for_metrics", kind="patch", where="trainer.data",
                   why="gather eval results over dp only (TP/PP ranks hold copies); trimmed as accelerate trims"),
-    PrivateMember(owner=_A, name="_dataloaders", kind="set", where="trainer.dp_data",
+    PrivateMember(owner=_T, name="gather_function", kind="set", where="trainer.data",
+                  why="the Trainer gathers eval results through it: over dp only under TP/PP, as gather_for_metrics"),
+    PrivateMember(owner=_A, name="_dataloaders", kind="set", where="trainer.data",
                   why="accelerate tracks prepared loaders there (end-of-dataloader state for gather trimming)"),
     PrivateMember(owner="accelerate model", name="_is_accelerate_prepared", kind="set", where="trainer.trainer",
                   why="evaluate() before train() marks a bare model prepared; train() would then skip the DDP wrap"),

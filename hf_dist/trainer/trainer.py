@@ -32,9 +32,10 @@ from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.state_dict import save_gathered
 from hf_dist.tensor_parallel.checks import check_tp_sizes
-from hf_dist.trainer import checkpoint_glue, dp_data, launch_env, preemption, resume, teardown
-from hf_dist.trainer import pipeline_glue as pipeline_trainer
-from hf_dist.trainer import tensor_parallel_glue as tensor_parallel_trainer
+from hf_dist.pipeline_parallel.apply import apply_pipeline
+from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
+from hf_dist.tensor_parallel.apply import whole_logits
+from hf_dist.trainer import checkpoint_glue, data, launch_env, preemption, resume, step, teardown
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
@@ -64,7 +65,7 @@ def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
     else:
         model = model.to(device)
     if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
-        return pipeline_trainer.apply_pipeline(dims, model, args)
+        return apply_pipeline(dims, model, args)
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     model = parallelize(
         model,
@@ -103,10 +104,11 @@ class DistTrainer(Trainer):
         # handlers live: outside it the callback list is the Trainer's.
         self.preemption = preemption.PreemptionCallback(signals) if signals else None
         self._check_packing()
-        if self.dims.pp_enabled:
-            pipeline_trainer.finish_init(self)  # dp-only data sharding; logits to every rank for metrics
-        elif self.dims.tp_enabled:
-            tensor_parallel_trainer.prepare_trainer(self)  # a TP group reads one batch; metrics gathered over dp
+        if self.dims.pp_enabled or self.dims.tp_enabled:  # ranks that share a batch: data and metrics by dp rank
+            data.use_dp_group(self)
+        if self.dims.pp_enabled:  # logits to every stage's rank only when metrics need them
+            self.model.logits_everywhere = self.compute_metrics is not None or \
+                self.preprocess_logits_for_metrics is not None
         if self.args.should_log:
             print(self.describe(), flush=True)
 
@@ -199,8 +201,8 @@ class DistTrainer(Trainer):
         return output
 
     def get_train_dataloader(self):
-        """The resumable, dp-sharded order (``dp_data.train_dataloader``); the Trainer's own for other datasets."""
-        loader = dp_data.train_dataloader(self)
+        """The resumable, dp-sharded order (``data.train_dataloader``); the Trainer's own for other datasets."""
+        loader = data.train_dataloader(self)
         return loader if loader is not None else super().get_train_dataloader()
 
     def evaluate(self, *args, **kwargs):
@@ -219,12 +221,12 @@ class DistTrainer(Trainer):
         metering = self.throughput.step(model, inputs) if self.args.dist_logging else contextlib.nullcontext()
         with metering:  # tokens, busy time, DDP all-reduce wait
             if self.dims.pp_enabled:
-                return pipeline_trainer.training_step(self, model, inputs)
+                return step.pipeline_training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        return loss, tensor_parallel_trainer.whole_logits(model, logits), labels  # vocab-sharded under TP
+        return loss, whole_logits(model, logits), labels  # vocab-sharded under TP
 
     def get_tp_size(self) -> int:
         return self.dims.tp  # the Trainer divides num_items_in_batch and the global batch by it
@@ -236,7 +238,7 @@ class DistTrainer(Trainer):
 
     def _clip_grad_norm(self, model):
         if self.dims.pp_enabled:  # the norm over every stage, not just this rank's
-            return pipeline_trainer.clip_grad_norm(self)
+            return step.pipeline_clip_grad_norm(self)
         return super()._clip_grad_norm(model)
 
     @contextlib.contextmanager
@@ -284,17 +286,19 @@ class DistTrainer(Trainer):
         checkpoint_glue.load_best_model(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """For layouts hf_dist owns, a normal HF directory (or PEFT adapter) without gathering the whole model."""
-        if self.dims.pp_enabled:
-            return pipeline_trainer.save(self, output_dir)
-        if not self.owns_layout or state_dict is not None:
+        """For layouts hf_dist owns, a normal HF directory (or PEFT adapter) without gathering the whole model;
+        under PP the stage that owns a tensor sends it to rank 0. Tokenizer and arguments as the Trainer writes them."""
+        if not self.owns_layout or (state_dict is not None and not self.dims.pp_enabled):
             return super()._save(output_dir, state_dict=state_dict)
         import os
 
         from transformers.trainer import TRAINING_ARGS_NAME
 
         output_dir = output_dir or self.args.output_dir
-        save_gathered(self.model, output_dir)  # streamed weights, or only the adapter's tensors (collective)
+        if self.dims.pp_enabled:
+            save_pipeline(self.model.pipeline, output_dir)  # every rank joins; rank 0 writes
+        else:
+            save_gathered(self.model, output_dir)  # streamed weights, or only the adapter's tensors (collective)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

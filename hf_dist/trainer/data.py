@@ -7,7 +7,8 @@ Trainer's own skipping of trained batches on resume then continues at the same g
 Datasets without a length, and the ``group_by_length`` / ``batch_rebalance`` strategies, keep the Trainer's path.
 
 Evaluation: accelerate shards eval loaders and gathers eval results over every process; under TP or PP both are
-done over the dp group instead (``shard_data_by_dp``, ``dp_gather_for_metrics``).
+done over the dp group instead: ``use_dp_group`` is the one hook through which a layout whose ranks share a batch
+(TP, PP) hands its data-parallel group to the Trainer.
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def shard_data_by_dp(trainer) -> None:
                         device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch)
 
     accelerator.prepare_data_loader = prepare
+
+
+def use_dp_group(trainer) -> None:
+    """After ``Trainer.__init__``, for layouts whose ranks share a batch (TP, PP): eval loaders shard by the dp rank
+    and eval results gather over dp only. Under PP the train loader's batch is micro x micro-batches."""
+    shard_data_by_dp(trainer)
+    if trainer.dims.pp_enabled:  # accumulation runs inside the pipeline: one loader batch per optimizer step
+        trainer._train_batch_size = trainer.args.per_device_train_batch_size * trainer.args.pp_microbatches
+    gather = dp_gather_for_metrics(trainer)
+    trainer.accelerator.gather_for_metrics = gather  # the Trainer re-reads it after every evaluation loop
+    trainer.gather_function = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
 
 
 def train_dataloader(trainer):
