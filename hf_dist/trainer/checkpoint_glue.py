@@ -87,7 +87,7 @@ def save_trainer_checkpoint(trainer, trial) -> Path:
         async_save=async_checkpointer(trainer) or False,
     )
     if not handle.done():
-        trainer._hf_dist_pending_save = handle
+        trainer.pending_save = handle
     return output_dir
 
 
@@ -96,15 +96,14 @@ def async_checkpointer(trainer) -> AsyncCheckpointer | None:
     changes parameters in ``optimizer.step``, which waits for the copy)."""
     if not trainer.args.async_save:
         return None
-    if getattr(trainer, "_hf_dist_checkpointer", None) is None:
-        trainer._hf_dist_checkpointer = AsyncCheckpointer(stage_in_background=True)
-    return trainer._hf_dist_checkpointer
+    if trainer.async_checkpointer is None:
+        trainer.async_checkpointer = AsyncCheckpointer(stage_in_background=True)
+    return trainer.async_checkpointer
 
 
 def wait_for_saves(trainer) -> None:
     """Block until the last asynchronous save is committed (raises if its write failed)."""
-    handle = getattr(trainer, "_hf_dist_pending_save", None)
-    trainer._hf_dist_pending_save = None
+    handle, trainer.pending_save = trainer.pending_save, None
     if handle is not None:
         handle.result()
 

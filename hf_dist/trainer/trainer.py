@@ -90,6 +90,8 @@ class DistTrainer(Trainer):
             self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
         teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
+        self.pending_save = None  # the last asynchronous checkpoint, until committed (checkpoint_glue)
+        self.async_checkpointer = None  # reused across --async_save checkpoints (checkpoint_glue)
         self.dims = args.layout.dims  # the run's one Layout (DistTrainingArguments), its mesh built when applied
         self.owns_layout = args.layout.owned_by_hf_dist
         if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead
