@@ -25,6 +25,7 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
+from hf_dist.checkpoint.safe_io import give_user_mode
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
@@ -311,7 +312,9 @@ class DistTrainer(Trainer):
         if self.dims.pp_enabled:
             return pipeline_trainer.save(self, output_dir)
         if not self.owns_layout or state_dict is not None:
-            return super()._save(output_dir, state_dict=state_dict)
+            super()._save(output_dir, state_dict=state_dict)
+            give_user_mode(output_dir or self.args.output_dir)  # save_pretrained leaves its safetensors 0600
+            return
         import os
 
         from transformers.trainer import TRAINING_ARGS_NAME
