@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.trainer import launch_env, preemption
 from hf_dist.trainer import pipeline_glue as pipeline_trainer
+from hf_dist.trainer.config_paths import anchor_deepspeed_paths
 from hf_dist.trainer.tensor_parallel_glue import check_tp_arguments
 
 
@@ -190,6 +191,7 @@ class DistTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_values(self)  # before anything reads them: no process group exists yet
         launch_env.prepare_environment(self)
+        anchor_deepspeed_paths(self)  # the shipped YAMLs' ds_configs/*.json from any working directory
         if self.learning_rate is None:  # None: not given (kept apart from an explicit 5e-5, the Trainer's default)
             self.learning_rate = DEFAULT_LEARNING_RATE if self.base_learning_rate is None else float("nan")
         super().__post_init__()
