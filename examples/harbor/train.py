@@ -31,6 +31,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_dist import DistTrainer, DistTrainingArguments, data
+from hf_dist.checkpoint.safe_io import give_user_mode
 from hf_dist.models import tiny_llama_config
 from hf_dist.trainer import resume
 
@@ -219,6 +220,7 @@ def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
         base_dir = Path(args.output_dir) / "base"
         if args.process_index == 0:
             model.save_pretrained(base_dir)
+            give_user_mode(base_dir)  # save_pretrained leaves its safetensors 0600
         model.name_or_path = model.config.name_or_path = str(base_dir.resolve())  # recorded in adapter_config
     return get_peft_model(model, lora_config(script))
 
@@ -250,6 +252,7 @@ def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | No
         if prompts:
             merged_dir = final_dir.with_name(final_dir.name + "-merged")
             model.merge_and_unload().save_pretrained(merged_dir)
+            give_user_mode(merged_dir)
             tokenizer.save_pretrained(merged_dir)
             model = AutoModelForCausalLM.from_pretrained(merged_dir)
             line += f"; merged into {merged_dir}, reloaded with AutoModelForCausalLM.from_pretrained"
