@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_dist import DistTrainer, DistTrainingArguments
-from hf_dist.checkpoint.safe_io import save_safetensors
+from hf_dist.file_modes import save_safetensors
 from hf_dist.models import build_tiny_model
 from hf_dist.state_dict import save_streaming
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_dist import DistTrainer, DistTrainingArguments, data
-from hf_dist.checkpoint.safe_io import give_user_mode
+from hf_dist.file_modes import give_user_mode
 from hf_dist.models import tiny_llama_config
 from hf_dist.trainer import resume
 

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import DCP_DIR, HF_DIR
-from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, save_safetensors
+from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from hf_dist.file_modes import save_safetensors
 
 MODEL_PREFIX = "model."
 INDEX_NAME = "model.safetensors.index.json"

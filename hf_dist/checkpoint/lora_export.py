@@ -154,7 +154,7 @@ def export_peft(
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)
     if mode == "adapter":
-        from hf_dist.checkpoint.safe_io import save_safetensors
+        from hf_dist.file_modes import save_safetensors
 
         keys = [key for keys in pairs.values() for key in keys.values()]
         tensors = {key.replace(f".{adapter_dir.name}.", "."): t for key, t in read_tensors(ckpt, keys, metas).items()}

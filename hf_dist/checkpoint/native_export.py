@@ -22,7 +22,7 @@ import torch
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.export import INDEX_NAME, ExportReport, compare_logits, plan_shards, prepare_out, write_shards
-from hf_dist.checkpoint.safe_io import give_user_mode
+from hf_dist.file_modes import give_user_mode
 
 _WEIGHTS = ("model.safetensors", INDEX_NAME)
 

@@ -4,8 +4,6 @@ DCP's stock reader unpickles ``.metadata`` with plain ``pickle`` and its default
 entries with ``torch.load(weights_only=False)``: a crafted checkpoint could run code. ``SafeFileSystemReader``
 unpickles the metadata with an allow-list of DCP's own metadata classes, and ``SafeLoadPlanner`` reads
 non-tensor entries with ``weights_only=True``. RNG states go to safetensors (tensors + string metadata).
-``save_safetensors`` is the one writer of safetensors files in hf_dist: safetensors' own ``save_file`` writes
-through a private temporary file and leaves mode 0600; hf_dist's files get the user's umask like any other file.
 
 Not here: deciding what to save (``hf_dist.checkpoint.api``).
 """
@@ -13,7 +11,6 @@ Not here: deciding what to save (``hf_dist.checkpoint.api``).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import random
 from pathlib import Path
@@ -22,6 +19,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
+
+from hf_dist.file_modes import save_safetensors
 
 _DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED_GLOBALS = {
@@ -79,44 +78,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-# -- writing safetensors with ordinary permissions ------------------------------------------------------------
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where Linux allows (async saves write from threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    umask = os.umask(0o022)  # elsewhere: the only portable read is a set and restore
-    os.umask(umask)
-    return umask
-
-
-def user_file_mode() -> int:
-    """The mode ``open()`` gives a new file: 0o666 less the umask (0o644 under umask 022)."""
-    return 0o666 & ~current_umask()
-
-
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """``safetensors.torch.save_file``, then the mode a user's file gets (safetensors leaves 0600)."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, user_file_mode())
-
-
-def give_user_mode(directory: str | os.PathLike) -> None:
-    """The ``*.safetensors`` files directly in ``directory`` (written by ``save_pretrained``) get ``user_file_mode``."""
-    mode = user_file_mode()
-    for path in Path(directory).glob("*.safetensors"):
-        if path.is_file() and path.stat().st_mode & 0o777 != mode:
-            os.chmod(path, mode)
 
 
 # -- per-rank RNG ---------------------------------------------------------------------------------------------

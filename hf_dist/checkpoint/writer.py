@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
-from hf_dist.checkpoint.safe_io import save_safetensors
+from hf_dist.file_modes import save_safetensors
 
 DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE = "dcp", "rng", "hf", "train_state.pt"
 

@@ -89,7 +89,7 @@ def write_model_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.generation_config = loaded.generation_config
-    from hf_dist.checkpoint.safe_io import give_user_mode
+    from hf_dist.file_modes import give_user_mode
 
     plain.save_pretrained(out_dir)
     give_user_mode(out_dir)  # a shared cache: safetensors leaves 0600

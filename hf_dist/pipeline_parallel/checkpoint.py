@@ -175,7 +175,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _write_adapters(model, adapters: dict[str, dict[str, torch.Tensor]], output_dir: str) -> None:
-    from hf_dist.checkpoint.safe_io import save_safetensors
+    from hf_dist.file_modes import save_safetensors
 
     for name, adapter in adapters.items():
         target = output_dir if name == "default" else os.path.join(output_dir, name)

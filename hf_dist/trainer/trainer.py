@@ -25,7 +25,7 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_dist.checkpoint.safe_io import give_user_mode
+from hf_dist.file_modes import give_user_mode
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
