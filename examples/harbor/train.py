@@ -14,6 +14,8 @@ A real pretrained model, offline (``make demo``): ``--model_name_or_path "$(hf-d
 (SmolLM2-135M-Instruct); ``--data_path`` also takes prompt/completion or plain-text files (``build_datasets``).
 
 Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 32``, ``--tp_size 2``, ...).
+The presets save no checkpoints; ``--save_steps N`` alone saves every N steps (``--eval_steps N`` alone evaluates
+every N), and next to a ``--save_strategy`` other than ``steps`` it is refused.
 ``--resume_from_checkpoint true`` continues from the newest complete checkpoint in ``--output_dir`` (``auto``: the
 same, or a fresh start when there is none); an output dir holding checkpoints is refused without it (or
 ``--overwrite_output_dir``).
