@@ -133,8 +133,8 @@ def check_strategies(argv: list[str], args: DistTrainingArguments) -> None:
         chosen = str(getattr(getattr(args, strategy), "value", getattr(args, strategy)))
         if given(argv, steps) and given(argv, strategy) and chosen != "steps":
             raise ValueError(
-                f"--{steps} {getattr(args, steps):g} with --{strategy} {chosen}: --{steps} is used only with --{strategy} "
-                f"steps; drop --{strategy} (--{steps} alone implies steps), set --{strategy} steps, or drop --{steps}"
+                f"--{steps} {getattr(args, steps):g} with --{strategy} {chosen}: --{steps} is used only with "
+                f"--{strategy} steps; drop --{strategy} (--{steps} alone implies steps), set --{strategy} steps, or drop --{steps}"
             )
 
 
