@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_dist.file_modes import give_user_mode, save_safetensors
 from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR, deinterleave_parts
 
 DEFAULT_SHARD_BYTES = 2**30
@@ -160,6 +161,7 @@ def save_gathered(model: nn.Module, save_directory: str, *, max_shard_bytes: int
     state = full_state_dict(model, keys=peft_saved_keys(model))
     if not dist.is_initialized() or dist.get_rank() == 0:
         model.save_pretrained(save_directory, state_dict=state, is_main_process=True)
+        give_user_mode(save_directory)  # safetensors leaves 0600
     if dist.is_initialized():
         dist.barrier()
 
@@ -221,8 +223,6 @@ def write_streaming(
     """Write the tensors ``entries`` names (in order, with their global shapes) and ``model``'s config as one HF
     directory from rank 0. Every rank calls it with the same ``entries`` and calls ``fetch(key)`` for each key in
     order; ``fetch`` returns the whole tensor on rank 0 (None elsewhere), one at a time. Ends with a barrier."""
-    from safetensors.torch import save_file
-
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     sizes = {k: _numel(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
     shards = plan_shards(sizes, max_shard_bytes)
@@ -237,7 +237,7 @@ def write_streaming(
                 part[key] = held(value.detach().to("cpu").contiguous())  # counted once more if it is a copy
             del value
         if is_main:
-            save_file(part, os.path.join(save_directory, name), metadata={"format": "pt"})
+            save_safetensors(part, os.path.join(save_directory, name), metadata={"format": "pt"})
         del part
     if is_main:
         _write_metadata(model, save_directory, shards, names, sum(sizes.values()))

@@ -92,6 +92,47 @@ def test_recipe_data_path_needs_a_model(tmp_path):
         load_recipe().parse(["--data_path", str(tmp_path / "x.jsonl"), "--output_dir", str(tmp_path)])
 
 
+def test_recipe_output_dir_must_be_a_folder(tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep me")
+    with pytest.raises(ValueError, match=r"--output_dir .*notes.txt is an existing file, not a folder.*choose another"):
+        load_recipe().parse(["--output_dir", str(taken)])
+    with pytest.raises(ValueError, match=r"--output_dir .*notes.txt/run lies under .*notes.txt, which is a file"):
+        load_recipe().parse(["--output_dir", str(taken / "run")])
+    assert taken.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("flag", ["--save_steps", "--eval_steps"])
+def test_recipe_steps_flag_alone_implies_the_steps_strategy(tmp_path, flag):
+    """The presets say --save_strategy no (tiny: --eval_strategy no too); an interval given alone is obeyed."""
+    _, args = load_recipe().parse(["--output_dir", str(tmp_path), f"{flag}=3"])
+    strategy = args.save_strategy if flag == "--save_steps" else args.eval_strategy
+    assert (strategy.value, getattr(args, flag[2:])) == ("steps", 3)
+    _, preset_only = load_recipe().parse(["--output_dir", str(tmp_path)])
+    assert (preset_only.save_strategy.value, preset_only.eval_strategy.value) == ("no", "no")
+
+
+def test_recipe_steps_flag_against_another_strategy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--save_steps 1 with --save_strategy no: --save_steps is used only with "
+                                         r"--save_strategy steps; drop --save_strategy"):
+        load_recipe().parse(["--output_dir", str(tmp_path), "--save_steps", "1", "--save_strategy", "no"])
+    _, args = load_recipe().parse(["--output_dir", str(tmp_path), "--save_steps", "1", "--save_strategy", "steps"])
+    assert args.save_strategy.value == "steps"
+
+
+def test_recipe_missing_resume_path_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    recipe = load_recipe()
+    monkeypatch.setattr(recipe, "build_model", lambda *a: pytest.fail("the model loaded before the check"))
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(ValueError, match=rf"^Can't find a valid checkpoint at {missing}: no such file or folder; "
+                                         r"pass a checkpoint-N folder"):
+        recipe.main(["--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(missing)])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty.* nor a folder holding a complete one"):
+        recipe.parse(["--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(tmp_path / "empty")])
+    assert not (tmp_path / "run").exists()  # nothing written either
+
+
 # -- hf-dist config / plan ----------------------------------------------------------------------------------
 CONFIG = ["config", "--strategy", "zero2", "--gpus", "2", "--micro-batch", "1", "--global-batch", "8"]
 PLAN = ["plan", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "512", "--global-batch", "64"]

@@ -121,7 +121,8 @@ def test_accelerate_yaml_loads_with_accelerates_loader(path):
         ds_file = ROOT / config.deepspeed_config["deepspeed_config_file"]
         assert ds_file.is_file(), f"{path.name} points at a missing {ds_file}"
     if raw["distributed_type"] == "FSDP":
-        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+        assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config  # the model's _no_split_modules
         assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
 
 
@@ -191,5 +192,39 @@ def test_fsdp2_yaml_reaches_hf_dists_trainer_as_written(name, reshard, checkpoin
     assert version == 2
     assert request.reshard_after_forward is reshard
     assert request.activation_checkpointing is checkpointing
-    assert request.wrap_classes == ("LlamaDecoderLayer",)
+    assert request.wrap_classes is None  # no class named: the model's own _no_split_modules
     assert request.cpu_offload is False
+
+
+def _tiny(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type, layer", [
+    ("llama", "LlamaDecoderLayer"), ("qwen2", "Qwen2DecoderLayer"), ("gpt_neox", "GPTNeoXLayer"),
+])
+def test_shipped_fsdp_yaml_shards_each_models_own_layers(model_type, layer):
+    """fsdp.yaml, through the launcher's environment and hf_dist's reader, picks each model's decoder layer."""
+    import os
+
+    from hf_dist.parallelism import find_blocks
+    from hf_dist.trainer.launch_env import read_fsdp_request
+
+    _, env = launcher_env(ROOT / "accelerate_configs" / "fsdp.yaml")
+    with mock.patch.dict(os.environ, env):
+        _, request = read_fsdp_request(None)
+    blocks = find_blocks(_tiny(model_type), request.wrap_classes)
+    assert [type(b).__name__ for b in blocks] == [layer, layer]
+
+
+def test_a_named_wrap_class_stops_other_models():
+    """What the shipped file did before: LlamaDecoderLayer named, a Qwen2 model refused (now only when asked)."""
+    from hf_dist.parallelism import find_blocks
+
+    with pytest.raises(ValueError, match=r"no module of class \['LlamaDecoderLayer'\] in Qwen2ForCausalLM.*"
+                                         r"Qwen2DecoderLayer"):
+        find_blocks(_tiny("qwen2"), ("LlamaDecoderLayer",))

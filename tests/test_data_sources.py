@@ -92,6 +92,15 @@ def test_bad_inputs_name_the_fix(tok, tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{not json\n')
     with pytest.raises(ValueError, match=r"broken.jsonl: datasets.load_dataset\('json'\) could not read it"):
         load_examples(tmp_path / "broken.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")  # datasets itself raised with an empty message
+    with pytest.raises(ValueError, match=r"empty.jsonl holds no rows \(0 bytes"):
+        load_examples(tmp_path / "empty.jsonl")
+    (tmp_path / "blank.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"blank.txt holds no rows .*write at least one row"):
+        load_examples(tmp_path / "blank.txt")
+    (tmp_path / "header.csv").write_text("text\n")  # parses, to zero rows
+    with pytest.raises(ValueError, match=r"header.csv holds no rows"):
+        load_examples(tmp_path / "header.csv")
     bad_role = Dataset.from_list([{"messages": [{"role": "bot", "content": "hi"}]}])
     with pytest.raises(ValueError, match="row 0: messages\\[0\\] has unknown role 'bot'"):
         tokenize_examples(bad_role, tok, max_seq_len=32)

@@ -6,6 +6,7 @@ These are the expensive tests: one launch per layout, tiny model, short sequence
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,16 +39,16 @@ def _env():
     return env
 
 
-def _run(cmd, out_dir: Path) -> dict:
-    proc = subprocess.run(cmd + ["--output_dir", str(out_dir)], cwd=ROOT, env=_env(), capture_output=True, text=True)
+def _run(cmd, out_dir: Path, cwd: Path = ROOT) -> dict:
+    proc = subprocess.run(cmd + ["--output_dir", str(out_dir)], cwd=cwd, env=_env(), capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads((out_dir / "summary.json").read_text())
 
 
-def launch(config: str, out_dir: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
-           str(TRAIN), *COMMON, *extra]
-    return _run(cmd, out_dir)
+def launch(config: str, out_dir: Path, *extra: str, cwd: Path = ROOT) -> dict:
+    yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml), str(TRAIN), *COMMON, *extra]
+    return _run(cmd, out_dir, cwd)
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,28 @@ def test_lora_under_fsdp2_saves_a_real_adapter(tmp_path):
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
     assert lora_b and all(t.numel() > 0 for t in adapter.values())
     assert any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: nonzero means it trained and was gathered
+
+
+def test_shipped_fsdp_yaml_trains_a_non_llama_model(tmp_path):
+    """fsdp.yaml names no wrap class: a Qwen2 model is sharded by its own Qwen2DecoderLayer (it once stopped)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hf_dist import data
+
+    jsonl, tok = data.prepare_demo_data(tmp_path / "data", n=160, seed=0, vocab_size=400)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, **data.special_token_ids(tok))
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
+    tok.save_pretrained(tmp_path / "qwen2")
+    summary = launch("fsdp", tmp_path / "run", "--model_name_or_path", str(tmp_path / "qwen2"),
+                     "--data_path", str(jsonl), "--max_steps", "2")
+    assert summary["layout"].endswith(LAYOUTS["fsdp"]), summary["layout"]
+    assert len(summary["losses"]) == 2 and all(math.isfinite(loss) for loss in summary["losses"])
+
+
+def test_shipped_zero3_yaml_from_another_directory(tmp_path):
+    """Launched from a user's folder (no ds_configs/ there), zero3.yaml still finds its DeepSpeed JSON."""
+    (tmp_path / "elsewhere").mkdir()
+    summary = launch("zero3", tmp_path / "run", "--max_steps", "2", cwd=tmp_path / "elsewhere")
+    assert summary["layout"].endswith(LAYOUTS["zero3"]), summary["layout"]
+    assert len(summary["losses"]) == 2

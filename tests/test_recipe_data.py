@@ -61,3 +61,23 @@ def test_data_without_a_model_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="--data_path .* needs --model_name_or_path"):
         load_recipe().main(["--data_path", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
+
+
+def test_save_steps_alone_saves_and_files_are_readable_by_others(tiny_model_dir, tmp_path):
+    """--save_steps 2 without --save_strategy (the preset says no) writes checkpoints; weights get the umask's mode."""
+    import os
+    import stat
+
+    from hf_dist.data import write_jsonl
+
+    previous = os.umask(0o022)
+    try:
+        assert load_recipe().main([*COMMON, "--model_name_or_path", str(tiny_model_dir), "--output_dir",
+                                   str(tmp_path / "run"), "--data_path", str(write_jsonl(tmp_path / "t.jsonl", 40)),
+                                   "--save_steps", "2"]) == 0
+    finally:
+        os.umask(previous)
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    for folder in ("final", "checkpoint-4"):
+        path = tmp_path / "run" / folder / "model.safetensors"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path

@@ -14,6 +14,8 @@ A real pretrained model, offline (``make demo``): ``--model_name_or_path "$(hf-d
 (SmolLM2-135M-Instruct); ``--data_path`` also takes prompt/completion or plain-text files (``build_datasets``).
 
 Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 32``, ``--tp_size 2``, ...).
+The presets save no checkpoints; ``--save_steps N`` alone saves every N steps (``--eval_steps N`` alone evaluates
+every N), and next to a ``--save_strategy`` other than ``steps`` it is refused.
 ``--resume_from_checkpoint true`` continues from the newest complete checkpoint in ``--output_dir`` (``auto``: the
 same, or a fresh start when there is none); an output dir holding checkpoints is refused without it (or
 ``--overwrite_output_dir``).
@@ -23,6 +25,7 @@ same, or a fresh start when there is none); an output dir holding checkpoints is
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_dist import DistTrainer, DistTrainingArguments, data
+from hf_dist.file_modes import give_user_mode
 from hf_dist.models import tiny_llama_config
 from hf_dist.trainer import resume
 
@@ -94,15 +98,72 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r} is not a preset; use one of {', '.join(PRESETS)}")
     parser = HfArgumentParser((ScriptArguments, DistTrainingArguments))
-    script, args = parser.parse_args_into_dataclasses(args=PRESETS[preset] + list(argv))
+    script, args = parser.parse_args_into_dataclasses(args=PRESETS[preset] + implied_strategies(argv) + list(argv))
+    check_strategies(argv, args)
     if script.data_path is not None and script.model_name_or_path is None:
         raise ValueError(
             f"--data_path {script.data_path} needs --model_name_or_path (a local model folder or Hub id) whose "
             f"tokenizer encodes it; the random-init tiny model only trains on the synthetic transcripts"
         )
     # Before any process group or data: never train over a previous run's checkpoints without being told.
+    check_output_path(args.output_dir)
     resume.check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    check_resume_path(args.resume_from_checkpoint, args.output_dir)
     return script, args
+
+
+# Each interval flag and the strategy it belongs to: the presets turn saving (tiny: evaluation too) off.
+STRATEGY_OF: dict[str, str] = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}
+
+
+def given(argv: list[str], name: str) -> bool:
+    """Whether the user's own command line (not the preset) sets ``--name``."""
+    return any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv)
+
+
+def implied_strategies(argv: list[str]) -> list[str]:
+    """``--save_steps N`` alone means "save every N steps" (likewise ``--eval_steps``), whatever the preset says."""
+    return [arg for steps, strategy in STRATEGY_OF.items()
+            if given(argv, steps) and not given(argv, strategy) for arg in (f"--{strategy}", "steps")]
+
+
+def check_strategies(argv: list[str], args: DistTrainingArguments) -> None:
+    """An interval the user gave next to a strategy that never reads it is a contradiction, not a silent no-op."""
+    for steps, strategy in STRATEGY_OF.items():
+        chosen = str(getattr(getattr(args, strategy), "value", getattr(args, strategy)))
+        if given(argv, steps) and given(argv, strategy) and chosen != "steps":
+            raise ValueError(
+                f"--{steps} {getattr(args, steps):g} with --{strategy} {chosen}: --{steps} is used only with "
+                f"--{strategy} steps; drop --{strategy} (--{steps} alone implies steps), set --{strategy} steps, or drop --{steps}"
+            )
+
+
+def check_output_path(output_dir: str) -> None:
+    """``--output_dir`` must be (or become) a folder this user can write, checked before anything loads."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--output_dir {output_dir} is an existing file, not a folder: the run writes its data, "
+                         f"checkpoints and final model under it; choose another --output_dir or move the file away")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output_dir {output_dir} lies under {existing}, which is a file, not a folder; choose "
+                         f"an --output_dir whose parents are folders")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_dir {output_dir}: {existing} is not writable by this user; choose another "
+                         f"--output_dir or fix the folder's permissions")
+
+
+def check_resume_path(value: str | None, output_dir: str) -> None:
+    """``--resume_from_checkpoint`` names something resumable, checked before the model loads (pure)."""
+    value = resume.parse_resume(value)
+    if isinstance(value, str) and value != resume.AUTO and not Path(value).exists():
+        raise ValueError(
+            f"Can't find a valid checkpoint at {value}: no such file or folder; pass a checkpoint-N folder, a run "
+            f"folder holding one, --resume_from_checkpoint true (the newest in --output_dir) or auto (that, or a "
+            f"fresh start when there is none)"
+        )
+    if value is not None:  # the Trainer's own resolution (its refusal) now rather than after the model loads
+        resume.resolve_resume(value, output_dir, native_only=False)
 
 
 def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
@@ -161,6 +222,7 @@ def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
         base_dir = Path(args.output_dir) / "base"
         if args.process_index == 0:
             model.save_pretrained(base_dir)
+            give_user_mode(base_dir)  # save_pretrained leaves its safetensors 0600
         model.name_or_path = model.config.name_or_path = str(base_dir.resolve())  # recorded in adapter_config
     return get_peft_model(model, lora_config(script))
 
@@ -192,6 +254,7 @@ def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | No
         if prompts:
             merged_dir = final_dir.with_name(final_dir.name + "-merged")
             model.merge_and_unload().save_pretrained(merged_dir)
+            give_user_mode(merged_dir)
             tokenizer.save_pretrained(merged_dir)
             model = AutoModelForCausalLM.from_pretrained(merged_dir)
             line += f"; merged into {merged_dir}, reloaded with AutoModelForCausalLM.from_pretrained"

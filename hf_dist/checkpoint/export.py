@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import DCP_DIR, HF_DIR
 from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from hf_dist.file_modes import save_safetensors
 
 MODEL_PREFIX = "model."
 INDEX_NAME = "model.safetensors.index.json"
@@ -118,12 +119,10 @@ def write_shards(
     report: ExportReport,
 ) -> None:
     """Write every planned shard from ``produce(names) -> tensors``, one shard in memory at a time, and the index."""
-    from safetensors.torch import save_file
-
     for filename, names in plan.filename_to_tensors.items():
         tensors = {name: t.contiguous() for name, t in produce(list(names)).items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file(tensors, str(out / filename), metadata={"format": "pt"})
+        save_safetensors(tensors, out / filename, metadata={"format": "pt"})
         report.files.append(filename)
         report.total_bytes += nbytes
         report.largest_shard_bytes = max(report.largest_shard_bytes, nbytes)

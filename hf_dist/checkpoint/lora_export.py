@@ -154,12 +154,12 @@ def export_peft(
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)
     if mode == "adapter":
-        from safetensors.torch import save_file
+        from hf_dist.file_modes import save_safetensors
 
         keys = [key for keys in pairs.values() for key in keys.values()]
         tensors = {key.replace(f".{adapter_dir.name}.", "."): t for key, t in read_tensors(ckpt, keys, metas).items()}
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_safetensors({k: t.contiguous() for k, t in tensors.items()}, out / "adapter_model.safetensors",
+                         metadata={"format": "pt"})
         shutil.copy2(adapter_dir / "adapter_config.json", out / "adapter_config.json")
         report.files += ["adapter_model.safetensors", "adapter_config.json"]
         report.total_bytes = report.largest_shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())

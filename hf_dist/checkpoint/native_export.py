@@ -22,6 +22,7 @@ import torch
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.export import INDEX_NAME, ExportReport, compare_logits, plan_shards, prepare_out, write_shards
+from hf_dist.file_modes import give_user_mode
 
 _WEIGHTS = ("model.safetensors", INDEX_NAME)
 
@@ -124,6 +125,7 @@ def export_native(
         _write_streamed(ckpt, out, *streamed, max_shard_size, report)
     else:
         model.save_pretrained(str(out), max_shard_size=max_shard_size)
+        give_user_mode(out)  # safetensors leaves 0600
         report.total_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     tokenizer_source = Path(tokenizer_dir) if tokenizer_dir is not None else ckpt
     if (tokenizer_source / "tokenizer_config.json").is_file():

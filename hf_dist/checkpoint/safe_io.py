@@ -20,6 +20,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
 
+from hf_dist.file_modes import save_safetensors
+
 _DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED_GLOBALS = {
     ("torch", "Size"),
@@ -105,10 +107,8 @@ def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def save_rng(path: Path) -> None:
-    from safetensors.torch import save_file
-
     tensors, meta = capture_rng()
-    save_file(tensors, str(path), metadata=meta)
+    save_safetensors(tensors, path, metadata=meta)
 
 
 def restore_rng(path: Path) -> None:

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
+from hf_dist.file_modes import save_safetensors
 
 DCP_DIR, RNG_DIR, HF_DIR, TRAIN_STATE = "dcp", "rng", "hf", "train_state.pt"
 
@@ -139,10 +140,8 @@ def _prepare_partial(partial: Path, rank: int) -> None:
 
 
 def _write_rank_files(job: SaveJob, rank: int) -> None:
-    from safetensors.torch import save_file
-
     tensors, meta = job.rng
-    save_file(tensors, str(job.partial / RNG_DIR / f"rank_{rank:05d}.safetensors"), metadata=meta)
+    save_safetensors(tensors, job.partial / RNG_DIR / f"rank_{rank:05d}.safetensors", metadata=meta)
     if job.rank0 is not None:
         _write_rank0_files(job.partial, job.rank0)
 

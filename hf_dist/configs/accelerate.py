@@ -33,8 +33,10 @@ class FsdpSpec:
     sharding: FsdpSharding = "FULL_SHARD"
     """FULL_SHARD: params+grads+states sharded, re-gathered per layer in backward. SHARD_GRAD_OP: params kept
     gathered between forward and backward. HYBRID_SHARD: shard inside a node, replicate across nodes."""
-    wrap_classes: tuple[str, ...] = ()
-    """Decoder-layer class names to wrap (the model's ``_no_split_modules``); empty: size-based wrapping."""
+    wrap_classes: tuple[str, ...] | None = ()
+    """Decoder-layer class names to wrap (the model's ``_no_split_modules``); empty: size-based wrapping; None:
+    layer-based wrapping with no class named, so each model's own ``_no_split_modules`` applies (hf_dist's FSDP2
+    and accelerate's FSDP1 both default to it): one file serves Llama, Qwen2, GPT-NeoX, ..."""
     state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = "SHARDED_STATE_DICT"
     """SHARDED: each rank writes its shard (fast, DCP format); FULL: rank 0 gathers a full state dict."""
     activation_checkpointing: bool = True
@@ -121,7 +123,9 @@ class AccelerateSpec:
 
 def _fsdp_section(fsdp: FsdpSpec) -> dict:
     section: dict = {"fsdp_version": fsdp.version}
-    if fsdp.wrap_classes:
+    if fsdp.wrap_classes is None:
+        section["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"  # the model's _no_split_modules
+    elif fsdp.wrap_classes:
         section["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
         section["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fsdp.wrap_classes)
     else:

@@ -63,10 +63,27 @@ def load_examples(source):
             f"data file {path} has extension {path.suffix!r}, which hf_dist does not read; use one of "
             f"{', '.join(FILE_BUILDERS)}, or load it yourself and pass a datasets.Dataset"
         )
+    with path.open("rb") as file:
+        head = file.read(65537)
+    if len(head) <= 65536 and not head.strip():  # empty, or blank lines only: datasets says nothing useful
+        raise _no_rows(path)
     try:
-        return load_dataset(builder, data_files={"train": str(path)})
+        loaded = load_dataset(builder, data_files={"train": str(path)})
     except Exception as err:  # datasets raises many types; the user needs the file and the reader
-        raise ValueError(f"data file {path}: datasets.load_dataset({builder!r}) could not read it: {err}") from err
+        if "corresponds to no data" in str(err):  # datasets' words for a file that parsed to zero rows
+            raise _no_rows(path) from err
+        reason = str(err) or type(err).__name__
+        raise ValueError(f"data file {path}: datasets.load_dataset({builder!r}) could not read it: {reason}") from err
+    if len(loaded["train"]) == 0:
+        raise _no_rows(path)
+    return loaded
+
+
+def _no_rows(path: Path) -> ValueError:
+    return ValueError(
+        f"data file {path} holds no rows ({path.stat().st_size} bytes, no examples); write at least one row with "
+        f"the columns of one shape ({_expected_columns()}), or point --data_path at the intended file"
+    )
 
 
 def detect_shape(columns: list[str], where: str = "the dataset") -> str:

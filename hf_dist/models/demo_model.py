@@ -79,6 +79,8 @@ def write_model_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_dist.file_modes import give_user_mode
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -90,6 +92,7 @@ def write_model_dir(gguf_path: str | Path, out_dir: str | Path) -> Path:
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(out_dir)
+    give_user_mode(out_dir)  # a shared cache: safetensors leaves 0600
     tokenizer.save_pretrained(out_dir)
     license_file = _license_file()
     if license_file is not None and license_file.is_file():

@@ -175,10 +175,11 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _write_adapters(model, adapters: dict[str, dict[str, torch.Tensor]], output_dir: str) -> None:
-    from safetensors.torch import save_file
+    from hf_dist.file_modes import save_safetensors
 
     for name, adapter in adapters.items():
         target = output_dir if name == "default" else os.path.join(output_dir, name)
         os.makedirs(target, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in adapter.items()}, os.path.join(target, "adapter_model.safetensors"))
+        tensors = {k: v.contiguous() for k, v in adapter.items()}
+        save_safetensors(tensors, os.path.join(target, "adapter_model.safetensors"))
         model.peft_config[name].save_pretrained(target)

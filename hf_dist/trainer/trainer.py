@@ -25,6 +25,7 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
+from hf_dist.file_modes import give_user_mode
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.parallelism import parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
@@ -291,7 +292,9 @@ class DistTrainer(Trainer):
         """For layouts hf_dist owns, a normal HF directory (or PEFT adapter) without gathering the whole model;
         under PP the stage that owns a tensor sends it to rank 0. Tokenizer and arguments as the Trainer writes them."""
         if not self.owns_layout or (state_dict is not None and not self.dims.pp_enabled):
-            return super()._save(output_dir, state_dict=state_dict)
+            super()._save(output_dir, state_dict=state_dict)
+            give_user_mode(output_dir or self.args.output_dir)  # save_pretrained leaves its safetensors 0600
+            return
         import os
 
         from transformers.trainer import TRAINING_ARGS_NAME
