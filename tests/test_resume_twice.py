@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,38 @@ def test_fsdp2_trains_twice_and_keeps_the_first_runs_sharded_checkpoints(tmp_pat
     _check(result, tmp_path / "fsdp2")
     assert "manifest.json" in result["a_files"]["checkpoint-4"]  # hf_dist's format, with its `latest` pointer
     assert result["aside_names"] == ["checkpoint-2", "checkpoint-4", "latest"]
+
+
+def _sft_twice(out: Path, tokenizer_dir: Path, config_cls, trainer_cls) -> list[dict]:
+    from datasets import Dataset
+    from test_sft import _texts, _tokenizer
+
+    from hf_dist.models import build_tiny_model
+
+    tokenizer = _tokenizer(tokenizer_dir)
+    runs = []
+    for lr in (2e-3, 5e-3):  # the same notebook cell, run twice with another learning rate
+        model = build_tiny_model(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, seed=0,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        args = config_cls(output_dir=str(out), max_steps=2, save_steps=2, learning_rate=lr, logging_steps=1,
+                          report_to=[], seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
+                          max_length=24, per_device_train_batch_size=2, use_cpu=True)
+        trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"text": _texts(16)}),
+                              processing_class=tokenizer)
+        trainer.train()
+        runs.append({log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log})
+    return runs
+
+
+def test_dist_sft_trainer_trains_twice_into_one_folder_like_sft_trainer(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_dist.trainer.sft import DistSFTConfig, DistSFTTrainer
+
+    plain = _sft_twice(tmp_path / "trl", tmp_path / "tok", SFTConfig, SFTTrainer)
+    ours = _sft_twice(tmp_path / "dist", tmp_path / "tok", DistSFTConfig, DistSFTTrainer)
+    torch.testing.assert_close(ours, plain, atol=1e-6, rtol=0)
+    (aside,) = (tmp_path / "dist").glob("previous_run-*")  # TRL overwrote its first checkpoint; we kept it
+    for folder, run in ((aside, ours[0]), (tmp_path / "dist", ours[1])):
+        state = json.loads((folder / "checkpoint-2" / "trainer_state.json").read_text())
+        assert state["log_history"][1]["loss"] == pytest.approx(run[2]), folder
