@@ -45,8 +45,13 @@ def test_a_fresh_start_sets_aside_every_checkpoint_it_does_not_continue(tmp_path
     everything = [tmp_path / "checkpoint-2", tmp_path / "checkpoint-3", tmp_path / "latest"]
     for fresh in (None, False, "false", str(tmp_path / "elsewhere" / "checkpoint-2")):
         assert resume.earlier_run_checkpoints(tmp_path, fresh) == everything, fresh
-    for continuing in ("true", "auto", str(tmp_path / "checkpoint-2"), str(tmp_path)):
+    for continuing in ("true", "auto", str(tmp_path / "checkpoint-3"), str(tmp_path)):
         assert resume.earlier_run_checkpoints(tmp_path, continuing) == [], continuing
+    # resuming an earlier step: the later ones are an abandoned continuation (`latest` goes with the one it names)
+    assert resume.earlier_run_checkpoints(tmp_path, str(tmp_path / "checkpoint-2")) == [tmp_path / "checkpoint-3"]
+    _hf_dist_checkpoint(tmp_path, 10)  # numerically after 3, not by name
+    assert resume.earlier_run_checkpoints(tmp_path, str(tmp_path / "checkpoint-3")) == [
+        tmp_path / "checkpoint-10", tmp_path / "latest"]
     (tmp_path / "data").mkdir()  # a folder that is not a checkpoint does not count
     assert resume.earlier_run_checkpoints(tmp_path / "data", None) == []
     assert resume.earlier_run_checkpoints(tmp_path / "missing", None) == []
@@ -109,7 +114,7 @@ def test_overwrite_removes_only_checkpoints(tmp_path):
     _native_checkpoint(tmp_path, 4)
     (tmp_path / "data").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
-    resume.remove_checkpoints(tmp_path)
+    resume.remove_checkpoints(resume.earlier_run_checkpoints(tmp_path, None))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
 
 

@@ -3,7 +3,8 @@
 Run A saves checkpoint-2 and -4. Run B starts fresh in the same folder with ``save_total_limit=1``, as the plain
 Trainer lets a notebook cell run twice: it trains the Trainer's losses, says once where A's checkpoints went,
 and neither overwrites nor rotates them away (byte for byte). ``true`` then finds B's checkpoint-4, and run C
-resuming A's moved-aside checkpoint-2 continues A exactly (and sets B's aside in turn). In one process (the
+resuming A's moved-aside checkpoint-2 continues A exactly (and sets B's aside in turn); D resuming C's checkpoint-4
+in place sets C's checkpoint-6 aside rather than saving over it. In one process (the
 Trainer's own checkpoints, against ``transformers.Trainer``) and on 2 gloo ranks under FSDP2 (hf_dist's
 checkpoints and their retention). DistSFTTrainer trains twice into one folder as TRL's SFTTrainer does.
 """
@@ -25,7 +26,7 @@ LAYOUTS = {"one process": dict(use_cpu=True), "fsdp2": dict(fsdp2=True)}
 MOVED = "moved them into"
 
 
-def _train(out: str, layout: str, *, resume=None, lr: float = 1e-3, limit: int | None = None, plain=False):
+def _train(out: str, layout: str, *, resume=None, lr=1e-3, limit: int | None = None, steps=4, plain=False):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_dist import DistTrainer, DistTrainingArguments
@@ -33,7 +34,7 @@ def _train(out: str, layout: str, *, resume=None, lr: float = 1e-3, limit: int |
 
     args_cls, trainer_cls = (TrainingArguments, Trainer) if plain else (DistTrainingArguments, DistTrainer)
     args = args_cls(
-        output_dir=out, max_steps=4, per_device_train_batch_size=2, learning_rate=lr, lr_scheduler_type="constant",
+        output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=lr, lr_scheduler_type="constant",
         logging_steps=1, save_strategy="steps", save_steps=2, save_total_limit=limit, report_to=[], seed=0,
         data_seed=0, disable_tqdm=True, dataloader_num_workers=0, **LAYOUTS[layout],
     )
@@ -69,8 +70,15 @@ def _twice(rank, world, root: str, layout: str) -> dict:
     result["aside_names"] = sorted(p.name for p in aside.iterdir())
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank has looked before C moves B's checkpoints
-    result["c"] = _train(str(out), layout, resume=str(aside / "checkpoint-2"))
+    result["c"] = _train(str(out), layout, resume=str(aside / "checkpoint-2"), steps=6)
     result["after_c"] = sorted(p.name for p in out.iterdir())
+    result["c6"] = _digest(out / "checkpoint-6")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    # D resumes C's checkpoint-4 in place: C's checkpoint-6 is an abandoned continuation, set aside, not replaced
+    result["d"] = _train(str(out), layout, resume=str(out / "checkpoint-4"), steps=6)
+    newest_aside = max(out.glob("previous_run-*"), key=lambda p: p.stat().st_mtime_ns)
+    result["d_aside"] = {p.name: _digest(p) for p in newest_aside.glob("checkpoint-*")}
     return result
 
 
@@ -82,10 +90,12 @@ def _check(result: dict, out: Path) -> None:
     assert len(aside) == 1 and "checkpoint-4" in result["after_b"] and "checkpoint-2" not in result["after_b"]
     assert result["true_after_b"] == str(out / "checkpoint-4")  # B's (save_total_limit=1 rotated B's own -2)
     assert result["b"][4] != pytest.approx(result["a"][4])  # B really trained anew (another learning rate)
-    assert result["c"]["steps_run"] == [3, 4]  # C continued A at step 3 ...
+    assert result["c"]["steps_run"] == [3, 4, 5, 6]  # C continued A at step 3 ...
     for step in (3, 4):  # ... exactly
         torch.testing.assert_close(result["c"][step], result["a"][step], atol=1e-6, rtol=0)
     assert len([n for n in result["after_c"] if n.startswith("previous_run-")]) == 2  # B's moved aside in turn
+    assert result["d"]["steps_run"] == [5, 6] and result["d_aside"] == {"checkpoint-6": result["c6"]}
+    torch.testing.assert_close(result["d"][6], result["c"][6], atol=1e-6, rtol=0)
 
 
 def test_one_process_trains_twice_like_the_trainer_and_keeps_the_first_run(tmp_path):

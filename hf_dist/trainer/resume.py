@@ -13,7 +13,9 @@ argument) takes:
   ``latest``) into ``output_dir/previous_run-<UTC time>/`` and says so once. The Trainer's ``checkpoint-*`` glob,
   its rotation and ``true`` never look there, so this run neither overwrites nor rotates them away, and they
   still resume by path. ``--overwrite_output_dir`` (hf_dist's flag; transformers 5 removed it) deletes them
-  instead. A resume from a checkpoint outside ``output_dir`` treats ``output_dir``'s checkpoints the same way.
+  instead. A resume from a checkpoint outside ``output_dir`` treats ``output_dir``'s checkpoints the same way,
+  and a resume from ``output_dir/checkpoint-N`` those of steps after N (an abandoned continuation: the new saves
+  would replace them, and the Trainer's rotation keeps the highest step and deletes the new ones).
 
 Errors for a checkpoint that is not there start with the Trainer's own wording and add what to do.
 
@@ -84,17 +86,28 @@ def earlier_run_checkpoints(output_dir: str | Path, resume: bool | str | None) -
     """The checkpoints (and ``latest``) in ``output_dir`` that a run with this ``resume`` does not continue.
 
     All of them on a fresh start, or when resuming from a checkpoint that lives elsewhere (another folder, or an
-    earlier run's moved-aside ``previous_run-*``); none with ``true``/``auto`` or a checkpoint of ``output_dir``.
+    earlier run's moved-aside ``previous_run-*``); those of later steps when resuming ``output_dir/checkpoint-N``
+    (with ``latest`` if it names one of them); none with ``true``/``auto`` or ``output_dir`` itself.
     """
     resume = parse_resume(resume)
     if resume is True or resume == AUTO:
         return []
     root = Path(output_dir).resolve()
-    if resume is not None:
-        path = Path(resume).resolve()
-        if path == root or (path.parent == root and _CHECKPOINT_RE.match(path.name)):
-            return []
-    return existing_checkpoints(root)
+    found = existing_checkpoints(root)
+    path = Path(resume).resolve() if resume is not None else None
+    if path == root:
+        return []
+    if path is None or path.parent != root or not _CHECKPOINT_RE.match(path.name):
+        return found
+    later = [p for p in found if p.name != mf.LATEST_NAME and _step(p) > _step(path)]
+    latest = root / mf.LATEST_NAME
+    if latest.is_file() and latest.read_text(encoding="utf-8").strip() in {p.name for p in later}:
+        later.append(latest)
+    return later
+
+
+def _step(checkpoint: Path) -> int:
+    return int(_CHECKPOINT_RE.match(checkpoint.name).group(1))
 
 
 def move_aside(output_dir: str | Path, checkpoints: list[Path]) -> Path:
@@ -111,15 +124,13 @@ def move_aside(output_dir: str | Path, checkpoints: list[Path]) -> Path:
     return dest
 
 
-def remove_checkpoints(output_dir: str | Path) -> list[Path]:
-    """``--overwrite_output_dir``: delete the previous run's checkpoints and ``latest`` (main process only)."""
-    removed = existing_checkpoints(output_dir)
-    for path in removed:
+def remove_checkpoints(checkpoints: list[Path]) -> None:
+    """``--overwrite_output_dir``: delete an earlier run's checkpoints and ``latest`` (main process only)."""
+    for path in checkpoints:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return removed
 
 
 def _moved_aside_hint(output_dir: str | Path) -> str:
@@ -203,7 +214,7 @@ def keep_earlier_run(trainer, resume: bool | str | None) -> None:
     args = trainer.args
     earlier = earlier_run_checkpoints(args.output_dir, resume) if args.should_save else []
     if earlier and args.overwrite_output_dir:
-        remove_checkpoints(args.output_dir)
+        remove_checkpoints(earlier)
         print(f"hf_dist: --overwrite_output_dir: deleted the earlier run's {_names(earlier)} in {args.output_dir}",
               flush=True)
     elif earlier:
