@@ -170,7 +170,8 @@ def resolve_resume(resume: bool | str | None, output_dir: str | Path, *, native_
 
 
 def set_aside(folder: Path) -> Path | None:
-    """Before the Trainer writes ``folder``: move an existing one (another run, format or layout) out of the way.
+    """Before the Trainer writes ``folder``: move an existing one out of the way (by then only this run's own: a
+    save that died before a restart, since ``keep_earlier_run`` set every other run's aside).
 
     The Trainer writes into an existing folder file by file, which would mix its files with an hf_dist
     checkpoint's (or leave a larger world's ``rng_state_N.pth`` behind). Returns the moved folder, to delete once
