@@ -6,7 +6,8 @@ and neither overwrites nor rotates them away (byte for byte). ``true`` then find
 resuming A's moved-aside checkpoint-2 continues A exactly (and sets B's aside in turn); D resuming C's checkpoint-4
 in place sets C's checkpoint-6 aside rather than saving over it. In one process (the
 Trainer's own checkpoints, against ``transformers.Trainer``) and on 2 gloo ranks under FSDP2 (hf_dist's
-checkpoints and their retention). DistSFTTrainer trains twice into one folder as TRL's SFTTrainer does.
+checkpoints and their retention). ``--overwrite_output_dir`` still deletes the earlier run instead. DistSFTTrainer
+trains twice into one folder as TRL's SFTTrainer does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ LAYOUTS = {"one process": dict(use_cpu=True), "fsdp2": dict(fsdp2=True)}
 MOVED = "moved them into"
 
 
-def _train(out: str, layout: str, *, resume=None, lr=1e-3, limit: int | None = None, steps=4, plain=False):
+def _train(out: str, layout: str, *, resume=None, lr=1e-3, limit: int | None = None, steps=4, plain=False,
+           **extra):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_dist import DistTrainer, DistTrainingArguments
@@ -36,7 +38,7 @@ def _train(out: str, layout: str, *, resume=None, lr=1e-3, limit: int | None = N
     args = args_cls(
         output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=lr, lr_scheduler_type="constant",
         logging_steps=1, save_strategy="steps", save_steps=2, save_total_limit=limit, report_to=[], seed=0,
-        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, **LAYOUTS[layout],
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, **LAYOUTS[layout], **extra,
     )
     model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
     trainer = trainer_cls(model=model, args=args, train_dataset=token_dataset())
@@ -108,6 +110,17 @@ def test_one_process_trains_twice_like_the_trainer_and_keeps_the_first_run(tmp_p
                                                                           limit=1, plain=True)
     torch.testing.assert_close(result["a"], first, atol=1e-6, rtol=0)
     torch.testing.assert_close(result["b"], second, atol=1e-6, rtol=0)
+
+
+def test_overwrite_output_dir_still_discards_the_earlier_run(tmp_path, capsys):
+    _train(str(tmp_path), "one process", steps=2)
+    capsys.readouterr()
+    _train(str(tmp_path), "one process", steps=2, lr=3e-3, overwrite_output_dir=True)
+    said = capsys.readouterr().out
+    assert "--overwrite_output_dir: deleted the earlier run's checkpoint-2" in said and MOVED not in said
+    assert not list(tmp_path.glob("previous_run-*"))
+    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["log_history"][-1]["learning_rate"] == pytest.approx(3e-3)  # the second run's, not the first's
 
 
 def test_fsdp2_trains_twice_and_keeps_the_first_runs_sharded_checkpoints(tmp_path):
