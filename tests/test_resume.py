@@ -1,4 +1,4 @@
-"""Which checkpoint `--resume_from_checkpoint` picks, and the refusal to start fresh over checkpoints (pure)."""
+"""Which checkpoint `--resume_from_checkpoint` picks, and which checkpoints a fresh start moves aside (pure)."""
 
 from __future__ import annotations
 
@@ -39,24 +39,44 @@ def test_parse_resume(value, expected):
     assert resume.parse_resume(value) == expected
 
 
-def test_fresh_start_over_checkpoints_is_refused(tmp_path):
+def test_a_fresh_start_sets_aside_every_checkpoint_it_does_not_continue(tmp_path):
     _hf_dist_checkpoint(tmp_path, 2)
-    with pytest.raises(ValueError, match=r"already holds checkpoints \(checkpoint-2, latest\).*"
-                                         r"--resume_from_checkpoint true.*--overwrite_output_dir"):
-        resume.check_output_dir(tmp_path, None, overwrite_output_dir=False)
-    for allowed in ("true", "auto", str(tmp_path / "checkpoint-2")):
-        resume.check_output_dir(tmp_path, allowed, overwrite_output_dir=False)
-    resume.check_output_dir(tmp_path, "false", overwrite_output_dir=True)
-    resume.check_output_dir(tmp_path / "new", None, overwrite_output_dir=False)  # missing or empty: fine
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "data").mkdir()  # a folder that is not a checkpoint does not count
-    resume.check_output_dir(tmp_path / "empty", None, overwrite_output_dir=False)
+    _native_checkpoint(tmp_path, 3, complete=False)  # an unfinished save is an earlier run's too
+    everything = [tmp_path / "checkpoint-2", tmp_path / "checkpoint-3", tmp_path / "latest"]
+    for fresh in (None, False, "false", str(tmp_path / "elsewhere" / "checkpoint-2")):
+        assert resume.earlier_run_checkpoints(tmp_path, fresh) == everything, fresh
+    for continuing in ("true", "auto", str(tmp_path / "checkpoint-3"), str(tmp_path)):
+        assert resume.earlier_run_checkpoints(tmp_path, continuing) == [], continuing
+    # resuming an earlier step: the later ones are an abandoned continuation (`latest` goes with the one it names)
+    assert resume.earlier_run_checkpoints(tmp_path, str(tmp_path / "checkpoint-2")) == [tmp_path / "checkpoint-3"]
+    _hf_dist_checkpoint(tmp_path, 10)  # numerically after 3, not by name
+    assert resume.earlier_run_checkpoints(tmp_path, str(tmp_path / "checkpoint-3")) == [
+        tmp_path / "checkpoint-10", tmp_path / "latest"]
+    (tmp_path / "data").mkdir()  # a folder that is not a checkpoint does not count
+    assert resume.earlier_run_checkpoints(tmp_path / "data", None) == []
+    assert resume.earlier_run_checkpoints(tmp_path / "missing", None) == []
 
 
-def test_an_unfinished_save_alone_still_blocks_a_fresh_start(tmp_path):
-    _native_checkpoint(tmp_path, 3, complete=False)
-    with pytest.raises(ValueError, match="checkpoint-3"):
-        resume.check_output_dir(tmp_path, None, overwrite_output_dir=False)
+def test_moved_aside_checkpoints_keep_their_content_and_still_resume_by_path(tmp_path):
+    _hf_dist_checkpoint(tmp_path, 2)
+    _native_checkpoint(tmp_path, 4)
+    (tmp_path / "notes.txt").write_text("mine")
+    first = resume.move_aside(tmp_path, resume.earlier_run_checkpoints(tmp_path, None))
+    assert first.parent == tmp_path and first.name.startswith(resume.PREVIOUS_RUN_PREFIX)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "notes.txt"])
+    assert sorted(p.name for p in first.iterdir()) == ["checkpoint-2", "checkpoint-4", "latest"]
+    assert mf.is_complete(first / "checkpoint-2") and resume.is_native_checkpoint(first / "checkpoint-4")
+    # the Trainer's own look-up and `true` no longer see them; the moved folder resumes as a run folder
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(str(tmp_path)) is None and resume.newest_checkpoint(tmp_path) is None
+    assert resume.resolve_resume(str(first), tmp_path, native_only=False) == str(first / "checkpoint-4")
+    # resuming the moved-aside checkpoint sets aside what a later fresh run saved, into a second folder
+    _native_checkpoint(tmp_path, 6)
+    assert resume.earlier_run_checkpoints(tmp_path, str(first / "checkpoint-4")) == [tmp_path / "checkpoint-6"]
+    assert resume.earlier_run_checkpoints(tmp_path, str(first)) == [tmp_path / "checkpoint-6"]
+    second = resume.move_aside(tmp_path, [tmp_path / "checkpoint-6"])  # same second: a distinct name
+    assert second != first and (second / "checkpoint-6").is_dir() and (first / "checkpoint-4").is_dir()
 
 
 def test_true_takes_the_newest_complete_checkpoint_of_any_format(tmp_path):
@@ -75,15 +95,18 @@ def test_true_takes_the_newest_complete_checkpoint_of_any_format(tmp_path):
         tmp_path / "checkpoint-2")
 
 
-def test_true_without_a_checkpoint(tmp_path):
-    with pytest.raises(ValueError, match=r"resume_from_checkpoint=true but output_dir .* holds no complete "
-                                         r"checkpoint.*--resume_from_checkpoint auto"):
+def test_missing_checkpoint_errors_start_with_the_trainers_wording(tmp_path):
+    with pytest.raises(ValueError, match=r"^No valid checkpoint found in output directory \(.*\): "
+                                         r"resume_from_checkpoint=true needs .*--resume_from_checkpoint auto"):
         resume.resolve_resume("true", tmp_path, native_only=False)
     assert resume.resolve_resume("auto", tmp_path, native_only=False) is None
-    with pytest.raises(ValueError, match=r"resume_from_checkpoint='.*nowhere' is not a folder"):
+    with pytest.raises(ValueError, match=r"^Can't find a valid checkpoint at .*nowhere: .* is not a folder"):
         resume.resolve_resume(str(tmp_path / "nowhere"), tmp_path, native_only=False)
-    with pytest.raises(ValueError, match="neither a checkpoint"):
+    with pytest.raises(ValueError, match=r"^Can't find a valid checkpoint at .*: it is neither a checkpoint"):
         resume.resolve_resume(str(tmp_path), tmp_path, native_only=False)
+    (tmp_path / "previous_run-20261124-101500").mkdir()  # where a fresh start moved an earlier run's
+    with pytest.raises(ValueError, match=r"moved aside into .*previous_run-20261124-101500"):
+        resume.resolve_resume("true", tmp_path, native_only=False)
 
 
 def test_overwrite_removes_only_checkpoints(tmp_path):
@@ -91,7 +114,7 @@ def test_overwrite_removes_only_checkpoints(tmp_path):
     _native_checkpoint(tmp_path, 4)
     (tmp_path / "data").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
-    resume.remove_checkpoints(tmp_path)
+    resume.remove_checkpoints(resume.earlier_run_checkpoints(tmp_path, None))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
 
 

@@ -1,10 +1,11 @@
-"""End to end: the Harbor recipe under `accelerate launch` resumes, never trains over checkpoints unasked, and a
+"""End to end: the Harbor recipe under `accelerate launch` resumes, never overwrites an earlier run, and a
 save never writes into a checkpoint of another format.
 
 One FSDP2 run of 4 steps saves checkpoint-2 and -4. From a copy of its checkpoint-2, `--resume_from_checkpoint
-true` continues to step 4 with the same losses (1e-6); a relaunch into the first run's folder without the flag
-is refused before anything starts, and its checkpoints are untouched; one process resuming the FSDP2
-checkpoint-2 replaces the hf_dist checkpoint-4 with a Trainer-native one as a whole (no file of the old one left).
+true` continues to step 4 with the same losses (1e-6); a relaunch into (a copy of) the first run's folder without
+the flag starts fresh and moves the first run's checkpoints, byte for byte, into `previous_run-<time>/`; one
+process resuming the FSDP2 checkpoint-2 sets the hf_dist checkpoint-4 (a continuation it abandons) aside whole
+and saves a Trainer-native checkpoint-4 with no file of the old one in it.
 A DDP run's (Trainer-native) checkpoint exports to a verified Hub folder.
 """
 
@@ -67,28 +68,35 @@ def test_recipe_resumes_from_latest(first_run, tmp_path):
     assert (cut / "latest").read_text().strip() == "checkpoint-4"
 
 
-def test_relaunch_without_flag_is_refused_and_nothing_is_touched(first_run):
+def test_relaunch_without_flag_moves_the_first_run_aside_untouched(first_run, tmp_path):
     from hf_dist.checkpoint import read_manifest
 
-    before = {p: p.read_bytes() for p in (first_run / "checkpoint-4").rglob("*") if p.is_file()}
-    proc = _launch(first_run, processes=1)
-    assert proc.returncode != 0
-    assert "already holds checkpoints (checkpoint-2, checkpoint-4, latest)" in proc.stderr
-    assert "--resume_from_checkpoint true" in proc.stderr and "--overwrite_output_dir" in proc.stderr
-    after = {p: p.read_bytes() for p in (first_run / "checkpoint-4").rglob("*") if p.is_file()}
+    run = tmp_path / "again"
+    shutil.copytree(first_run, run, ignore=shutil.ignore_patterns("final", "data"))
+    before = {p.relative_to(run): p.read_bytes() for p in run.glob("checkpoint-*/**/*") if p.is_file()}
+    proc = _launch(run, "--max_steps", "2", processes=1)  # a fresh start, as the Trainer allows
+    _ok(proc)
+    (aside,) = run.glob("previous_run-*")
+    assert proc.stdout.count("moved them into") == 1 and str(aside) in proc.stdout
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-2", "checkpoint-4", "latest"]
+    after = {p.relative_to(aside): p.read_bytes() for p in aside.glob("checkpoint-*/**/*") if p.is_file()}
     assert after == before
-    assert read_manifest(first_run / "checkpoint-4").step == 4
+    assert read_manifest(aside / "checkpoint-4").step == 4
+    assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not (run / "checkpoint-4").exists()
 
 
-def test_other_format_replaces_a_checkpoint_whole(first_run, tmp_path):
-    """One process (Trainer-native saves) resumes the FSDP2 checkpoint-2 and saves step 4 over hf_dist's."""
+def test_other_format_never_mixes_into_a_checkpoint(first_run, tmp_path):
+    """One process (Trainer-native saves) resumes the FSDP2 checkpoint-2; hf_dist's checkpoint-4 is set aside whole."""
     run = tmp_path / "mixed"
     shutil.copytree(first_run, run, ignore=shutil.ignore_patterns("final", "data"))
     _ok(_launch(run, "--resume_from_checkpoint", str(run / "checkpoint-2"), processes=1))
     files = {p.name for p in (run / "checkpoint-4").iterdir()}
     assert "trainer_state.json" in files and "model.safetensors" in files
     assert not files & {"manifest.json", "COMPLETE", "dcp", "rng", "hf", "train_state.pt"}, files
-    assert not (run / "latest").exists()  # it named the replaced hf_dist checkpoint
+    assert not (run / "latest").exists()  # it named the hf_dist checkpoint set aside, and went with it
+    (aside,) = run.glob("previous_run-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-4", "latest"]
+    assert (aside / "checkpoint-4" / "COMPLETE").is_file()
     resumed = _losses(run)
     for step in (3, 4):  # 2 ranks x accumulation 2 -> 1 process x accumulation 4: same global batch
         torch.testing.assert_close(resumed[step], _losses(first_run)[step], atol=1e-5, rtol=0)

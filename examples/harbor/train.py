@@ -17,8 +17,8 @@ Any ``DistTrainingArguments`` flag overrides the preset (``--global_batch_size 3
 The presets save no checkpoints; ``--save_steps N`` alone saves every N steps (``--eval_steps N`` alone evaluates
 every N), and next to a ``--save_strategy`` other than ``steps`` it is refused.
 ``--resume_from_checkpoint true`` continues from the newest complete checkpoint in ``--output_dir`` (``auto``: the
-same, or a fresh start when there is none); an output dir holding checkpoints is refused without it (or
-``--overwrite_output_dir``).
+same, or a fresh start when there is none); without it, an earlier run's checkpoints in the output dir are moved
+into ``previous_run-<time>/`` there (``--overwrite_output_dir``: deleted) before the fresh run saves.
 ``--lora`` trains a LoRA adapter on a frozen base instead of the full model.
 """
 
@@ -105,9 +105,8 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
             f"--data_path {script.data_path} needs --model_name_or_path (a local model folder or Hub id) whose "
             f"tokenizer encodes it; the random-init tiny model only trains on the synthetic transcripts"
         )
-    # Before any process group or data: never train over a previous run's checkpoints without being told.
+    # Before any process group or data: an output path that is a file, or a resume flag naming no checkpoint
     check_output_path(args.output_dir)
-    resume.check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     check_resume_path(args.resume_from_checkpoint, args.output_dir)
     return script, args
 

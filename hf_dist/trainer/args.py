@@ -174,8 +174,8 @@ class DistTrainingArguments(TrainingArguments):
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start fresh in an output_dir that holds checkpoints, deleting them (without it, and "
-                  "without --resume_from_checkpoint true|auto|PATH, such a run is refused before it starts)."},
+        metadata={"help": "A fresh start deletes the checkpoint-N folders an earlier run left in output_dir (without "
+                  "it they are moved into output_dir/previous_run-<UTC time>/, where they still resume by path)."},
     )
     dist_logging: bool = field(
         default=False,

@@ -1,4 +1,4 @@
-"""Which checkpoint a run resumes from, and the refusal to train over checkpoints nobody asked to resume.
+"""Which checkpoint a run resumes from, and keeping an earlier run's checkpoints safe from a fresh start.
 
 ``--resume_from_checkpoint`` (``DistTrainingArguments.resume_from_checkpoint`` or ``DistTrainer.train``'s
 argument) takes:
@@ -8,8 +8,16 @@ argument) takes:
 - ``auto``: the same, but a fresh start when there is none (one command line for the first start and every
   requeue or elastic restart);
 - a path: that checkpoint, or the newest complete one under it when it is a run folder;
-- ``false`` / unset: a fresh start, refused when ``output_dir`` already holds checkpoints unless
-  ``--overwrite_output_dir`` is given (which then removes them, so that no later resume picks an old run's).
+- ``false`` / unset: a fresh start, as the Trainer allows (a notebook cell run twice). ``checkpoint-N`` folders
+  already in ``output_dir`` belong to an earlier run: before anything is saved, the main process moves them (and
+  ``latest``) into ``output_dir/previous_run-<UTC time>/`` and says so once. The Trainer's ``checkpoint-*`` glob,
+  its rotation and ``true`` never look there, so this run neither overwrites nor rotates them away, and they
+  still resume by path. ``--overwrite_output_dir`` (hf_dist's flag; transformers 5 removed it) deletes them
+  instead. A resume from a checkpoint outside ``output_dir`` treats ``output_dir``'s checkpoints the same way,
+  and a resume from ``output_dir/checkpoint-N`` those of steps after N (an abandoned continuation: the new saves
+  would replace them, and the Trainer's rotation keeps the highest step and deletes the new ones).
+
+Errors for a checkpoint that is not there start with the Trainer's own wording and add what to do.
 
 Not here: loading a checkpoint (``hf_dist.checkpoint``), the Trainer overrides that call this (``trainer``).
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 from hf_dist.checkpoint import manifest as mf
@@ -25,6 +34,7 @@ from hf_dist.checkpoint import manifest as mf
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _TRUE, _FALSE, AUTO = ("true", "yes", "1"), ("false", "no", "0", "none", ""), "auto"
+PREVIOUS_RUN_PREFIX = "previous_run-"
 
 
 def parse_resume(value: bool | str | None) -> bool | str | None:
@@ -72,29 +82,63 @@ def newest_checkpoint(root: str | Path, *, native_only: bool = False) -> Path | 
     return max(candidates, key=lambda c: (c[0], c[1].name))[1] if candidates else None
 
 
-def check_output_dir(output_dir: str | Path, resume: bool | str | None, overwrite_output_dir: bool) -> None:
-    """Refuse a fresh start into a folder holding checkpoints (pure check; call it before any process starts)."""
-    if parse_resume(resume) is not None or overwrite_output_dir:
-        return
-    found = existing_checkpoints(output_dir)
-    if found:
-        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-        raise ValueError(
-            f"output_dir {output_dir} already holds checkpoints ({names}) and resume_from_checkpoint is not set: "
-            f"training would overwrite them; pass --resume_from_checkpoint true (or a checkpoint path) to continue "
-            f"that run, --overwrite_output_dir to discard it, or choose another --output_dir"
-        )
+def earlier_run_checkpoints(output_dir: str | Path, resume: bool | str | None) -> list[Path]:
+    """The checkpoints (and ``latest``) in ``output_dir`` that a run with this ``resume`` does not continue.
+
+    All of them on a fresh start, or when resuming from a checkpoint that lives elsewhere (another folder, or an
+    earlier run's moved-aside ``previous_run-*``); those of later steps when resuming ``output_dir/checkpoint-N``
+    (with ``latest`` if it names one of them); none with ``true``/``auto`` or ``output_dir`` itself.
+    """
+    resume = parse_resume(resume)
+    if resume is True or resume == AUTO:
+        return []
+    root = Path(output_dir).resolve()
+    found = existing_checkpoints(root)
+    path = Path(resume).resolve() if resume is not None else None
+    if path == root:
+        return []
+    if path is None or path.parent != root or not _CHECKPOINT_RE.match(path.name):
+        return found
+    later = [p for p in found if p.name != mf.LATEST_NAME and _step(p) > _step(path)]
+    latest = root / mf.LATEST_NAME
+    if latest.is_file() and latest.read_text(encoding="utf-8").strip() in {p.name for p in later}:
+        later.append(latest)
+    return later
 
 
-def remove_checkpoints(output_dir: str | Path) -> list[Path]:
-    """``--overwrite_output_dir``: delete the previous run's checkpoints and ``latest`` (main process only)."""
-    removed = existing_checkpoints(output_dir)
-    for path in removed:
+def _step(checkpoint: Path) -> int:
+    return int(_CHECKPOINT_RE.match(checkpoint.name).group(1))
+
+
+def move_aside(output_dir: str | Path, checkpoints: list[Path]) -> Path:
+    """Move ``checkpoints`` into a new ``output_dir/previous_run-<UTC time>`` (call on the main process only)."""
+    root = Path(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest, n = root / f"{PREVIOUS_RUN_PREFIX}{stamp}", 1
+    while dest.exists():  # two fresh starts within one second
+        n += 1
+        dest = root / f"{PREVIOUS_RUN_PREFIX}{stamp}-{n}"
+    dest.mkdir()
+    for path in checkpoints:
+        path.rename(dest / path.name)
+    return dest
+
+
+def remove_checkpoints(checkpoints: list[Path]) -> None:
+    """``--overwrite_output_dir``: delete an earlier run's checkpoints and ``latest`` (main process only)."""
+    for path in checkpoints:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return removed
+
+
+def _moved_aside_hint(output_dir: str | Path) -> str:
+    root = Path(output_dir)
+    earlier = sorted(p.name for p in root.glob(f"{PREVIOUS_RUN_PREFIX}*") if p.is_dir()) if root.is_dir() else []
+    if not earlier:
+        return ""
+    return f"; earlier runs' checkpoints were moved aside into {root}/{{{', '.join(earlier)}}}: pass one as the path"
 
 
 def resolve_resume(resume: bool | str | None, output_dir: str | Path, *, native_only: bool) -> str | None:
@@ -105,27 +149,29 @@ def resolve_resume(resume: bool | str | None, output_dir: str | Path, *, native_
     if resume is True or resume == AUTO:
         found = newest_checkpoint(output_dir, native_only=native_only)
         if found is None and resume is True:
-            raise ValueError(
-                f"resume_from_checkpoint=true but output_dir {output_dir} holds no complete checkpoint; check "
-                f"--output_dir, pass a checkpoint path, or use --resume_from_checkpoint auto to start fresh when "
-                f"there is none"
+            raise ValueError(  # the Trainer's wording first
+                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint=true needs a "
+                f"complete checkpoint-N there; check --output_dir, pass a checkpoint path, or use "
+                f"--resume_from_checkpoint auto to start fresh when there is none{_moved_aside_hint(output_dir)}"
             )
         return None if found is None else str(found)
     path = Path(resume)
     if not path.is_dir():
-        raise ValueError(f"resume_from_checkpoint={resume!r} is not a folder; pass a checkpoint-N folder, a run "
-                         f"folder, or true")
+        raise ValueError(f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint={resume!r} is not a "
+                         f"folder; pass a checkpoint-N folder, a run folder, or true{_moved_aside_hint(output_dir)}")
     if (path / mf.MANIFEST_NAME).exists() or is_native_checkpoint(path):
         return str(path)
     found = newest_checkpoint(path, native_only=native_only)
     if found is None:
-        raise ValueError(f"resume_from_checkpoint={resume!r} is neither a checkpoint (no {mf.MANIFEST_NAME} or "
-                         f"{TRAINER_STATE}) nor a folder holding a complete one; pass a checkpoint-N folder")
+        raise ValueError(f"Can't find a valid checkpoint at {resume}: it is neither a checkpoint (no "
+                         f"{mf.MANIFEST_NAME} or {TRAINER_STATE}) nor a folder holding a complete one; pass a "
+                         f"checkpoint-N folder")
     return str(found)
 
 
 def set_aside(folder: Path) -> Path | None:
-    """Before the Trainer writes ``folder``: move an existing one (another run, format or layout) out of the way.
+    """Before the Trainer writes ``folder``: move an existing one out of the way (by then only this run's own: a
+    save that died before a restart, since ``keep_earlier_run`` set every other run's aside).
 
     The Trainer writes into an existing folder file by file, which would mix its files with an hf_dist
     checkpoint's (or leave a larger world's ``rng_state_N.pth`` behind). Returns the moved folder, to delete once
@@ -148,12 +194,8 @@ def prepare_resume(trainer, explicit: bool | str | None) -> str | None:
     """``DistTrainer.train``'s resume argument (else ``args.resume_from_checkpoint``) as a checkpoint folder."""
     args = trainer.args
     value = explicit if explicit is not None else args.resume_from_checkpoint
-    check_output_dir(args.output_dir, value, args.overwrite_output_dir)
-    if parse_resume(value) is None and args.overwrite_output_dir:
-        if args.should_save:
-            remove_checkpoints(args.output_dir)
-        trainer.accelerator.wait_for_everyone()
-    path = resolve_resume(value, args.output_dir, native_only=trainer.is_deepspeed_enabled)
+    path = resolve_resume(value, args.output_dir, native_only=trainer.is_deepspeed_enabled)  # before moving any
+    keep_earlier_run(trainer, value)
     if path is not None and trainer.owns_layout and is_native_checkpoint(Path(path)):
         raise ValueError(
             f"{path} was written by the Trainer itself (a DDP, DeepSpeed or one-process run); hf_dist loads it "
@@ -166,6 +208,26 @@ def prepare_resume(trainer, explicit: bool | str | None) -> str | None:
               f"{contract.global_batch_size} = {contract.micro_batch_size} x {contract.dp} x "
               f"{contract.gradient_accumulation_steps}", flush=True)
     return path
+
+
+def keep_earlier_run(trainer, resume: bool | str | None) -> None:
+    """Move (``--overwrite_output_dir``: delete) an earlier run's checkpoints out of ``output_dir`` before any save."""
+    args = trainer.args
+    earlier = earlier_run_checkpoints(args.output_dir, resume) if args.should_save else []
+    if earlier and args.overwrite_output_dir:
+        remove_checkpoints(earlier)
+        print(f"hf_dist: --overwrite_output_dir: deleted the earlier run's {_names(earlier)} in {args.output_dir}",
+              flush=True)
+    elif earlier:
+        dest = move_aside(args.output_dir, earlier)
+        print(f"hf_dist: {args.output_dir} held an earlier run's {_names(earlier)}; moved them into {dest} so that "
+              f"this run neither overwrites nor rotates them away (--resume_from_checkpoint {dest} resumes the "
+              f"newest of them; --overwrite_output_dir deletes them instead)", flush=True)
+    trainer.accelerator.wait_for_everyone()  # no rank saves, or looks for a checkpoint, before they are gone
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths[:4]) + (", ..." if len(paths) > 4 else "")
 
 
 def save_native_checkpoint(trainer, model, trial, save) -> None:
