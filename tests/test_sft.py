@@ -77,7 +77,7 @@ def _run(tokenizer_dir: Path, config_cls, trainer_cls, *, lora: bool, **override
     if getattr(trainer, "owns_layout", False) and not trainer.dims.pp_enabled:
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     elif getattr(trainer, "owns_layout", False):
-        from hf_dist.pipeline_parallel.checkpoint import gather_state_dict
+        from hf_dist.pipeline_parallel.save import gather_state_dict
 
         state = gather_state_dict(trainer.model.pipeline)  # on rank 0; None elsewhere
     else:

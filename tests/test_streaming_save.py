@@ -86,7 +86,7 @@ def _pp_case(directory: str, output_dir: str, layout: dict) -> dict:
     import torch.distributed as dist
 
     import hf_dist
-    from hf_dist.pipeline_parallel.checkpoint import save_pretrained
+    from hf_dist.pipeline_parallel.save import save_pretrained
     from hf_dist.state_dict import gather_meter
 
     args = _args(output_dir, layout)

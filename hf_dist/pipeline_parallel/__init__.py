@@ -11,7 +11,7 @@
 Not for: the Trainer glue (``hf_dist.trainer.pipeline_glue``).
 """
 
-from hf_dist.pipeline_parallel.checkpoint import gather_state_dict, save_pretrained
+from hf_dist.pipeline_parallel.save import gather_state_dict, save_pretrained
 from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import (

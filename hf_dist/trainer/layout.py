@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
 
 
@@ -23,5 +24,5 @@ def layout_dims(*, world_size: int, tp: int, pp: int, fsdp: bool, dp_replicate: 
 
 def mark_distribution_owned(model: nn.Module) -> None:
     """Tell the Trainer that the model owns placement and gradient reduction (no DDP wrap, no re-sharding)."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target = unwrap_peft(model)
     target._is_distributed_loading_by_transformers = True

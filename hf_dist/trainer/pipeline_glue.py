@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hf_dist.parallelism import apply_activation_checkpointing
-from hf_dist.pipeline_parallel.checkpoint import save_pretrained
+from hf_dist.pipeline_parallel.save import save_pretrained
 from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.schedules import PipelineConfig

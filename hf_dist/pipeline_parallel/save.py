@@ -22,13 +22,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from hf_dist.models.peft_utils import is_peft_model
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.stage_module import causal_lm_of
 from hf_dist.state_dict import full_state_dict, fused_keys, held, hf_layout, write_streaming
-
-
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def local_state_dict(pipe: PipelinedCausalLM, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -83,7 +80,7 @@ def save_pretrained(pipe: PipelinedCausalLM, output_dir: str, *, max_shard_bytes
     ``max_shard_bytes``: the largest output file (default ``hf_dist.state_dict.DEFAULT_SHARD_BYTES``).
     """
     model = pipe.source_model
-    if _is_peft(model):
+    if is_peft_model(model):
         adapters = gather_adapter_state_dicts(pipe)
         if adapters is not None:
             _write_adapters(model, adapters, output_dir)
