@@ -8,7 +8,7 @@ in hf_dist's merge fails here. ``verify_adapter``: the adapter file's keys and s
 against what PEFT saves for that config (``get_peft_model_state_dict`` of the PEFT model on ``meta``),
 ``adapter_config.json`` loaded by ``LoraConfig``, and each adapter tensor equal to the checkpoint's.
 
-Not here: writing the export (``lora_export``), plain models (``export_verify``).
+Not here: writing the export (``export.lora``), plain models (``export_verify``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import HF_DIR
-from hf_dist.checkpoint.export import read_tensors
+from hf_dist.checkpoint.export.dcp import read_tensors
 from hf_dist.checkpoint.export_verify import exact, meta_model, verify_tensors
 
 ADAPTER_FILE = "adapter_model.safetensors"

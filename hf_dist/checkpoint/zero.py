@@ -19,17 +19,12 @@ from pathlib import Path
 import torch
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.export import ExportReport, compare_logits, plan_shards, prepare_out, write_shards
+from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
 
 _TRUST_HINT = (
     "DeepSpeed checkpoints are Python pickles that can run code when loaded; if you trust {path}, pass "
     "trust_pickles=True (CLI: --trust-deepspeed-pickles)"
 )
-
-
-def is_zero_checkpoint(path: Path) -> bool:
-    """A DeepSpeed checkpoint folder: a ``global_step*`` tag folder holding ZeRO model-state files."""
-    return path.is_dir() and any(path.glob("global_step*/*model_states.pt"))
 
 
 def _tag_and_step(path: Path, tag: str | None) -> tuple[str, int]:
@@ -135,8 +130,8 @@ def export_zero(
     for source in extras + _tokenizer_files(path, tokenizer_dir):
         shutil.copy2(source, out / source.name)
         report.files.append(source.name)
-    plan = plan_shards({n: (tuple(t.shape), t.dtype) for n, t in state.items()}, max_shard_size)
-    write_shards(out, plan, lambda names: {n: state[n].contiguous() for n in names}, report)
+    entries = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+    write_model_weights(out, entries, lambda names: {n: state[n].contiguous() for n in names}, max_shard_size, report)
     report.verification = mode
     if mode == "tensors":
         report.tensors_verified = verify_tensors(out, lambda name: state[name].contiguous(), set(state))

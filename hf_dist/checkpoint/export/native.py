@@ -11,7 +11,7 @@ stored ones (old MoE layouts), the model is loaded once with ``from_pretrained``
 checkpoint records no checksums (only hf_dist checkpoints do), so a same-size corruption that stays finite cannot
 be detected here; the report says so.
 
-Not here: hf_dist checkpoints (``export``), LoRA (``lora_export``), DeepSpeed ZeRO folders (``zero``).
+Not here: hf_dist checkpoints (``dcp``), LoRA (``lora``), DeepSpeed ZeRO folders (``hf_dist.checkpoint.zero``).
 """
 
 from __future__ import annotations
@@ -21,19 +21,7 @@ from pathlib import Path
 import torch
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.export import INDEX_NAME, ExportReport, compare_logits, plan_shards, prepare_out, write_shards
-
-_WEIGHTS = ("model.safetensors", INDEX_NAME)
-
-
-def is_native_model_dir(path: Path) -> bool:
-    """A folder with ``save_pretrained`` weights and config and no hf_dist manifest (a Trainer checkpoint)."""
-    return (
-        path.is_dir()
-        and not (path / mf.MANIFEST_NAME).exists()
-        and (path / "config.json").is_file()
-        and any((path / name).is_file() for name in _WEIGHTS)
-    )
+from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
 
 
 def load_checked(ckpt: Path):
@@ -85,8 +73,9 @@ def _write_streamed(ckpt: Path, out: Path, files, to_file: dict[str, str], max_s
     def dtype(key: str) -> torch.dtype:  # an empty slice reads no data
         return files.read(key, (slice(0, 0),)).dtype if files.shape_of[key] else files.read(key, ()).dtype
 
-    plan = plan_shards({name: (files.shape_of[key], dtype(key)) for name, key in to_file.items()}, max_shard_size)
-    write_shards(out, plan, lambda names: {n: files.read(to_file[n], ()) for n in names}, report)
+    entries = {name: (files.shape_of[key], dtype(key)) for name, key in to_file.items()}
+    write_model_weights(out, entries, lambda names: {n: files.read(to_file[n], ()) for n in names}, max_shard_size,
+                        report)
     for name in ("config.json", "generation_config.json"):
         if (ckpt / name).is_file():
             shutil.copy2(ckpt / name, out / name)

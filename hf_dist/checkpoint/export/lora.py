@@ -11,7 +11,7 @@ Verification (``export_verify``), by default with about one tensor in memory: th
 checkpoint's base weight and adapter tensors); the adapter folder's keys and shapes against what PEFT saves for the
 config (PEFT model on ``meta``), its config loaded by ``LoraConfig``, and each adapter tensor against the
 checkpoint's. ``verify="logits"`` loads whole models and compares logits on a probe batch (~2x the model in RAM).
-Not here: plain models (``export``). Only LoRA A/B adapters with one adapter name are handled.
+Not here: plain models (``dcp``). Only LoRA A/B adapters with one adapter name are handled.
 """
 
 from __future__ import annotations
@@ -26,18 +26,14 @@ import torch
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import HF_DIR
-from hf_dist.checkpoint.export import (
-    ExportReport,
+from hf_dist.checkpoint.export.dcp import (
     check_complete_tensor,
-    compare_logits,
     copy_hf_files,
-    plan_shards,
-    prepare_out,
-    verify_checksums,
     read_tensors,
     tensor_metadata,
-    write_shards,
+    verify_checksums,
 )
+from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
 from hf_dist.checkpoint.lora_verify import verify_adapter, verify_merged
 
 BASE_PREFIX = "base_model.model."
@@ -165,9 +161,9 @@ def export_peft(
         report.total_bytes = report.largest_shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     else:
         base_keys = {_base_name(key): key for key in base}
-        plan = plan_shards({n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()},
-                           max_shard_size)
-        write_shards(out, plan, _merged_producer(ckpt, metas, pairs, base_keys, config), report)
+        entries = {n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()}
+        write_model_weights(out, entries, _merged_producer(ckpt, metas, pairs, base_keys, config), max_shard_size,
+                            report)
     copy_hf_files(ckpt, out, report, tokenizer_dir)
     if mode == "adapter":
         (out / "config.json").unlink()  # an adapter folder is not a model folder: from_pretrained must not see one
