@@ -38,7 +38,7 @@ def child(mode: str, ckpt: str, out: str) -> None:
     import torch  # noqa: F401  (imports belong to the base)
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    from hf_dist.checkpoint import export_verify  # noqa: F401
+    from hf_dist.checkpoint.export import verify  # noqa: F401
     from hf_dist.checkpoint.export import ExportReport
     from hf_dist.checkpoint.export.dcp import check_export
 

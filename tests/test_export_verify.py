@@ -1,4 +1,4 @@
-"""The default, bounded verification of ``hf-dist checkpoint export`` (``export_verify``, ``lora_verify``).
+"""The default, bounded verification of ``hf-dist checkpoint export`` (``export.verify``, ``export.lora_verify``).
 
 It passes on good exports of every kind (TP and PP hf_dist checkpoints from 2 ranks, fused rows, LoRA adapter and
 merged, Trainer-native folders, tied embeddings) and fails, naming the tensor, when the folder is changed between
@@ -17,7 +17,9 @@ from dist_utils import run_distributed
 from test_checkpoint_atomic import _save
 from test_checkpoint_loop import MODEL_KWARGS, build, train
 
-from hf_dist.checkpoint import CheckpointError, export_verify, lora_verify
+from hf_dist.checkpoint import CheckpointError
+from hf_dist.checkpoint.export import lora_verify
+from hf_dist.checkpoint.export import verify as export_verify
 from hf_dist.checkpoint.export import export_checkpoint
 from hf_dist.cli import main
 

@@ -2,11 +2,11 @@
 
 It asks ``checkpoint_kind`` what wrote the folder and picks the exporter: hf_dist checkpoints (``dcp``, or ``lora``
 with ``adapter=``), Trainer-native checkpoints and plain ``save_pretrained`` folders (``native``), DeepSpeed ZeRO
-folders (``hf_dist.checkpoint.zero``). Every exporter writes its weights through the one Hub writer
+folders (``zero``). Every exporter writes its weights through the one Hub writer
 (``folder.write_model_weights`` on ``hf_dist.hub_writer``).
 
-Modules: ``folder`` (the output folder, ``ExportReport``), ``dcp``, ``lora``, ``native``. Verification lives in
-``hf_dist.checkpoint.export_verify`` and ``lora_verify``.
+Modules: ``folder`` (the output folder, ``ExportReport``), one exporter per kind (``dcp``, ``lora``, ``native``,
+``zero``), and the bounded verification of what they wrote (``verify``, ``lora_verify``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from hf_dist.checkpoint.export.dcp import export_causal_lm
 from hf_dist.checkpoint.export.folder import ExportReport
 from hf_dist.checkpoint.export.lora import export_peft
 from hf_dist.checkpoint.export.native import export_native
+from hf_dist.checkpoint.export.zero import export_zero
 from hf_dist.checkpoint.kind import checkpoint_kind
-from hf_dist.checkpoint.zero import export_zero
 
 __all__ = ["ExportReport", "export_causal_lm", "export_checkpoint", "export_native", "export_peft", "export_zero"]
 

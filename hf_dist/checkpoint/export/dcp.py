@@ -4,11 +4,12 @@ The output is what ``save_pretrained`` writes: ``model-0000k-of-0000n.safetensor
 ``generation_config.json`` and the tokenizer. Every checkpoint file is first checked against its SHA-256 in the
 manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, through the one Hub writer,
 ``hf_dist.hub_writer``); each shard's tensors are then read from the DCP files by key, written, and dropped, so
-the export itself holds about one shard in memory. The helpers that read DCP files are shared with ``lora``. Verification (``export_verify``)
-then checks, by default, the folder's structure on ``meta`` and every exported tensor against the DCP checkpoint,
-one tensor at a time; ``verify="logits"`` compares logits of two whole models instead (~2x the model in RAM).
+the export itself holds about one shard in memory. Verification (``verify``) then checks, by default, the
+folder's structure on ``meta`` and every exported tensor against the DCP checkpoint, one tensor at a time;
+``verify="logits"`` compares logits of two whole models instead (~2x the model in RAM). The helpers that read DCP
+files are shared with ``lora``.
 
-Not here: LoRA adapters (``lora``), ZeRO checkpoints (``hf_dist.checkpoint.zero``), Trainer-native ones (``native``).
+Not here: LoRA adapters (``lora``), ZeRO checkpoints (``zero``), Trainer-native ones (``native``).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def copy_hf_files(ckpt: Path, out: Path, report: ExportReport, tokenizer_dir: st
 def drop_tied(names: dict, config_dir: Path) -> dict:
     """``names`` without the tied aliases whose source is there (as ``save_pretrained`` writes a tied pair once),
     by the model's own ``_tied_weights_keys`` (model of ``config_dir/config.json`` on ``meta``)."""
-    from hf_dist.checkpoint.export_verify import meta_model
+    from hf_dist.checkpoint.export.verify import meta_model
     from hf_dist.state_dict import tied_sources
 
     tied = tied_sources(meta_model(config_dir))
@@ -132,7 +133,7 @@ def export_causal_lm(
 
     ``verify``: ``'tensors'`` (default; bounded memory), ``'logits'`` (~2x the model in host RAM) or ``'none'``.
     """
-    from hf_dist.checkpoint.export_verify import verify_mode
+    from hf_dist.checkpoint.export.verify import verify_mode
 
     mode = verify_mode(verify)
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
@@ -155,7 +156,7 @@ def export_causal_lm(
 
 def check_export(ckpt: Path, out: Path, mode: str, report: ExportReport) -> None:
     """Verify folder ``out`` against hf_dist checkpoint ``ckpt`` into ``report`` (``mode``: ``export_causal_lm``'s)."""
-    from hf_dist.checkpoint.export_verify import verify_tensors
+    from hf_dist.checkpoint.export.verify import verify_tensors
 
     fused = mf.read_manifest(ckpt).fused_rows
     metas = drop_tied(tensor_metadata(ckpt), out)

@@ -4,7 +4,7 @@ Shared by all exporters (``dcp``, ``lora``, ``native``, ``hf_dist.checkpoint.zer
 (``ExportReport``), the refusal to mix a new export with an old one (``prepare_out``), the weights written through
 ``hf_dist.hub_writer.write_weights`` (``write_model_weights``) and the logits comparison of ``verify="logits"``.
 
-Not here: reading any checkpoint kind (the exporters), verifying tensors (``hf_dist.checkpoint.export_verify``).
+Not here: reading any checkpoint kind (the exporters), verifying tensors (``verify``, ``lora_verify``).
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ where an adapter saved as 0-element placeholders) and covered by its saved chunk
 the rank the config declares. Merged writes a plain causal-LM folder, shard by shard: each base weight is read
 with its ``lora_A``/``lora_B`` and merged as ``W + scale * B @ A``.
 
-Verification (``export_verify``), by default with about one tensor in memory: the merged folder's structure on
-``meta`` and each merged weight against PEFT's own merge of that one module (a ``peft`` LoRA layer built around the
-checkpoint's base weight and adapter tensors); the adapter folder's keys and shapes against what PEFT saves for the
-config (PEFT model on ``meta``), its config loaded by ``LoraConfig``, and each adapter tensor against the
-checkpoint's. ``verify="logits"`` loads whole models and compares logits on a probe batch (~2x the model in RAM).
+Verification (``verify``, ``lora_verify``), by default with about one tensor in memory: the merged folder's
+structure on ``meta`` and each merged weight against PEFT's own merge of that one module (a ``peft`` LoRA layer
+built around the checkpoint's base weight and adapter tensors); the adapter folder's keys and shapes against what
+PEFT saves for the config (PEFT model on ``meta``), its config loaded by ``LoraConfig``, and each adapter tensor
+against the checkpoint's. ``verify="logits"`` loads whole models and compares logits on a probe batch (~2x the model in RAM).
 Not here: plain models (``dcp``). Only LoRA A/B adapters with one adapter name are handled.
 """
 
@@ -34,7 +34,7 @@ from hf_dist.checkpoint.export.dcp import (
     verify_checksums,
 )
 from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
-from hf_dist.checkpoint.lora_verify import verify_adapter, verify_merged
+from hf_dist.checkpoint.export.lora_verify import verify_adapter, verify_merged
 
 BASE_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -132,7 +132,7 @@ def export_peft(
     overwrite: bool = False,
 ) -> ExportReport:
     """Write the LoRA adapter of ``ckpt`` (``mode='adapter'``) or the merged model (``mode='merged'``)."""
-    from hf_dist.checkpoint.export_verify import verify_mode
+    from hf_dist.checkpoint.export.verify import verify_mode
 
     check = verify_mode(verify)
     if mode not in ("adapter", "merged"):

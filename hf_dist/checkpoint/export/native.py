@@ -5,13 +5,13 @@ index, ``config.json``) next to the optimizer, scheduler and RNG files. Exportin
 ``from_pretrained`` would load it (its structure on ``meta`` by transformers' renaming rules: no tensor missing,
 unexpected or mis-shaped) and that every tensor is finite, one tensor at a time; then copy the tensors with the
 requested shard size, one output shard in memory, plus config and tokenizer; then verify the written folder
-(``export_verify``: by default its structure and every tensor against the checkpoint's, one at a time;
+(``verify``: by default its structure and every tensor against the checkpoint's, one at a time;
 ``verify="logits"`` compares logits of the two loaded models). Where transformers assembles tensors from several
 stored ones (old MoE layouts), the model is loaded once with ``from_pretrained`` and re-saved instead. Such a
 checkpoint records no checksums (only hf_dist checkpoints do), so a same-size corruption that stays finite cannot
 be detected here; the report says so.
 
-Not here: hf_dist checkpoints (``dcp``), LoRA (``lora``), DeepSpeed ZeRO folders (``hf_dist.checkpoint.zero``).
+Not here: hf_dist checkpoints (``dcp``), LoRA (``lora``), DeepSpeed ZeRO folders (``zero``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _streamable(ckpt: Path):
     finite; ``None`` where transformers assembles tensors from several stored ones (then ``load_checked``)."""
     from safetensors import SafetensorError
 
-    from hf_dist.checkpoint.export_verify import AssembledError, stored_tensors
+    from hf_dist.checkpoint.export.verify import AssembledError, stored_tensors
 
     try:
         files, to_file = stored_tensors(ckpt)
@@ -97,7 +97,7 @@ def export_native(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dist.checkpoint.export_verify import source_tensors, verify_mode, verify_same_files, verify_tensors
+    from hf_dist.checkpoint.export.verify import source_tensors, verify_mode, verify_same_files, verify_tensors
 
     mode = verify_mode(verify)
     ckpt, out = Path(ckpt), Path(out)
