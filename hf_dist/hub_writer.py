@@ -79,7 +79,8 @@ def write_weights(
             written.largest_shard_bytes = max(written.largest_shard_bytes, nbytes)
         del tensors
     if is_main and plan.is_sharded:
-        index = {"metadata": {**plan.metadata, "total_size": written.total_bytes}, "weight_map": plan.tensor_to_filename}
+        metadata = {**plan.metadata, "total_size": written.total_bytes}
+        index = {"metadata": metadata, "weight_map": plan.tensor_to_filename}
         with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.files.append(INDEX_NAME)

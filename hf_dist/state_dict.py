@@ -8,7 +8,8 @@ whole model streamed. The final save of a whole model never gathers it: ``write_
 fetches one whole tensor at a time into the current output file of the one Hub writer (``hf_dist.hub_writer``:
 shards planned by huggingface_hub from the global shapes first, so names and index are exact), so rank 0 holds one
 file plus one tensor. ``save_streaming`` feeds it from a model every rank holds a shard of; the pipeline's saver
-(``pipeline_parallel.save``) from the stage that owns each tensor. ``gather_meter`` counts the whole tensors a rank holds, to check that bound.
+(``pipeline_parallel.save``) from the stage that owns each tensor. ``gather_meter`` counts the whole tensors a
+rank holds, to check that bound.
 
 Not for: sharded checkpoints for resuming (``hf_dist.checkpoint``, DCP).
 """

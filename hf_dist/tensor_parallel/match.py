@@ -1,4 +1,4 @@
-"""Which modules of a model a tensor-parallel plan names: ``*`` patterns over module paths, PEFT unwrapped by the caller.
+"""Which modules of a model a tensor-parallel plan names: ``*`` patterns over module paths.
 
 Shared by ``apply`` (sharding the modules) and ``lora`` (rewriting plan entries for LoRA layers).
 """
