@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+MODEL_FILES = "model{suffix}.safetensors"
+"""A model's files (``suffix``: ``-00001-of-00003``, or empty for one file), as ``save_pretrained`` names them."""
+ADAPTER_FILES = "adapter_model{suffix}.safetensors"
+"""A PEFT adapter's file, as ``PeftModel.save_pretrained`` names it (always one file: ``max_shard_size=None``)."""
 INDEX_NAME = "model.safetensors.index.json"
 
 Entries = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -38,15 +42,18 @@ class WrittenWeights:
     """Tensor bytes of the largest file: about the writer's peak memory."""
 
 
-def plan_shards(entries: Entries, max_shard_size: int | str):
+def plan_shards(entries: Entries, max_shard_size: int | str | None, filename_pattern: str = MODEL_FILES):
     """huggingface_hub's ``StateDictSplit`` for tensors known only by shape and dtype (``meta``: nothing allocated).
 
-    ``max_shard_size``: bytes, or a string such as ``"2GB"``; a tensor larger than that gets a file of its own.
+    ``max_shard_size``: bytes, or a string such as ``"2GB"``; a tensor larger than that gets a file of its own;
+    ``None``: one file, whatever its size.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in entries.items()}
-    return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+    if max_shard_size is None:
+        max_shard_size = max(1, sum(t.numel() * t.element_size() for t in meta.values()))
+    return split_torch_state_dict_into_shards(meta, filename_pattern=filename_pattern, max_shard_size=max_shard_size)
 
 
 def write_weights(
@@ -54,7 +61,8 @@ def write_weights(
     entries: Entries,
     produce: Callable[[list[str]], dict[str, torch.Tensor] | None],
     *,
-    max_shard_size: int | str,
+    max_shard_size: int | str | None,
+    filename_pattern: str = MODEL_FILES,
     is_main: bool = True,
 ) -> WrittenWeights:
     """Write the tensors ``entries`` names into ``directory`` (which must exist on the writing process).
@@ -62,11 +70,12 @@ def write_weights(
     ``produce(names)`` is called once per output file, in plan order, on every process that calls this (the plan
     depends on ``entries`` alone, so processes that call it with the same ``entries`` agree on it, and ``produce``
     may be collective); it returns the whole tensors on the process with ``is_main`` (ignored elsewhere). Only that
-    process writes the files and, when there are several, ``model.safetensors.index.json``.
+    process writes the files and, when there are several, their index (``model.safetensors.index.json``).
+    ``max_shard_size`` and ``filename_pattern``: as ``plan_shards``'s.
     """
     from safetensors.torch import save_file
 
-    plan = plan_shards(entries, max_shard_size)
+    plan = plan_shards(entries, max_shard_size, filename_pattern)
     written = WrittenWeights()
     for filename, names in plan.filename_to_tensors.items():
         tensors = produce(list(names))
@@ -81,7 +90,8 @@ def write_weights(
     if is_main and plan.is_sharded:
         metadata = {**plan.metadata, "total_size": written.total_bytes}
         index = {"metadata": metadata, "weight_map": plan.tensor_to_filename}
-        with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as f:
+        index_name = filename_pattern.format(suffix="") + ".index.json"  # huggingface_hub's naming
+        with open(os.path.join(directory, index_name), "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.files.append(INDEX_NAME)
+        written.files.append(index_name)
     return written

@@ -52,3 +52,16 @@ def test_only_the_main_process_writes_but_every_process_is_asked(tmp_path):
     entries = {"a": ((2,), torch.float32), "b": ((2,), torch.float32)}
     written = write_weights(tmp_path, entries, lambda names: calls.append(names), max_shard_size=8, is_main=False)
     assert calls == [["a"], ["b"]] and written.files == [] and not any(tmp_path.iterdir())
+
+
+def test_an_adapter_is_one_file_named_as_peft_names_it(tmp_path):
+    from safetensors import safe_open
+
+    from hf_dist.hub_writer import ADAPTER_FILES
+
+    entries = {f"layer{i}.lora_A.weight": ((4, 8), torch.float32) for i in range(3)}
+    written = write_weights(tmp_path, entries, lambda names: {n: torch.ones(4, 8) for n in names},
+                            max_shard_size=None, filename_pattern=ADAPTER_FILES)
+    assert written.files == ["adapter_model.safetensors"] == [p.name for p in tmp_path.iterdir()]
+    with safe_open(tmp_path / "adapter_model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(entries) and f.metadata() == {"format": "pt"}

@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from hf_dist.hub_writer import ADAPTER_FILES, write_weights
 from hf_dist.models.peft_utils import is_peft_model
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.stage_module import causal_lm_of
@@ -172,10 +173,10 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _write_adapters(model, adapters: dict[str, dict[str, torch.Tensor]], output_dir: str) -> None:
-    from safetensors.torch import save_file
-
     for name, adapter in adapters.items():
         target = output_dir if name == "default" else os.path.join(output_dir, name)
         os.makedirs(target, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in adapter.items()}, os.path.join(target, "adapter_model.safetensors"))
+        entries = {key: (tuple(value.shape), value.dtype) for key, value in adapter.items()}
+        write_weights(target, entries, lambda keys, part=adapter: {k: part[k] for k in keys}, max_shard_size=None,
+                      filename_pattern=ADAPTER_FILES)
         model.peft_config[name].save_pretrained(target)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.hub_writer import INDEX_NAME, Entries, write_weights
+from hf_dist.hub_writer import INDEX_NAME, MODEL_FILES, Entries, write_weights
 
 
 @dataclass(kw_only=True)
@@ -45,12 +45,15 @@ def write_model_weights(
     out: Path,
     entries: Entries,
     produce: Callable[[list[str]], dict[str, torch.Tensor]],
-    max_shard_size: int | str,
+    max_shard_size: int | str | None,
     report: ExportReport,
+    *,
+    filename_pattern: str = MODEL_FILES,
 ) -> None:
     """The model's weights into ``out`` through the one Hub writer (``produce(names)``: one output shard's tensors,
-    so about one shard is in memory), recorded in ``report``."""
-    written = write_weights(out, entries, produce, max_shard_size=max_shard_size)
+    so about one shard is in memory), recorded in ``report``. ``max_shard_size``, ``filename_pattern``: as
+    ``hf_dist.hub_writer.plan_shards``'s."""
+    written = write_weights(out, entries, produce, max_shard_size=max_shard_size, filename_pattern=filename_pattern)
     report.files += written.files
     report.total_bytes += written.total_bytes
     report.largest_shard_bytes = max(report.largest_shard_bytes, written.largest_shard_bytes)

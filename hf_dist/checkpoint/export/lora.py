@@ -35,6 +35,7 @@ from hf_dist.checkpoint.export.dcp import (
 )
 from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
 from hf_dist.checkpoint.export.lora_verify import verify_adapter, verify_merged
+from hf_dist.hub_writer import ADAPTER_FILES
 
 BASE_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -121,6 +122,20 @@ def _merged_producer(ckpt: Path, metas: dict, pairs: dict, base_keys: dict[str, 
     return produce
 
 
+def _write_adapter(ckpt: Path, out: Path, metas: dict, pairs: dict, adapter_dir: Path, report: ExportReport) -> None:
+    """``adapter_model.safetensors`` (one file, adapter name dropped from the keys) and ``adapter_config.json``."""
+    keys = {key.replace(f".{adapter_dir.name}.", "."): key for keys in pairs.values() for key in keys.values()}
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = read_tensors(ckpt, [keys[name] for name in names], metas)
+        return {name: tensors[keys[name]] for name in names}
+
+    entries = {name: (tuple(metas[key].size), metas[key].properties.dtype) for name, key in keys.items()}
+    write_model_weights(out, entries, produce, None, report, filename_pattern=ADAPTER_FILES)
+    shutil.copy2(adapter_dir / "adapter_config.json", out / "adapter_config.json")
+    report.files.append("adapter_config.json")
+
+
 def export_peft(
     ckpt: str | Path,
     out: str | Path,
@@ -150,15 +165,7 @@ def export_peft(
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)
     if mode == "adapter":
-        from safetensors.torch import save_file
-
-        keys = [key for keys in pairs.values() for key in keys.values()]
-        tensors = {key.replace(f".{adapter_dir.name}.", "."): t for key, t in read_tensors(ckpt, keys, metas).items()}
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        shutil.copy2(adapter_dir / "adapter_config.json", out / "adapter_config.json")
-        report.files += ["adapter_model.safetensors", "adapter_config.json"]
-        report.total_bytes = report.largest_shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        _write_adapter(ckpt, out, metas, pairs, adapter_dir, report)
     else:
         base_keys = {_base_name(key): key for key in base}
         entries = {n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()}
