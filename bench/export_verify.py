@@ -5,7 +5,7 @@
 
 A Llama built from a config with random weights is saved as a one-rank hf_dist checkpoint and exported once
 without verification (``--max-shard-size``). Each verification then runs alone in a fresh process on that
-export (``hf_dist.checkpoint.export.check_export``); the process reports ``base`` (resident set after imports)
+export (``hf_dist.checkpoint.export.dcp.check_export``); the process reports ``base`` (resident set after imports)
 and ``peak`` (its largest resident set from then on, ``VmHWM`` reset after ``base``). ``tensors``: the folder's
 structure on ``meta``, then every tensor read alone from the DCP checkpoint and from the export and compared;
 ``logits``: the checkpoint built as a model and the export loaded with ``from_pretrained``, logits compared (two
@@ -38,10 +38,11 @@ def child(mode: str, ckpt: str, out: str) -> None:
     import torch  # noqa: F401  (imports belong to the base)
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    from hf_dist.checkpoint import export_verify  # noqa: F401
-    from hf_dist.checkpoint.export import ExportReport, check_export
+    from hf_dist.checkpoint.export import verify  # noqa: F401
+    from hf_dist.checkpoint.export import ExportReport
+    from hf_dist.checkpoint.export.dcp import check_export
 
-    from hf_dist.checkpoint.export_any import export_checkpoint
+    from hf_dist.checkpoint.export import export_checkpoint
 
     base = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
@@ -62,7 +63,7 @@ def prepare(root: Path, args: argparse.Namespace) -> tuple[Path, Path, int, int]
 
     from hf_dist import ParallelDims
     from hf_dist.checkpoint import save_checkpoint
-    from hf_dist.checkpoint.export_any import export_checkpoint
+    from hf_dist.checkpoint.export import export_checkpoint
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,

@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
-from hf_dist.tensor_parallel.apply import apply_tensor_parallel, unwrap_peft
+from hf_dist.tensor_parallel.apply import apply_tensor_parallel
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -5,10 +5,11 @@ projections that TP interleaved back in HF row order; every rank calls it (the g
 the same dict -- for the whole model only where that is small (tests), or for the few keys a PEFT adapter saves
 (``peft_saved_keys``). ``save_gathered`` makes the final save's one decision: a PEFT adapter's tensors, or the
 whole model streamed. The final save of a whole model never gathers it: ``write_streaming``
-fetches one whole tensor at a time into the current output file (shards planned from the global shapes first, so
-names and index are exact), so rank 0 holds one file plus one tensor. ``save_streaming`` feeds it from a model
-every rank holds a shard of; the pipeline's saver (``pipeline_parallel.save``) from the stage that owns each
-tensor. ``gather_meter`` counts the whole tensors a rank holds, to check that bound.
+fetches one whole tensor at a time into the current output file of the one Hub writer (``hf_dist.hub_writer``:
+shards planned by huggingface_hub from the global shapes first, so names and index are exact), so rank 0 holds one
+file plus one tensor. ``save_streaming`` feeds it from a model every rank holds a shard of; the pipeline's saver
+(``pipeline_parallel.save``) from the stage that owns each tensor. ``gather_meter`` counts the whole tensors a
+rank holds, to check that bound.
 
 Not for: sharded checkpoints for resuming (``hf_dist.checkpoint``, DCP).
 """
@@ -16,7 +17,6 @@ Not for: sharded checkpoints for resuming (``hf_dist.checkpoint``, DCP).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_dist.file_modes import give_user_mode, save_safetensors
+from hf_dist.file_modes import give_user_mode
+from hf_dist.hub_writer import Entries, write_weights
+from hf_dist.models.peft_utils import is_peft_model
 from hf_dist.tensor_parallel.styles import FUSED_PARTS_ATTR, deinterleave_parts
 
 DEFAULT_SHARD_BYTES = 2**30
@@ -156,7 +158,7 @@ def save_gathered(model: nn.Module, save_directory: str, *, max_shard_bytes: int
     an HF model writes all weights and its config through ``save_streaming`` (one file plus one tensor on
     rank 0). Every rank must call this (the gathers are collective); it returns after a barrier.
     """
-    if not hasattr(model, "peft_config"):
+    if not is_peft_model(model):
         return save_streaming(model, save_directory, max_shard_bytes=max_shard_bytes)
     state = full_state_dict(model, keys=peft_saved_keys(model))
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -175,25 +177,6 @@ def tied_sources(model: nn.Module) -> dict[str, str]:
             return dict(keys)
     source = getattr(getattr(model, "pipeline", None), "source_model", None)
     return tied_sources(source) if source is not None and source is not model else {}
-
-
-def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Consecutive keys grouped into files of at most ``max_shard_bytes`` (a larger tensor gets a file alone)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for key, size in sizes.items():
-        if shards[-1] and used + size > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(key)
-        used += size
-    return shards
-
-
-def _file_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 def save_streaming(model: nn.Module, save_directory: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
@@ -215,41 +198,33 @@ def save_streaming(model: nn.Module, save_directory: str, *, max_shard_bytes: in
 def write_streaming(
     model: nn.Module,
     save_directory: str,
-    entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    entries: Entries,
     fetch: Callable[[str], torch.Tensor | None],
     *,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
-    """Write the tensors ``entries`` names (in order, with their global shapes) and ``model``'s config as one HF
-    directory from rank 0. Every rank calls it with the same ``entries`` and calls ``fetch(key)`` for each key in
-    order; ``fetch`` returns the whole tensor on rank 0 (None elsewhere), one at a time. Ends with a barrier."""
+    """Write the tensors ``entries`` names (with their global shapes) and ``model``'s config as one HF directory
+    from rank 0, through the one Hub writer (``hf_dist.hub_writer``). Every rank calls it with the same ``entries``
+    and so calls ``fetch(key)`` for the same keys in the same (plan) order; ``fetch`` returns the whole tensor on
+    rank 0 (None elsewhere), one at a time. Ends with a barrier."""
     is_main = not dist.is_initialized() or dist.get_rank() == 0
-    sizes = {k: _numel(shape) * dtype.itemsize for k, (shape, dtype) in entries.items()}
-    shards = plan_shards(sizes, max_shard_bytes)
-    names = _file_names(len(shards))
-    if is_main:
-        os.makedirs(save_directory, exist_ok=True)
-    for keys, name in zip(shards, names):
+
+    def produce(keys: list[str]) -> dict[str, torch.Tensor]:
         part: dict[str, torch.Tensor] = {}
         for key in keys:
             value = fetch(key)
             if is_main:
                 part[key] = held(value.detach().to("cpu").contiguous())  # counted once more if it is a copy
             del value
-        if is_main:
-            save_safetensors(part, os.path.join(save_directory, name), metadata={"format": "pt"})
-        del part
+        return part
+
     if is_main:
-        _write_metadata(model, save_directory, shards, names, sum(sizes.values()))
+        os.makedirs(save_directory, exist_ok=True)
+    write_weights(save_directory, entries, produce, max_shard_size=max_shard_bytes, is_main=is_main)
+    if is_main:
+        _write_config(model, save_directory)
     if dist.is_initialized():
         dist.barrier()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _hf_class(model: nn.Module) -> type:
@@ -258,12 +233,7 @@ def _hf_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP"))
 
 
-def _write_metadata(model: nn.Module, directory: str, shards: list[list[str]], names: list[str], total: int) -> None:
-    if len(names) > 1:
-        weight_map = {key: name for keys, name in zip(shards, names) for key in keys}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
+def _write_config(model: nn.Module, directory: str) -> None:
     model.config.architectures = [_hf_class(model).__name__]  # not FSDP2's FSDP<Class> wrapper class
     model.config.save_pretrained(directory)
     generation = getattr(model, "generation_config", None)

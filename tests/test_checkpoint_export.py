@@ -62,7 +62,7 @@ def test_export_refuses_one_rank_shard(fsdp_checkpoint):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
     from hf_dist.checkpoint import CheckpointError
-    from hf_dist.checkpoint.export import check_complete_tensor
+    from hf_dist.checkpoint.export.dcp import check_complete_tensor
 
     half = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([8, 4]),
                                  chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 4]))])

@@ -1,4 +1,4 @@
-"""The default, bounded verification of ``hf-dist checkpoint export`` (``export_verify``, ``lora_verify``).
+"""The default, bounded verification of ``hf-dist checkpoint export`` (``export.verify``, ``export.lora_verify``).
 
 It passes on good exports of every kind (TP and PP hf_dist checkpoints from 2 ranks, fused rows, LoRA adapter and
 merged, Trainer-native folders, tied embeddings) and fails, naming the tensor, when the folder is changed between
@@ -17,8 +17,10 @@ from dist_utils import run_distributed
 from test_checkpoint_atomic import _save
 from test_checkpoint_loop import MODEL_KWARGS, build, train
 
-from hf_dist.checkpoint import CheckpointError, export_verify, lora_verify
-from hf_dist.checkpoint.export_any import export_checkpoint
+from hf_dist.checkpoint import CheckpointError
+from hf_dist.checkpoint.export import lora_verify
+from hf_dist.checkpoint.export import verify as export_verify
+from hf_dist.checkpoint.export import export_checkpoint
 from hf_dist.cli import main
 
 
@@ -165,14 +167,14 @@ def _lora_checkpoint(root: Path) -> Path:
 
 
 def test_lora_adapter_and_merged_verify_with_peft(tmp_path, monkeypatch):
-    from hf_dist.checkpoint import lora_export
+    from hf_dist.checkpoint.export import lora
 
     ckpt = _lora_checkpoint(tmp_path / "ckpt")
     assert export_checkpoint(ckpt, tmp_path / "adapter", adapter="adapter").tensors_verified == 8
     merged = export_checkpoint(ckpt, tmp_path / "merged", adapter="merged")
     assert merged.verification == "tensors" and merged.tensors_verified > 10
     with monkeypatch.context() as patch:  # hf_dist's merge with the wrong scale: PEFT's merge disagrees
-        patch.setattr(lora_export, "_scale", lambda config: 2.0)  # lora_alpha / r = 3
+        patch.setattr(lora, "_scale", lambda config: 2.0)  # lora_alpha / r = 3
         with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.q_proj\.weight .*differs"):
             export_checkpoint(ckpt, tmp_path / "wrong_scale", adapter="merged")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"

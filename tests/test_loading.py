@@ -263,10 +263,3 @@ def test_a_model_laid_out_for_other_arguments_is_refused():
     with pytest.raises(ValueError, match="laid out for"):
         laid_out_by_hf_dist(model, ParallelDims(world_size=2, dp_shard=2))
     assert laid_out_by_hf_dist(nn.Linear(2, 2), ParallelDims(world_size=2, dp_shard=2)) is None
-
-
-def test_save_shards_are_planned_in_order_within_the_limit():
-    from hf_dist.state_dict import plan_shards
-
-    assert plan_shards({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
-    assert plan_shards({"a": 1}, 8) == [["a"]]

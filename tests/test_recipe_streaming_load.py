@@ -4,7 +4,7 @@ The recipe's own ``parse`` and ``build_model`` run with ``--preset 13b`` under t
 ``accelerate launch --config_file accelerate_configs/harbor_13b_*.yaml`` hands its processes (computed by
 accelerate's launcher code), on 2 gloo ranks. Only ``--model_name_or_path`` (a tiny Llama saved in bf16, as
 Llama-2-13b-hf ships 16-bit weights) and ``--output_dir`` differ from the real command. Each rank must come back
-with FSDP2 shards filled by ``load_checkpoint`` (the load report in the model's layout mark: every checkpoint key
+with FSDP2 shards filled by ``stream_weights`` (the load report in the model's layout mark: every checkpoint key
 read, about half the bytes per rank), in the dtype the preset keeps (fp32 master weights for the full fine-tune;
 a bf16 base under ``--lora``), and the gathered weights must equal the checkpoint's.
 """

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.kind import checkpoint_kind
 from hf_dist.trainer import resume
 
 
@@ -65,7 +66,7 @@ def test_moved_aside_checkpoints_keep_their_content_and_still_resume_by_path(tmp
     assert first.parent == tmp_path and first.name.startswith(resume.PREVIOUS_RUN_PREFIX)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, "notes.txt"])
     assert sorted(p.name for p in first.iterdir()) == ["checkpoint-2", "checkpoint-4", "latest"]
-    assert mf.is_complete(first / "checkpoint-2") and resume.is_native_checkpoint(first / "checkpoint-4")
+    assert mf.is_complete(first / "checkpoint-2") and checkpoint_kind(first / "checkpoint-4") == "trainer_native"
     # the Trainer's own look-up and `true` no longer see them; the moved folder resumes as a run folder
     from transformers.trainer_utils import get_last_checkpoint
 

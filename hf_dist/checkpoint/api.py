@@ -38,6 +38,7 @@ from hf_dist.checkpoint.writer import (
     rank_world,
     write_and_commit,
 )
+from hf_dist.models.peft_utils import is_peft_model, unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.strategy import Layout
 
@@ -75,7 +76,7 @@ def fused_rows(model: torch.nn.Module) -> dict[str, dict]:
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(unwrap_model(model), "peft_config")
+    return is_peft_model(unwrap_model(model))
 
 
 class SaveHandle:
@@ -140,7 +141,7 @@ def _capture_rank0_files(model, *, lr_scheduler, scaler, tokenizer, extra_files)
     if _is_peft(inner):
         files.adapter_configs = {name: copy.deepcopy(config) for name, config in inner.peft_config.items()}
         contents.append("adapter_config")
-        inner = inner.get_base_model()
+        inner = unwrap_peft(inner)
     config = getattr(inner, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         files.config_json = config.to_json_string()

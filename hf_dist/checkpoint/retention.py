@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.kind import checkpoint_kind
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -87,7 +88,8 @@ def _dead_saves(root: Path, *, newest_step: int, latest: str | None) -> list[str
     dead = []
     for child in sorted(root.iterdir()):
         manifest = child / mf.MANIFEST_NAME
-        if child.name.startswith(".") or child.name == latest or not manifest.is_file() or mf.is_complete(child):
+        if (child.name.startswith(".") or child.name == latest or checkpoint_kind(child) != "hf_dist"
+                or mf.is_complete(child)):
             continue
         try:
             step = json.loads(manifest.read_text(encoding="utf-8"))["step"]

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO checkpoints: convert to an hf_dist checkpoint (to resume under FSDP2/TP), or export to the Hub.
+"""DeepSpeed ZeRO checkpoints, read through DeepSpeed and converted to an hf_dist checkpoint (to resume under
+FSDP2/TP); the Hub export (``hf_dist.checkpoint.export.zero``) reads them here too.
 
 Both go through DeepSpeed's own ``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``), in its lazy
 mode: tensors are gathered from the rank partitions one at a time, so the export streams shard by shard.
@@ -13,13 +14,11 @@ model only and resumes with a fresh optimizer, which ``load_checkpoint(optimizer
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.export import ExportReport, compare_logits, plan_shards, prepare_out, write_shards
 
 _TRUST_HINT = (
     "DeepSpeed checkpoints are Python pickles that can run code when loaded; if you trust {path}, pass "
@@ -27,12 +26,7 @@ _TRUST_HINT = (
 )
 
 
-def is_zero_checkpoint(path: Path) -> bool:
-    """A DeepSpeed checkpoint folder: a ``global_step*`` tag folder holding ZeRO model-state files."""
-    return path.is_dir() and any(path.glob("global_step*/*model_states.pt"))
-
-
-def _tag_and_step(path: Path, tag: str | None) -> tuple[str, int]:
+def tag_and_step(path: Path, tag: str | None) -> tuple[str, int]:
     if tag is None:
         latest = path / "latest"
         if not latest.is_file():
@@ -42,7 +36,7 @@ def _tag_and_step(path: Path, tag: str | None) -> tuple[str, int]:
     return tag, int(match.group(1)) if match else 0
 
 
-def _config_dir(path: Path, config_dir: str | Path | None) -> Path:
+def config_source_dir(path: Path, config_dir: str | Path | None) -> Path:
     source = Path(config_dir) if config_dir is not None else path
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source / 'config.json'} is missing; pass the folder with the model's config.json")
@@ -58,7 +52,7 @@ def lazy_state(path: Path, tag: str | None, trust_pickles: bool) -> dict:
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag, lazy_mode=True)
 
 
-def _full_model(path: Path, config_dir: Path, state: dict):
+def full_model(path: Path, config_dir: Path, state: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(config_dir))
@@ -92,63 +86,10 @@ def convert_zero_checkpoint(
     from hf_dist.parallel_dims import ParallelDims
 
     path = Path(zero_dir)
-    tag, step = _tag_and_step(path, tag)
-    model = _full_model(path, _config_dir(path, config_dir), lazy_state(path, tag, trust_pickles))
+    tag, step = tag_and_step(path, tag)
+    model = full_model(path, config_source_dir(path, config_dir), lazy_state(path, tag, trust_pickles))
     save_checkpoint(
         out_dir, model=model, optimizer=None, step=step, samples_consumed=samples_consumed,
         layout=ParallelDims(world_size=1), batch_contract=None, extra={"converted_from": str(path), "zero_tag": tag},
     )
     return Path(out_dir)
-
-
-def export_zero(
-    zero_dir: str | Path,
-    out: str | Path,
-    *,
-    config_dir: str | Path | None = None,
-    tag: str | None = None,
-    max_shard_size: int | str = "2GB",
-    tokenizer_dir: str | Path | None = None,
-    verify: bool | str = "tensors",
-    overwrite: bool = False,
-    trust_pickles: bool = False,
-) -> ExportReport:
-    """Hub-ready folder from a ZeRO checkpoint, one output shard materialised at a time (``verify``: as
-    ``export_checkpoint``'s; the default checks every tensor against ``zero_to_fp32``'s, one at a time)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hf_dist.checkpoint.export_verify import verify_mode, verify_tensors
-
-    mode = verify_mode(verify)
-    path, out = Path(zero_dir), Path(out)
-    tag, _ = _tag_and_step(path, tag)
-    config_source = _config_dir(path, config_dir)
-    state = lazy_state(path, tag, trust_pickles)
-    config = AutoConfig.from_pretrained(str(config_source))
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    prepare_out(out, overwrite)
-    report = ExportReport(out_dir=out)
-    config.save_pretrained(str(out))
-    report.files.append("config.json")
-    extras = [path / "generation_config.json"] if (path / "generation_config.json").is_file() else []
-    for source in extras + _tokenizer_files(path, tokenizer_dir):
-        shutil.copy2(source, out / source.name)
-        report.files.append(source.name)
-    plan = plan_shards({n: (tuple(t.shape), t.dtype) for n, t in state.items()}, max_shard_size)
-    write_shards(out, plan, lambda names: {n: state[n].contiguous() for n in names}, report)
-    report.verification = mode
-    if mode == "tensors":
-        report.tensors_verified = verify_tensors(out, lambda name: state[name].contiguous(), set(state))
-    elif mode == "logits":
-        reference = _full_model(path, config_source, state)
-        exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-        report.max_logit_diff = compare_logits(reference, exported, config.vocab_size, 0.0, f"export {out}")
-    return report
-
-
-def _tokenizer_files(path: Path, tokenizer_dir: str | Path | None) -> list[Path]:
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else path
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-             "merges.txt", "chat_template.jinja")
-    return [source / n for n in names if (source / n).is_file()]

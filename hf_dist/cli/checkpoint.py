@@ -86,7 +86,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from hf_dist.checkpoint.export_any import export_checkpoint
+    from hf_dist.checkpoint.export import export_checkpoint
 
     try:
         report = export_checkpoint(

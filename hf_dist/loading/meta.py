@@ -17,6 +17,8 @@ import os
 import torch
 from torch import nn
 
+from hf_dist.models.peft_utils import unwrap_peft
+
 RESOLVE_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder")
 MODEL_KWARGS = ("attn_implementation", "trust_remote_code")
 REFUSED_KWARGS = ("device_map", "quantization_config", "gguf_file", "tp_plan", "tp_size", "distributed_config", "state_dict")
@@ -99,7 +101,7 @@ def load_generation_config(model: nn.Module, directory: str) -> None:
     if os.path.isfile(os.path.join(directory, "generation_config.json")):
         from transformers import GenerationConfig
 
-        target = model.get_base_model() if hasattr(model, "get_base_model") else model
+        target = unwrap_peft(model)
         target.generation_config = GenerationConfig.from_pretrained(directory)
 
 

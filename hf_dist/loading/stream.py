@@ -1,6 +1,6 @@
 """Fill a laid-out model, built on ``meta``, from an HF safetensors checkpoint: each rank reads its own slices.
 
-``load_checkpoint(model, directory)`` does not care which function laid the model out. It takes a model whose
+``stream_weights(model, directory)`` does not care which function laid the model out. It takes a model whose
 parameters are DTensors (FSDP2, TP, both) or plain tensors (pipeline stages, replicated ones), some or all on
 ``meta``, gives the ``meta`` ones storage (``nn.Module.to_empty`` semantics, through FSDP2's own ``_apply`` so
 its padded shards stay consistent), and copies into every local shard the block of the HF tensor it holds, cast
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class LoadReport:
-    """What ``load_checkpoint`` did, in ``from_pretrained``'s terms."""
+    """What ``stream_weights`` did, in ``from_pretrained``'s terms."""
 
     loaded: list[str] = field(default_factory=list)
     """Checkpoint keys copied into this rank's tensors."""
@@ -151,7 +151,7 @@ def _load_one(
     return True
 
 
-def load_checkpoint(
+def stream_weights(
     model: nn.Module,
     directory: str | os.PathLike,
     *,

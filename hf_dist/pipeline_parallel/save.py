@@ -22,13 +22,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from hf_dist.hub_writer import ADAPTER_FILES, write_weights
+from hf_dist.models.peft_utils import is_peft_model
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.stage_module import causal_lm_of
 from hf_dist.state_dict import full_state_dict, fused_keys, held, hf_layout, write_streaming
-
-
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def local_state_dict(pipe: PipelinedCausalLM, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -83,7 +81,7 @@ def save_pretrained(pipe: PipelinedCausalLM, output_dir: str, *, max_shard_bytes
     ``max_shard_bytes``: the largest output file (default ``hf_dist.state_dict.DEFAULT_SHARD_BYTES``).
     """
     model = pipe.source_model
-    if _is_peft(model):
+    if is_peft_model(model):
         adapters = gather_adapter_state_dicts(pipe)
         if adapters is not None:
             _write_adapters(model, adapters, output_dir)
@@ -175,11 +173,10 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _write_adapters(model, adapters: dict[str, dict[str, torch.Tensor]], output_dir: str) -> None:
-    from hf_dist.file_modes import save_safetensors
-
     for name, adapter in adapters.items():
         target = output_dir if name == "default" else os.path.join(output_dir, name)
         os.makedirs(target, exist_ok=True)
-        tensors = {k: v.contiguous() for k, v in adapter.items()}
-        save_safetensors(tensors, os.path.join(target, "adapter_model.safetensors"))
+        entries = {key: (tuple(value.shape), value.dtype) for key, value in adapter.items()}
+        write_weights(target, entries, lambda keys, part=adapter: {k: part[k] for k in keys}, max_shard_size=None,
+                      filename_pattern=ADAPTER_FILES)
         model.peft_config[name].save_pretrained(target)

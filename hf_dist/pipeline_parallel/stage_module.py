@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_dist.models.peft_utils import unwrap_peft
+
 IGNORE_INDEX = -100
 
 
@@ -53,15 +55,9 @@ class ModelParts:
         return int(fqn[len(prefix) :]) if fqn.startswith(prefix) else None
 
 
-def _unwrap_peft(model: nn.Module) -> nn.Module:
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
-
-
 def model_parts(model: nn.Module) -> ModelParts:
     """The pp-plan parts of ``model``; ``ValueError`` when the model declares no usable pp plan."""
-    lm = _unwrap_peft(model)
+    lm = unwrap_peft(model)
     config = getattr(lm, "config", None)
     base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
     head_plan = dict(getattr(type(lm), "_pp_plan", None) or {})  # the instance merges in the base plan
@@ -97,7 +93,7 @@ def _check_no_stray_parameters(lm: nn.Module, parts: ModelParts) -> None:
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The HF ``*ForCausalLM`` inside ``model`` (a PEFT model is unwrapped to its LoRA-injected base)."""
-    lm = _unwrap_peft(model)
+    lm = unwrap_peft(model)
     _check_no_stray_parameters(lm, model_parts(lm))
     return lm
 

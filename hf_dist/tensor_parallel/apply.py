@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
-from hf_dist.tensor_parallel.match import match_plan, unwrap_peft
+from hf_dist.tensor_parallel.match import match_plan
 from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, plan_names, resolve_styles
 
 TP_INFO_ATTR = "_hf_dist_tp"

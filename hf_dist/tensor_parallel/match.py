@@ -1,4 +1,4 @@
-"""Which modules of a model a tensor-parallel plan names: ``*`` patterns over module paths, PEFT unwrapped.
+"""Which modules of a model a tensor-parallel plan names: ``*`` patterns over module paths.
 
 Shared by ``apply`` (sharding the modules) and ``lora`` (rewriting plan entries for LoRA layers).
 """
@@ -9,12 +9,6 @@ import re
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a ``PeftModel`` (the model itself otherwise)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _pattern_regex(pattern: str) -> re.Pattern:

@@ -26,15 +26,12 @@ import torch.distributed as dist
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import RNG_DIR, AsyncCheckpointer, save_checkpoint
+from hf_dist.checkpoint.kind import checkpoint_kind
 from hf_dist.checkpoint.load import load_checkpoint
 from hf_dist.checkpoint.retention import RetentionPolicy
 from hf_dist.checkpoint.safe_io import restore_rng
 
 TRAINER_STATE_NAME = "trainer_state.json"
-
-
-def is_hf_dist_checkpoint(path) -> bool:
-    return path is not None and (Path(path) / mf.MANIFEST_NAME).is_file()
 
 
 def _torch_optimizer(trainer):
@@ -166,4 +163,4 @@ def loads_with_hf_dist(trainer, checkpoint) -> bool:
 
     A checkpoint written under FSDP2/TP/PP thus resumes under DDP or in one process too (resharded by DCP).
     """
-    return is_hf_dist_checkpoint(checkpoint) and not trainer.is_deepspeed_enabled
+    return checkpoint_kind(checkpoint) == "hf_dist" and not trainer.is_deepspeed_enabled

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
+from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.strategy import Layout
 
 
@@ -109,5 +110,5 @@ def resolve_layout(args) -> Layout:
 
 def mark_distribution_owned(model: nn.Module) -> None:
     """Tell the Trainer that the model owns placement and gradient reduction (no DDP wrap, no re-sharding)."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target = unwrap_peft(model)
     target._is_distributed_loading_by_transformers = True

@@ -2,7 +2,7 @@
 
 For the layouts hf_dist owns (FSDP2, TP, PP and their products) the model is built on ``meta``
 (``hf_dist.loading.meta``), laid out by ``apply_owned_layout`` (the function ``DistTrainer`` uses), and each rank
-then reads only its own slices of the safetensors files (``hf_dist.loading.load_checkpoint``). No rank ever holds
+then reads only its own slices of the safetensors files (``hf_dist.loading.stream_weights``). No rank ever holds
 the whole model. The result carries a mark (``laid_out.py``), so ``DistTrainer`` uses it as it is.
 DDP and DeepSpeed keep transformers' loader (every DDP rank needs the whole model; ZeRO-3 goes through
 ``deepspeed.zero.Init``, see ``hf_dist/loading/README.md``).
@@ -18,9 +18,10 @@ import os
 import torch
 from torch import nn
 
-from hf_dist.loading import load_checkpoint, meta
+from hf_dist.loading import meta, stream_weights
 from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.key_map import KeyMap, key_map
+from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.trainer.laid_out import LaidOut, stamp
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def _names_or_none(model: nn.Module, directory: str) -> KeyMap | None:
     """Checkpoint name of every model tensor, or None (with a warning) when transformers must split some stored
     tensor into several model tensors (a converter with several targets; the streaming load builds a tensor from
     several stored ones, not several from one)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     names = key_map(base, CheckpointFiles(directory).keys())
     if not names.unsupported:
         return names
@@ -96,5 +97,5 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     meta.load_generation_config(model, directory)
     model = apply_owned_layout(model, args, dims)
     offload = args.hf_dist_fsdp is not None and args.hf_dist_fsdp.cpu_offload
-    report = load_checkpoint(model, directory, device="cpu" if offload else device, names=names)  # offload: host
+    report = stream_weights(model, directory, device="cpu" if offload else device, names=names)  # offload: host
     return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops, load=report))

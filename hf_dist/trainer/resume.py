@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.kind import TRAINER_KINDS, checkpoint_kind
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -53,11 +54,6 @@ def parse_resume(value: bool | str | None) -> bool | str | None:
     return text
 
 
-def is_native_checkpoint(path: Path) -> bool:
-    """A checkpoint the Trainer wrote itself (DDP, DeepSpeed, one process): complete once its state is written."""
-    return (path / TRAINER_STATE).is_file() and not (path / mf.MANIFEST_NAME).exists()
-
-
 def existing_checkpoints(output_dir: str | Path) -> list[Path]:
     """Every ``checkpoint-N`` folder (complete or not) and the ``latest`` pointer in ``output_dir``."""
     root = Path(output_dir)
@@ -77,7 +73,7 @@ def newest_checkpoint(root: str | Path, *, native_only: bool = False) -> Path | 
         candidates += [(mf.read_manifest(p).step, p) for p in mf.complete_checkpoints(root)]
     for path in existing_checkpoints(root):
         match = _CHECKPOINT_RE.match(path.name)
-        if match and is_native_checkpoint(path):
+        if match and checkpoint_kind(path) in TRAINER_KINDS:
             candidates.append((int(match.group(1)), path))
     return max(candidates, key=lambda c: (c[0], c[1].name))[1] if candidates else None
 
@@ -159,7 +155,7 @@ def resolve_resume(resume: bool | str | None, output_dir: str | Path, *, native_
     if not path.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint={resume!r} is not a "
                          f"folder; pass a checkpoint-N folder, a run folder, or true{_moved_aside_hint(output_dir)}")
-    if (path / mf.MANIFEST_NAME).exists() or is_native_checkpoint(path):
+    if checkpoint_kind(path) in TRAINER_KINDS | {"hf_dist"}:
         return str(path)
     found = newest_checkpoint(path, native_only=native_only)
     if found is None:
@@ -196,7 +192,7 @@ def prepare_resume(trainer, explicit: bool | str | None) -> str | None:
     value = explicit if explicit is not None else args.resume_from_checkpoint
     path = resolve_resume(value, args.output_dir, native_only=trainer.is_deepspeed_enabled)  # before moving any
     keep_earlier_run(trainer, value)
-    if path is not None and trainer.owns_layout and is_native_checkpoint(Path(path)):
+    if path is not None and trainer.owns_layout and checkpoint_kind(path) in TRAINER_KINDS:
         raise ValueError(
             f"{path} was written by the Trainer itself (a DDP, DeepSpeed or one-process run); hf_dist loads it "
             f"only into that kind of run, not into a layout hf_dist applies (FSDP2/TP/PP); resume with the "

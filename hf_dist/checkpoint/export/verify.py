@@ -15,7 +15,7 @@ stored tensors of the export with those of a source that ``from_pretrained`` has
 keeps the older end-to-end check (the checkpoint loaded as a model and the export loaded with
 ``from_pretrained``, logits compared on a probe batch): it needs about twice the model in host RAM.
 
-Not here: writing the export (``export``, ``lora_export``, ``native_export``, ``zero``).
+Not here: writing the export (the ``export`` package, ``zero``).
 """
 
 from __future__ import annotations

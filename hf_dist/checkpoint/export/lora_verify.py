@@ -1,6 +1,6 @@
 """Bounded verification of a LoRA export: PEFT's own code on one module at a time, never a whole model.
 
-``verify_merged``: the merged folder's structure (``export_verify.check_structure``), then each merged weight
+``verify_merged``: the merged folder's structure (``verify.check_structure``), then each merged weight
 against PEFT's merge of that one module: a ``peft`` LoRA ``Linear`` built around the checkpoint's base weight,
 given the checkpoint's ``lora_A``/``lora_B`` and the adapter's ``LoraConfig``, merged by ``merge()``; equal in
 every value (the arithmetic and its roundings are PEFT's). So a wrong scale, transpose, pairing or rounding order
@@ -8,7 +8,7 @@ in hf_dist's merge fails here. ``verify_adapter``: the adapter file's keys and s
 against what PEFT saves for that config (``get_peft_model_state_dict`` of the PEFT model on ``meta``),
 ``adapter_config.json`` loaded by ``LoraConfig``, and each adapter tensor equal to the checkpoint's.
 
-Not here: writing the export (``lora_export``), plain models (``export_verify``).
+Not here: writing the export (``export.lora``), plain models (``verify``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch import nn
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import HF_DIR
-from hf_dist.checkpoint.export import read_tensors
-from hf_dist.checkpoint.export_verify import exact, meta_model, verify_tensors
+from hf_dist.checkpoint.export.dcp import read_tensors
+from hf_dist.checkpoint.export.verify import exact, meta_model, verify_tensors
 
 ADAPTER_FILE = "adapter_model.safetensors"
 

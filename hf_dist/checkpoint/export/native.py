@@ -5,13 +5,13 @@ index, ``config.json``) next to the optimizer, scheduler and RNG files. Exportin
 ``from_pretrained`` would load it (its structure on ``meta`` by transformers' renaming rules: no tensor missing,
 unexpected or mis-shaped) and that every tensor is finite, one tensor at a time; then copy the tensors with the
 requested shard size, one output shard in memory, plus config and tokenizer; then verify the written folder
-(``export_verify``: by default its structure and every tensor against the checkpoint's, one at a time;
+(``verify``: by default its structure and every tensor against the checkpoint's, one at a time;
 ``verify="logits"`` compares logits of the two loaded models). Where transformers assembles tensors from several
 stored ones (old MoE layouts), the model is loaded once with ``from_pretrained`` and re-saved instead. Such a
 checkpoint records no checksums (only hf_dist checkpoints do), so a same-size corruption that stays finite cannot
 be detected here; the report says so.
 
-Not here: hf_dist checkpoints (``export``), LoRA (``lora_export``), DeepSpeed ZeRO folders (``zero``).
+Not here: hf_dist checkpoints (``dcp``), LoRA (``lora``), DeepSpeed ZeRO folders (``zero``).
 """
 
 from __future__ import annotations
@@ -21,20 +21,8 @@ from pathlib import Path
 import torch
 
 from hf_dist.checkpoint import manifest as mf
-from hf_dist.checkpoint.export import INDEX_NAME, ExportReport, compare_logits, plan_shards, prepare_out, write_shards
+from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
 from hf_dist.file_modes import give_user_mode
-
-_WEIGHTS = ("model.safetensors", INDEX_NAME)
-
-
-def is_native_model_dir(path: Path) -> bool:
-    """A folder with ``save_pretrained`` weights and config and no hf_dist manifest (a Trainer checkpoint)."""
-    return (
-        path.is_dir()
-        and not (path / mf.MANIFEST_NAME).exists()
-        and (path / "config.json").is_file()
-        and any((path / name).is_file() for name in _WEIGHTS)
-    )
 
 
 def load_checked(ckpt: Path):
@@ -61,7 +49,7 @@ def _streamable(ckpt: Path):
     finite; ``None`` where transformers assembles tensors from several stored ones (then ``load_checked``)."""
     from safetensors import SafetensorError
 
-    from hf_dist.checkpoint.export_verify import AssembledError, stored_tensors
+    from hf_dist.checkpoint.export.verify import AssembledError, stored_tensors
 
     try:
         files, to_file = stored_tensors(ckpt)
@@ -86,8 +74,9 @@ def _write_streamed(ckpt: Path, out: Path, files, to_file: dict[str, str], max_s
     def dtype(key: str) -> torch.dtype:  # an empty slice reads no data
         return files.read(key, (slice(0, 0),)).dtype if files.shape_of[key] else files.read(key, ()).dtype
 
-    plan = plan_shards({name: (files.shape_of[key], dtype(key)) for name, key in to_file.items()}, max_shard_size)
-    write_shards(out, plan, lambda names: {n: files.read(to_file[n], ()) for n in names}, report)
+    entries = {name: (files.shape_of[key], dtype(key)) for name, key in to_file.items()}
+    write_model_weights(out, entries, lambda names: {n: files.read(to_file[n], ()) for n in names}, max_shard_size,
+                        report)
     for name in ("config.json", "generation_config.json"):
         if (ckpt / name).is_file():
             shutil.copy2(ckpt / name, out / name)
@@ -109,7 +98,7 @@ def export_native(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dist.checkpoint.export_verify import source_tensors, verify_mode, verify_same_files, verify_tensors
+    from hf_dist.checkpoint.export.verify import source_tensors, verify_mode, verify_same_files, verify_tensors
 
     mode = verify_mode(verify)
     ckpt, out = Path(ckpt), Path(out)

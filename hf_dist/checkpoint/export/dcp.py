@@ -1,23 +1,21 @@
-"""Export a DCP training checkpoint (any layout) to a Hub-ready folder, one output shard at a time.
+"""Export an hf_dist (DCP) training checkpoint of any layout to a Hub-ready folder, one output shard at a time.
 
 The output is what ``save_pretrained`` writes: ``model-0000k-of-0000n.safetensors`` + index, ``config.json``,
 ``generation_config.json`` and the tokenizer. Every checkpoint file is first checked against its SHA-256 in the
-manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, as meta tensors, through
-``huggingface_hub.split_torch_state_dict_into_shards``); each shard's tensors are then read from the DCP files by
-key, written, and dropped, so the export itself holds about one shard in memory. Verification (``export_verify``)
-then checks, by default, the folder's structure on ``meta`` and every exported tensor against the DCP checkpoint,
-one tensor at a time; ``verify="logits"`` compares logits of two whole models instead (~2x the model in RAM).
+manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, through the one Hub writer,
+``hf_dist.hub_writer``); each shard's tensors are then read from the DCP files by key, written, and dropped, so
+the export itself holds about one shard in memory. Verification (``verify``) then checks, by default, the
+folder's structure on ``meta`` and every exported tensor against the DCP checkpoint, one tensor at a time;
+``verify="logits"`` compares logits of two whole models instead (~2x the model in RAM). The helpers that read DCP
+files are shared with ``lora``.
 
-Not here: LoRA adapters (``lora_export``), ZeRO checkpoints (``zero``), Trainer-native ones (``native_export``).
+Not here: LoRA adapters (``lora``), ZeRO checkpoints (``zero``), Trainer-native ones (``native``).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,33 +24,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import DCP_DIR, HF_DIR
+from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
 from hf_dist.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
-from hf_dist.file_modes import save_safetensors
 
 MODEL_PREFIX = "model."
-INDEX_NAME = "model.safetensors.index.json"
-
-
-@dataclass(kw_only=True)
-class ExportReport:
-    """What an export wrote and how it checked."""
-
-    out_dir: Path
-    """The folder written."""
-    files: list[str] = field(default_factory=list)
-    """Files written (relative to ``out_dir``)."""
-    total_bytes: int = 0
-    """Bytes of tensor data written."""
-    largest_shard_bytes: int = 0
-    """Tensor bytes of the largest output shard: about the peak memory of the export."""
-    verification: str = "none"
-    """Which check ran: ``'tensors'`` (structure + every tensor, bounded memory), ``'logits'`` or ``'none'``."""
-    tensors_verified: int | None = None
-    """Exported tensors found equal to the checkpoint's (``verification='tensors'``)."""
-    max_logit_diff: float | None = None
-    """Largest |logit difference| between the export and the checkpoint on the probe batch (``'logits'`` only)."""
-    checksums_verified: int | None = None
-    """Checkpoint files whose SHA-256 matched the manifest before anything was read (None: it records none)."""
 
 
 def tensor_metadata(ckpt: Path) -> dict[str, TensorStorageMetadata]:
@@ -104,35 +79,6 @@ def read_tensors(ckpt: Path, names: list[str], metas: dict[str, TensorStorageMet
     return state
 
 
-def plan_shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_size: int | str):
-    """The Hub shard plan for tensors known only by shape and dtype (meta tensors: nothing is allocated)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
-    return split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
-
-
-def write_shards(
-    out: Path,
-    plan,
-    produce: Callable[[list[str]], dict[str, torch.Tensor]],
-    report: ExportReport,
-) -> None:
-    """Write every planned shard from ``produce(names) -> tensors``, one shard in memory at a time, and the index."""
-    for filename, names in plan.filename_to_tensors.items():
-        tensors = {name: t.contiguous() for name, t in produce(list(names)).items()}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        save_safetensors(tensors, out / filename, metadata={"format": "pt"})
-        report.files.append(filename)
-        report.total_bytes += nbytes
-        report.largest_shard_bytes = max(report.largest_shard_bytes, nbytes)
-        del tensors
-    if plan.is_sharded:
-        index = {"metadata": {**plan.metadata, "total_size": report.total_bytes}, "weight_map": plan.tensor_to_filename}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        report.files.append(INDEX_NAME)
-
-
 def copy_hf_files(ckpt: Path, out: Path, report: ExportReport, tokenizer_dir: str | Path | None) -> None:
     """config.json, generation_config.json and the tokenizer, from the checkpoint (or ``tokenizer_dir``)."""
     hf = ckpt / HF_DIR
@@ -161,31 +107,11 @@ def copy_hf_files(ckpt: Path, out: Path, report: ExportReport, tokenizer_dir: st
 def drop_tied(names: dict, config_dir: Path) -> dict:
     """``names`` without the tied aliases whose source is there (as ``save_pretrained`` writes a tied pair once),
     by the model's own ``_tied_weights_keys`` (model of ``config_dir/config.json`` on ``meta``)."""
-    from hf_dist.checkpoint.export_verify import meta_model
+    from hf_dist.checkpoint.export.verify import meta_model
     from hf_dist.state_dict import tied_sources
 
     tied = tied_sources(meta_model(config_dir))
     return {k: v for k, v in names.items() if not (k in tied and tied[k] in names)}
-
-
-# What an export writes besides config/tokenizer files (those are overwritten by name). With ``overwrite``, these
-# are removed first, so that a previous export's shards or index cannot mix with the new ones; nothing else is.
-WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", INDEX_NAME, "adapter_model.safetensors",
-                   "adapter_config.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-
-
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """A folder to export into: new or empty, or (``overwrite``) with its previous model files removed."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output {out} is a file, not a folder; pass a new or empty folder to export into")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ValueError(f"output folder {out} is not empty; choose a new folder, or pass overwrite=True "
-                             f"(--overwrite) to replace the model files in it (other files are kept)")
-        for pattern in WEIGHT_PATTERNS:
-            for stale in out.glob(pattern):
-                stale.unlink()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def verify_checksums(ckpt: Path, manifest: mf.Manifest) -> int:
@@ -207,7 +133,7 @@ def export_causal_lm(
 
     ``verify``: ``'tensors'`` (default; bounded memory), ``'logits'`` (~2x the model in host RAM) or ``'none'``.
     """
-    from hf_dist.checkpoint.export_verify import verify_mode
+    from hf_dist.checkpoint.export.verify import verify_mode
 
     mode = verify_mode(verify)
     ckpt, out = mf.resolve_checkpoint(ckpt), Path(out)
@@ -221,15 +147,16 @@ def export_causal_lm(
     metas = drop_tied(tensor_metadata(ckpt), out)
     for name, meta in metas.items():
         check_complete_tensor(name, meta)
-    plan = plan_shards({n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}, max_shard_size)
-    write_shards(out, plan, lambda names: hf_order(read_tensors(ckpt, names, metas), manifest.fused_rows), report)
+    entries = {n: (tuple(m.size), m.properties.dtype) for n, m in metas.items()}
+    write_model_weights(out, entries, lambda names: hf_order(read_tensors(ckpt, names, metas), manifest.fused_rows),
+                        max_shard_size, report)
     check_export(ckpt, out, mode, report)
     return report
 
 
 def check_export(ckpt: Path, out: Path, mode: str, report: ExportReport) -> None:
     """Verify folder ``out`` against hf_dist checkpoint ``ckpt`` into ``report`` (``mode``: ``export_causal_lm``'s)."""
-    from hf_dist.checkpoint.export_verify import verify_tensors
+    from hf_dist.checkpoint.export.verify import verify_tensors
 
     fused = mf.read_manifest(ckpt).fused_rows
     metas = drop_tied(tensor_metadata(ckpt), out)
@@ -241,10 +168,6 @@ def check_export(ckpt: Path, out: Path, mode: str, report: ExportReport) -> None
         report.tensors_verified = verify_tensors(out, expected, set(metas))
     elif mode == "logits":
         report.max_logit_diff = verify_export(ckpt, out, metas, fused)
-
-
-def probe_batch(vocab_size: int) -> torch.Tensor:
-    return torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 def reference_model(ckpt: Path, metas: dict[str, TensorStorageMetadata], fused: dict[str, dict] | None = None):
@@ -262,17 +185,6 @@ def reference_model(ckpt: Path, metas: dict[str, TensorStorageMetadata], fused: 
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
-
-
-def compare_logits(reference, exported, vocab_size: int, atol: float, what: str) -> float:
-    probe = probe_batch(vocab_size)
-    with torch.no_grad():
-        expected = reference(input_ids=probe).logits.float()
-        got = exported(input_ids=probe).logits.float()
-    diff = (expected - got).abs().max().item()
-    if diff > atol:
-        raise mf.CheckpointError(f"{what}: logits differ from the checkpoint by {diff:.3g} (> {atol:g}); not exported correctly")
-    return diff
 
 
 def verify_export(ckpt: Path, out: Path, metas: dict[str, TensorStorageMetadata], fused: dict[str, dict]) -> float:

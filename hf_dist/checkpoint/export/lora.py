@@ -6,12 +6,12 @@ where an adapter saved as 0-element placeholders) and covered by its saved chunk
 the rank the config declares. Merged writes a plain causal-LM folder, shard by shard: each base weight is read
 with its ``lora_A``/``lora_B`` and merged as ``W + scale * B @ A``.
 
-Verification (``export_verify``), by default with about one tensor in memory: the merged folder's structure on
-``meta`` and each merged weight against PEFT's own merge of that one module (a ``peft`` LoRA layer built around the
-checkpoint's base weight and adapter tensors); the adapter folder's keys and shapes against what PEFT saves for the
-config (PEFT model on ``meta``), its config loaded by ``LoraConfig``, and each adapter tensor against the
-checkpoint's. ``verify="logits"`` loads whole models and compares logits on a probe batch (~2x the model in RAM).
-Not here: plain models (``export``). Only LoRA A/B adapters with one adapter name are handled.
+Verification (``verify``, ``lora_verify``), by default with about one tensor in memory: the merged folder's
+structure on ``meta`` and each merged weight against PEFT's own merge of that one module (a ``peft`` LoRA layer
+built around the checkpoint's base weight and adapter tensors); the adapter folder's keys and shapes against what
+PEFT saves for the config (PEFT model on ``meta``), its config loaded by ``LoraConfig``, and each adapter tensor
+against the checkpoint's. ``verify="logits"`` loads whole models and compares logits on a probe batch (~2x the model in RAM).
+Not here: plain models (``dcp``). Only LoRA A/B adapters with one adapter name are handled.
 """
 
 from __future__ import annotations
@@ -26,19 +26,16 @@ import torch
 
 from hf_dist.checkpoint import manifest as mf
 from hf_dist.checkpoint.api import HF_DIR
-from hf_dist.checkpoint.export import (
-    ExportReport,
+from hf_dist.checkpoint.export.dcp import (
     check_complete_tensor,
-    compare_logits,
     copy_hf_files,
-    plan_shards,
-    prepare_out,
-    verify_checksums,
     read_tensors,
     tensor_metadata,
-    write_shards,
+    verify_checksums,
 )
-from hf_dist.checkpoint.lora_verify import verify_adapter, verify_merged
+from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
+from hf_dist.checkpoint.export.lora_verify import verify_adapter, verify_merged
+from hf_dist.hub_writer import ADAPTER_FILES
 
 BASE_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -125,6 +122,20 @@ def _merged_producer(ckpt: Path, metas: dict, pairs: dict, base_keys: dict[str, 
     return produce
 
 
+def _write_adapter(ckpt: Path, out: Path, metas: dict, pairs: dict, adapter_dir: Path, report: ExportReport) -> None:
+    """``adapter_model.safetensors`` (one file, adapter name dropped from the keys) and ``adapter_config.json``."""
+    keys = {key.replace(f".{adapter_dir.name}.", "."): key for keys in pairs.values() for key in keys.values()}
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = read_tensors(ckpt, [keys[name] for name in names], metas)
+        return {name: tensors[keys[name]] for name in names}
+
+    entries = {name: (tuple(metas[key].size), metas[key].properties.dtype) for name, key in keys.items()}
+    write_model_weights(out, entries, produce, None, report, filename_pattern=ADAPTER_FILES)
+    shutil.copy2(adapter_dir / "adapter_config.json", out / "adapter_config.json")
+    report.files.append("adapter_config.json")
+
+
 def export_peft(
     ckpt: str | Path,
     out: str | Path,
@@ -136,7 +147,7 @@ def export_peft(
     overwrite: bool = False,
 ) -> ExportReport:
     """Write the LoRA adapter of ``ckpt`` (``mode='adapter'``) or the merged model (``mode='merged'``)."""
-    from hf_dist.checkpoint.export_verify import verify_mode
+    from hf_dist.checkpoint.export.verify import verify_mode
 
     check = verify_mode(verify)
     if mode not in ("adapter", "merged"):
@@ -154,20 +165,12 @@ def export_peft(
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)
     if mode == "adapter":
-        from hf_dist.file_modes import save_safetensors
-
-        keys = [key for keys in pairs.values() for key in keys.values()]
-        tensors = {key.replace(f".{adapter_dir.name}.", "."): t for key, t in read_tensors(ckpt, keys, metas).items()}
-        save_safetensors({k: t.contiguous() for k, t in tensors.items()}, out / "adapter_model.safetensors",
-                         metadata={"format": "pt"})
-        shutil.copy2(adapter_dir / "adapter_config.json", out / "adapter_config.json")
-        report.files += ["adapter_model.safetensors", "adapter_config.json"]
-        report.total_bytes = report.largest_shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        _write_adapter(ckpt, out, metas, pairs, adapter_dir, report)
     else:
         base_keys = {_base_name(key): key for key in base}
-        plan = plan_shards({n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()},
-                           max_shard_size)
-        write_shards(out, plan, _merged_producer(ckpt, metas, pairs, base_keys, config), report)
+        entries = {n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()}
+        write_model_weights(out, entries, _merged_producer(ckpt, metas, pairs, base_keys, config), max_shard_size,
+                            report)
     copy_hf_files(ckpt, out, report, tokenizer_dir)
     if mode == "adapter":
         (out / "config.json").unlink()  # an adapter folder is not a model folder: from_pretrained must not see one

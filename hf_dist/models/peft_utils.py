@@ -1,0 +1,20 @@
+"""PEFT wrappers seen from hf_dist: whether a model is a ``PeftModel``, and the transformers model inside it.
+
+One place for the test, so that every layout, loader and saver unwraps the same way. Imports nothing from
+hf_dist (any module may use it without an import circle) and does not import ``peft``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT wrapper (``PeftModel`` and its task subclasses)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``PeftModel`` (the model itself otherwise)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
