@@ -6,6 +6,6 @@ once-per-step reduction uses them too). Not for: FSDP2 (``hf_dist.parallelism.ap
 """
 
 from hf_dist.data_parallel.buckets import DEFAULT_BUCKET_MB, Bucket, all_reduce_in_buckets, plan_buckets
-from hf_dist.data_parallel.replicate import GradientReducer, replicate
+from hf_dist.data_parallel.reducer import GradientReducer, replicate
 
 __all__ = ["DEFAULT_BUCKET_MB", "Bucket", "GradientReducer", "all_reduce_in_buckets", "plan_buckets", "replicate"]

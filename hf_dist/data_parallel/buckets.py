@@ -11,7 +11,7 @@ Each buffer ends with one presence flag per parameter (1 where this rank has a g
 no gradient on this rank (unused in its forward) counts as zeros in the sum, and one that got none on any rank
 keeps ``grad=None`` -- as in one process, where the optimizer skips it -- at no extra collective.
 
-Not here: when buckets are reduced (``hf_dist.data_parallel.replicate``).
+Not here: when buckets are reduced (``hf_dist.data_parallel.reducer``).
 """
 
 from __future__ import annotations
