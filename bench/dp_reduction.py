@@ -1,6 +1,6 @@
 """Gradient reduction of replicated data parallelism (dp without FSDP): collectives and time per optimizer step.
 
-    python bench/dp_reduction.py [--tp 1] [--steps 8] [--accumulation 4]
+    python bench/dp_reduction.py [--tp 1] [--steps 8] [--accumulation 4] [--rounds 2]
 
 Ranks: 2 x tp gloo processes, dp = 2 (with --tp 2: TP2 x DP2 on 4 ranks). A tiny Llama (hidden 256, 4 layers,
 vocab 2048, ~17 MB of fp32 gradients) trains with gradient accumulation; each row is one way of reducing:
@@ -11,7 +11,8 @@ vocab 2048, ~17 MB of fp32 gradients) trains with gradient accumulation; each ro
   micro steps, then one asynchronous ``all_reduce`` per bucket, started as the bucket fills in the last backward.
 
 Collectives and bytes are counted by wrapping ``torch.distributed.all_reduce`` in the ranks; the time is the
-median optimizer step (the slowest rank's), after two warm-up steps. Not a test: nothing here is asserted.
+median optimizer step (each step's slowest rank), after two warm-up steps, pooled over rounds that alternate the
+variants. Not a test: nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -94,19 +95,26 @@ def _run_variant(dims, bucket_mb: float | None, steps: int, accumulation: int) -
             times.append(time.perf_counter() - start)
     finally:
         dist.all_reduce = real
-    step_s = torch.tensor([statistics.median(times[WARMUP:])])
-    real(step_s, op=dist.ReduceOp.MAX)
+    slowest = torch.tensor(times[WARMUP:])
+    real(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     buckets = len(model.gradient_reducer.buckets) if bucket_mb is not None else None
-    return {"calls": counted["calls"] / steps, "mb": counted["bytes"] / steps / 2**20, "ms": step_s.item() * 1e3,
+    return {"calls": counted["calls"] / steps, "mb": counted["bytes"] / steps / 2**20, "times": slowest.tolist(),
             "buckets": buckets}
 
 
-def _ranks(rank: int, world_size: int, tp: int, steps: int, accumulation: int) -> dict:
+def _ranks(rank: int, world_size: int, tp: int, steps: int, accumulation: int, rounds: int) -> dict:
+    """Every variant once per round, rounds alternating (machine noise shared); step times pooled over rounds."""
     from hf_dist import ParallelDims
 
     dims = ParallelDims(world_size=world_size, tp=tp, dp_shard=world_size // tp)
     dims.build_mesh("cpu")
-    return {label: _run_variant(dims, mb, steps, accumulation) for label, mb in VARIANTS.items()}
+    rows: dict[str, dict] = {}
+    for _ in range(rounds):
+        for label, mb in VARIANTS.items():
+            run = _run_variant(dims, mb, steps, accumulation)
+            times = rows.get(label, {}).get("times", []) + run["times"]
+            rows[label] = {**run, "times": times}
+    return {label: {**row, "ms": statistics.median(row["times"]) * 1e3} for label, row in rows.items()}
 
 
 def main() -> None:
@@ -116,12 +124,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
     opts = parser.parse_args()
     world = 2 * opts.tp
-    rows = run_distributed(_ranks, world, opts.tp, opts.steps, opts.accumulation, timeout_s=3600)[0]
+    rows = run_distributed(_ranks, world, opts.tp, opts.steps, opts.accumulation, opts.rounds, timeout_s=3600)[0]
     layout = f"TP{opts.tp} x DP2" if opts.tp > 1 else "DP2"
     print(f"\nreplicated dp gradient reduction — {layout} ({world} gloo ranks), tiny Llama (hidden 256, 4 layers), "
-          f"micro {MICRO} x seq {SEQ}, accumulation {opts.accumulation}, {opts.steps} steps")
+          f"micro {MICRO} x seq {SEQ}, accumulation {opts.accumulation}, {opts.rounds} rounds x {opts.steps} steps")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{'GPU' if torch.cuda.is_available() else 'no GPU'}; {datetime.date.today()}")
     print(f"{'reduction':<36}{'buckets':>8}{'all_reduce/step':>17}{'MB/step':>9}{'step (ms)':>11}")
