@@ -2,7 +2,8 @@
 
 Pure: how parameters are split into buckets. Two gloo ranks (one spawn), against one process:
 - gradient accumulation 4 with ``no_sync`` on the first three micro steps: ``all_reduce`` is called exactly once
-  per bucket per optimizer step (none on the deferred micro steps), and the gradients and trained weights equal
+  per bucket per optimizer step (none on the deferred micro steps), each started during the backward as its
+  gradients were ready, and the gradients and trained weights equal
   one process on the whole batch; some parameters are TP DTensors (on a tp axis of size 1) sharing buckets with
   plain ones;
 - accelerate's ``Accelerator.no_sync`` (what the HF Trainer calls on deferred micro steps) reaches the model's;
@@ -82,7 +83,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _accumulation_case(rank: int) -> dict:
     model = _replicated_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    calls, grads = [], []
+    calls, grads, overlapped = [], [], []
     for step in range(STEPS):
         mine = _micro_batches(step)[rank * ACCUMULATION : (rank + 1) * ACCUMULATION]
         for i, batch in enumerate(mine):
@@ -92,10 +93,11 @@ def _accumulation_case(rank: int) -> dict:
                     (model(**batch).loss / ACCUMULATION).backward()
             calls.append(counted.call_count)
         grads.append({n: _local(p.grad).clone() for n, p in model.named_parameters()})
+        overlapped.append(model.gradient_reducer.overlapped)
         optimizer.step()
         optimizer.zero_grad()
     return {
-        "calls": calls, "buckets": len(model.gradient_reducer.buckets), "grads": grads,
+        "calls": calls, "buckets": len(model.gradient_reducer.buckets), "grads": grads, "overlapped": overlapped,
         "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()},
         "dtensor_params": sum(hasattr(p, "full_tensor") for p in model.parameters()),
     }
@@ -121,14 +123,15 @@ class _TwoBranches(nn.Module):
         return self.rank0_only(out) if dist.get_rank() == 0 else out
 
 
-def _unused_case(rank: int) -> dict:
+def _unused_case(rank: int) -> tuple[dict, int]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hf_dist.data_parallel import replicate
 
     model = replicate(_TwoBranches(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))
     model(torch.ones(3, 4)).sum().backward()
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return grads, model.gradient_reducer.overlapped
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
@@ -147,6 +150,8 @@ def test_one_all_reduce_per_bucket_per_optimizer_step_and_gradients_of_one_proce
         assert 1 < buckets < len(ref_params)  # several buckets, fewer than parameters
         assert result["dtensor_params"] == 2
         assert result["calls"] == [0] * (ACCUMULATION - 1) + [buckets] + [0] * (ACCUMULATION - 1) + [buckets]
+        # every bucket started from the hooks as it filled, before the backward ended (the last one at its end)
+        assert result["overlapped"] == [buckets] * STEPS
         for step, grads in enumerate(result["grads"]):
             assert grads.keys() == ref_grads[step].keys()
             for name, grad in grads.items():
@@ -166,7 +171,8 @@ def test_unused_parameters_average_zeros_or_keep_no_gradient(per_rank):
     always, rank0_only, _ = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
     rank0_only(always(x)).sum().backward()  # rank 0's loss; rank 1's is always(x).sum()
     always_grad_rank1 = torch.autograd.grad(always(x).sum(), always.weight)[0]
-    for grads in (r["unused"] for r in per_rank):
+    for grads, overlapped in (r["unused"] for r in per_rank):
+        assert overlapped == 0  # one bucket, never complete: started at the end of the backward
         assert grads["never.weight"] is None and grads["never.bias"] is None
         assert_close(grads["rank0_only.weight"], rank0_only.weight.grad / 2)
         assert_close(grads["always.weight"], (always.weight.grad + always_grad_rank1) / 2)

@@ -41,6 +41,8 @@ class GradientReducer:
         self.module, self.group, self.size = module, group, dist.get_world_size(group)
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.requires_sync = True
+        self.overlapped = 0
+        """Buckets of the latest synced backward whose all_reduce started before the backward ended."""
         self.buckets: list[Bucket] = []
         self._params: list[nn.Parameter] = []
         self._handles: list = []
@@ -92,6 +94,7 @@ class GradientReducer:
         if not self.requires_sync:
             return
         if not self._finish_queued:
+            # runs once the whole backward is done (FSDP2 and DDP end their backward the same way)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._finish_queued = True
         index = self._bucket_of[id(param)]
@@ -108,6 +111,7 @@ class GradientReducer:
     def _finish(self) -> None:
         """End of a synced backward: start what is left (gradients missing here count as zeros), wait, write back."""
         try:
+            self.overlapped = self._next
             while self._next < len(self.buckets):
                 self._start(self._next)
             for bucket, flat, work in self._inflight:
