@@ -11,9 +11,9 @@ vocab 2048, ~17 MB of fp32 gradients) trains with gradient accumulation; each ro
   micro steps, then one asynchronous ``all_reduce`` per bucket, started as the bucket fills in the last backward.
 
 ``in backward``: buckets whose all_reduce started from the hooks, before the last backward ended (the rest
-start at its end). Collectives and bytes are counted by wrapping ``torch.distributed.all_reduce`` in the ranks; the time is the
-median optimizer step (each step's slowest rank), after two warm-up steps, pooled over rounds that alternate the
-variants. Not a test: nothing here is asserted.
+start at its end). Collectives and bytes are counted by wrapping ``torch.distributed.all_reduce`` in the ranks
+(TP's own DTensor collectives do not go through it); the time is the median optimizer step (each step's slowest
+rank), after two warm-up steps, pooled over rounds that alternate the variants. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations

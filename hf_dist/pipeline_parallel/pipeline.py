@@ -7,7 +7,8 @@ when ``dp_shard > 1``), then the torch ``PipelineStage`` objects and the schedul
 Loss and gradients follow one process with the whole global batch: the last stage sums token losses and
 divides by the loss tokens of the global batch (counted on every rank, summed over the dp axis), and
 gradients are *summed* over data-parallel ranks (FSDP2 with divide factor 1, or, when ``dp_replicate > 1``,
-an all-reduce per gradient bucket of ``hf_dist.data_parallel`` once per step). ``train_step`` returns the global-batch mean loss on every rank.
+an all-reduce per gradient bucket of ``hf_dist.data_parallel`` once per step). ``train_step`` returns the
+global-batch mean loss on every rank.
 
 Evaluation (``eval_step``) does not use the schedule: it runs the stages forward in order with blocking
 sends of the hidden states, so any batch size works (the last eval batch is often short).
