@@ -43,6 +43,13 @@ def test_buckets_split_by_dtype_and_cap_in_the_given_order():
         plan_buckets(params, cap_bytes=0)
 
 
+def test_a_bucket_size_that_is_not_positive_is_refused():
+    from hf_dist.data_parallel import GradientReducer
+
+    with pytest.raises(ValueError, match="bucket_cap_mb=0 must be positive"):
+        GradientReducer(nn.Linear(2, 2), None, bucket_cap_mb=0)
+
+
 def _micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     """The whole step's batch: ``ACCUMULATION`` x 2 ranks micro batches of ``MICRO`` uniform-length rows."""
     ids = padded_batch(2 * ACCUMULATION * MICRO, 10 + step)["input_ids"]

@@ -38,6 +38,8 @@ class GradientReducer:
     """Averages the gradients of ``module``'s trainable parameters over ``group``, bucketed (module docstring)."""
 
     def __init__(self, module: nn.Module, group, *, bucket_cap_mb: float = DEFAULT_BUCKET_MB):
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive; the default is {DEFAULT_BUCKET_MB}")
         self.module, self.group, self.size = module, group, dist.get_world_size(group)
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.requires_sync = True
@@ -69,6 +71,8 @@ class GradientReducer:
         """Plan buckets and hooks for the current trainable parameters, if they changed since the last plan."""
         if not torch.is_grad_enabled():
             return
+        if self._finish_queued:  # the last synced backward raised (e.g. out of memory): forget what it started
+            self._reset()
         params = [p for p in module.parameters() if p.requires_grad]
         if len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params)):
             return
