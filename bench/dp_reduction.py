@@ -14,6 +14,16 @@ vocab 2048, ~17 MB of fp32 gradients) trains with gradient accumulation; each ro
 start at its end). Collectives and bytes are counted by wrapping ``torch.distributed.all_reduce`` in the ranks
 (TP's own DTensor collectives do not go through it); the time is the median optimizer step (each step's slowest
 rank), after two warm-up steps, pooled over rounds that alternate the variants. Not a test: nothing is asserted.
+
+Measured 2026-11-24 on the 2-core x86_64 CPU machine (no GPU), shared (load average 4-7), default sizes:
+
+    reduction                           buckets  all_reduce/step  MB/step  DP2 step (ms)  TP2 x DP2 step (ms)
+    per parameter, every micro step         -          156       60.3/34.2      589.0           1558.6
+    buckets of 25 MB, last micro step       1            1       15.1/8.5       424.6            835.0
+    buckets of 4 MB, last micro step      4 / 2       4 / 2      15.1/8.5       410.9            825.5
+
+(MB/step: DP2 / TP2 x DP2, where each rank reduces its TP shards.) Under this load the step times move by
++-20% between runs; the collective counts and bytes do not.
 """
 
 from __future__ import annotations
