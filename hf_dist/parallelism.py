@@ -2,9 +2,10 @@
 
 ``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, activation
 checkpointing, then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel axes (HSDP when
-``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over dp
-(``replicate``). ``DistTrainer``, the public API and every pipeline stage (``PipelinedCausalLM``) call it; nothing
-else in hf_dist wraps a model. There is no compile step: nothing in hf_dist compiles.
+``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over dp in
+buckets, once per optimizer step (``hf_dist.data_parallel.replicate``). ``DistTrainer``, the public API and every
+pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist wraps a model. There is no compile step:
+nothing in hf_dist compiles.
 
 The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
 and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
@@ -25,10 +26,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from hf_dist.data_parallel import replicate
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.tensor_parallel.apply import apply_tensor_parallel
@@ -201,31 +201,3 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     frozen_inputs = not any(p.requires_grad for p in target.get_input_embeddings().parameters())
     if hasattr(model, "enable_input_require_grads") and frozen_inputs:
         model.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need a grad-requiring input
-
-
-def replicate(model: nn.Module, dp_mesh) -> nn.Module:
-    """Plain data parallelism over ``dp_mesh``: whole parameters (or TP shards) everywhere, gradients averaged.
-
-    Parameters are broadcast from dp rank 0 (as DDP does at construction); then every gradient is averaged over
-    ``dp_mesh`` as soon as autograd has accumulated it. Averaging is idempotent on values already equal on every
-    rank, so with gradient accumulation the sum over micro-batches still ends up averaged (each micro-step pays one
-    all-reduce). DDP itself rejects a mix of Tensor and DTensor parameters; torch's FSDP2-based ``replicate`` was
-    not used: on torch 2.13 CPU a forward under ``no_grad`` followed by training segfaulted or trained nothing.
-    """
-    group, size = dp_mesh.get_group(), dp_mesh.size()
-    src = dist.get_global_rank(group, 0)
-    for param in model.parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        if not local.is_meta:  # meta: filled later by the streaming load, the same on every rank
-            dist.broadcast(local.data, src=src, group=group)
-
-    def average(param: torch.Tensor) -> None:
-        grad = param.grad
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
-        dist.all_reduce(local, group=group)
-        local.div_(size)
-
-    for param in model.parameters():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(average)
-    return model

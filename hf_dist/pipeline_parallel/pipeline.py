@@ -6,8 +6,9 @@ when ``dp_shard > 1``), then the torch ``PipelineStage`` objects and the schedul
 
 Loss and gradients follow one process with the whole global batch: the last stage sums token losses and
 divides by the loss tokens of the global batch (counted on every rank, summed over the dp axis), and
-gradients are *summed* over data-parallel ranks (FSDP2 with divide factor 1, or an all-reduce of the
-gradients when ``dp_replicate > 1``). ``train_step`` returns the global-batch mean loss on every rank.
+gradients are *summed* over data-parallel ranks (FSDP2 with divide factor 1, or, when ``dp_replicate > 1``,
+an all-reduce per gradient bucket of ``hf_dist.data_parallel`` once per step). ``train_step`` returns the
+global-batch mean loss on every rank.
 
 Evaluation (``eval_step``) does not use the schedule: it runs the stages forward in order with blocking
 sends of the hidden states, so any batch size works (the last eval batch is often short).
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
 from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
@@ -233,18 +235,12 @@ class PipelinedCausalLM:
         return self._broadcast_loss(local.to(torch.float32))
 
     def _allreduce_grads(self) -> None:
+        """Sum the gradients over the dp replicas, in buckets (``hf_dist.data_parallel``), once per step. TP grads
+        are DTensors: their local shards are summed over the replicas of the same tp coordinate."""
         if self.allreduce_group is None:
             return
-        # TP grads are DTensors: their local shards are summed over the replicas of the same tp coordinate
-        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.allreduce_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        all_reduce_in_buckets(plan_buckets(trainable[::-1], int(DEFAULT_BUCKET_MB * 2**20)), self.allreduce_group)
 
     def _broadcast_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank: sum over pp (zeros elsewhere), then over dp."""
