@@ -15,7 +15,7 @@ import pytest
 
 from dist_utils import launcher_env
 from hf_dist import DistTrainingArguments
-from hf_dist.trainer.config_paths import DEEPSPEED_FILE_ENV
+from hf_dist.trainer.launch_env import DEEPSPEED_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,6 @@ from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env, preemption
 from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
-from hf_dist.trainer.config_paths import anchor_deepspeed_paths
 from hf_dist.trainer.layout import resolve_layout
 
 
@@ -203,7 +202,6 @@ class DistTrainingArguments(TrainingArguments):
     def __post_init__(self):
         check_values(self)  # before anything reads them: no process group exists yet
         launch_env.prepare_environment(self)
-        anchor_deepspeed_paths(self)  # the shipped YAMLs' ds_configs/*.json from any working directory
         # the one layout of this run, from every source; re-resolved on every construction (dataclasses.replace)
         self.layout: Layout = resolve_layout(self)
         check_learning_rate(self)

@@ -25,12 +25,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from hf_dist.parallelism import FsdpRequest
 
 _TRUE = ("1", "true", "yes")
+
+# DeepSpeed JSON paths that work from any working directory. The shipped accelerate YAMLs name their DeepSpeed JSON
+# relative to the repository root (``deepspeed_config_file: ds_configs/zero3.json``), and accelerate opens it relative
+# to each launched process's working directory: from anywhere else it failed (``UnicodeDecodeError``, then a missing
+# file). A relative path that is not a file from the working directory is looked up in the checkout holding hf_dist.
 
 
 def has_gpu() -> bool:
@@ -170,6 +176,7 @@ def prepare_environment(args) -> None:
             )
         if getattr(args, "fsdp2", False):
             raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
+        anchor_deepspeed_paths(args)  # the shipped YAMLs' ds_configs/*.json from any working directory
         # accelerate runs DeepSpeed; use_cpu would silently turn it off. Without a GPU accelerate picks no backend
         # and counts one process while DeepSpeed's own group has N: name gloo so both see the same world.
         if not has_gpu() and world_size_from_env() > 1 and not getattr(args, "ddp_backend", None):
@@ -195,3 +202,39 @@ def verify_backend(trainer) -> None:
             f"DeepSpeed was requested but accelerate chose {accelerator.distributed_type}; remove use_cpu/--cpu from "
             f"the launch (DeepSpeed picks its CPU accelerator by itself)"
         )
+
+
+DEEPSPEED_FILE_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+"""Where ``accelerate launch`` puts the YAML's ``deepspeed_config_file`` for each launched process."""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout holding this hf_dist: ``ds_configs/`` and ``accelerate_configs/`` sit next to ``hf_dist/``."""
+
+
+def locate_json(value: str, source: str) -> str:
+    """``value`` unchanged when it is a file from the working directory, else the repository's file of that relative
+    path (absolute); ``source`` says where the value came from, for the error."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return value
+    shipped = REPO_ROOT / path
+    if not path.is_absolute() and shipped.is_file():
+        return str(shipped)
+    looked = f"{Path.cwd() / path}" + ("" if path.is_absolute() else f" or {shipped}")
+    raise ValueError(
+        f"{source} names the DeepSpeed config {value!r}, which is not a file ({looked}); use an absolute path, a path "
+        f"relative to the folder you launch from, or a shipped one (ds_configs/zero2.json, ds_configs/zero3.json, ...)"
+    )
+
+
+def anchor_deepspeed_paths(args) -> None:
+    """Before ``TrainingArguments`` builds its DeepSpeed plugin: the launcher's JSON path (environment) and
+    ``args.deepspeed`` point at an existing file. The environment is rewritten only when its value was not found
+    from here, with the absolute path of the same file (every later reader, accelerate's included, then finds it)."""
+    value = os.environ.get(DEEPSPEED_FILE_ENV)
+    if value and value.lower().endswith(".json"):  # accelerate also takes base64 or a dict: those pass untouched
+        found = locate_json(value, f"{DEEPSPEED_FILE_ENV}={value} (deepspeed_config_file in the accelerate config)")
+        if found != value:
+            os.environ[DEEPSPEED_FILE_ENV] = found
+    deepspeed = getattr(args, "deepspeed", None)
+    if isinstance(deepspeed, str) and deepspeed.lower().endswith(".json"):
+        args.deepspeed = locate_json(deepspeed, f"--deepspeed {deepspeed}")
