@@ -206,12 +206,16 @@ def test_batch_sizes_must_be_positive(tmp_path, name):
         _args(tmp_path, **{name: 0})
 
 
-def test_fp16_on_a_machine_without_gpu_is_refused(tmp_path, monkeypatch):
+def test_fp16_on_a_machine_without_gpu_warns_and_the_recipe_refuses(tmp_path, monkeypatch, caplog):
     from hf_dist.trainer import launch_env
 
     monkeypatch.setattr(launch_env, "has_gpu", lambda: False)
-    with pytest.raises(ValueError, match=r"fp16=True on a machine without a GPU.*use --bf16 true"):
-        _args(tmp_path, fp16=True)
+    with caplog.at_level("WARNING", logger="hf_dist.trainer.args"):
+        _args(tmp_path, fp16=True)  # the Trainer accepts it (drop-in): said once, not silently run in fp32
+    assert "fp16=True on a machine without a GPU" in caplog.text and "use --bf16 true" in caplog.text
+    with pytest.raises(ValueError, match=r"fp16=True on a machine without a GPU.*would train in fp32"):
+        load_recipe().parse(["--fp16", "true", "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_hsdp_request_that_does_not_fill_the_world_is_refused(tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ from hf_dist import DistTrainer, DistTrainingArguments, data
 from hf_dist.file_modes import give_user_mode
 from hf_dist.models import tiny_llama_config
 from hf_dist.trainer import resume
+from hf_dist.trainer.args import fp16_without_gpu
 
 # Each preset is a list of command-line defaults; flags given by the user come later and win.
 PRESETS: dict[str, list[str]] = {
@@ -107,6 +108,8 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
         )
     # Before any process group or data: an output path that is a file, or a resume flag naming no checkpoint
     check_output_path(args.output_dir)
+    if why := fp16_without_gpu(args):  # the Trainer only warns; the recipe never trains in another precision
+        raise ValueError(why)
     check_resume_path(args.resume_from_checkpoint, args.output_dir)
     return script, args
 

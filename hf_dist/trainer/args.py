@@ -10,6 +10,7 @@ Not here: applying the layout to a model (``hf_dist.parallelize``) or deciding w
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -17,12 +18,13 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
+from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
 from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env, preemption
-from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
 from hf_dist.trainer.layout import resolve_layout
 
 
+logger = logging.getLogger(__name__)
 DEFAULT_LEARNING_RATE = 5e-5  # transformers.TrainingArguments' default
 
 
@@ -43,9 +45,15 @@ def check_values(args) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer (sequences per forward on one rank for "
                              f"the batch sizes; 1 disables tp_size/pp_size)")
+
+
+def fp16_without_gpu(args) -> str | None:
+    """Why ``fp16=True`` does nothing here: accelerate trains fp16 only on an accelerator and silently runs fp32 on
+    CPU (the Trainer accepts it, so DistTrainingArguments warns; the recipe refuses). None when it applies."""
     if args.fp16 and not launch_env.has_gpu() and not launch_env.deepspeed_requested(args):
-        raise ValueError("fp16=True on a machine without a GPU: the Trainer's fp16 needs CUDA's gradient scaler and "
-                         "would not train in fp16 here; drop --fp16 (fp32), or use --bf16 true")
+        return ("fp16=True on a machine without a GPU: accelerate runs fp16 only on an accelerator, so this would "
+                "train in fp32; drop --fp16, or use --bf16 true (bf16 autocast runs on CPU)")
+    return None
 
 
 def check_learning_rate(args) -> None:
@@ -201,6 +209,8 @@ class DistTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         check_values(self)  # before anything reads them: no process group exists yet
+        if (why := fp16_without_gpu(self)) and int(os.environ.get("RANK", "0")) == 0:
+            logger.warning(why)  # the Trainer accepts it; say so once instead of training in fp32 silently
         launch_env.prepare_environment(self)
         # the one layout of this run, from every source; re-resolved on every construction (dataclasses.replace)
         self.layout: Layout = resolve_layout(self)
