@@ -155,14 +155,14 @@ def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer)
 
 
 def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
-    from peft import get_peft_model
+    from hf_dist.models import add_adapters
 
     if script.model_name_or_path is None:  # the adapter needs its base on disk to be reloadable
         base_dir = Path(args.output_dir) / "base"
         if args.process_index == 0:
             model.save_pretrained(base_dir)
         model.name_or_path = model.config.name_or_path = str(base_dir.resolve())  # recorded in adapter_config
-    return get_peft_model(model, lora_config(script))
+    return add_adapters(model, lora_config(script), seed=args.seed)  # as hf_dist.from_pretrained: one init per seed
 
 
 def lora_config(script: ScriptArguments):

@@ -82,7 +82,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
     dims = trainer_dims(args)
     if not streams_weights(fsdp=args.hf_dist_fsdp is not None, tp=dims.tp, pp=dims.pp):
-        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
+        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config, args.seed)
     config = meta.load_config(directory, model_kwargs, overrides)
     if args.pp_size > 1:
         from hf_dist.pipeline_parallel.support import check_pipeline_support
@@ -92,7 +92,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
     names = _names_or_none(model, directory)
     if names is None:  # transformers must split stored tensors: the streaming load does not
-        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
+        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config, args.seed)
     flops = module_flop_counts(model)  # of the whole model, before a pipeline rank drops other stages
     meta.load_generation_config(model, directory)
     model = apply_owned_layout(model, args, dims)
