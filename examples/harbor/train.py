@@ -100,9 +100,20 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
             f"--data_path {script.data_path} needs --model_name_or_path (a local model folder or Hub id) whose "
             f"tokenizer encodes it; the random-init tiny model only trains on the synthetic transcripts"
         )
+    check_show_answers(script, args)
     # Before any process group or data: never train over a previous run's checkpoints without being told.
     resume.check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     return script, args
+
+
+def check_show_answers(script: ScriptArguments, args: DistTrainingArguments) -> None:
+    """In-memory answers need ``generate`` on the whole model: a pipeline stage has neither (before any data)."""
+    if script.show_answers and args.pp_size > 1:
+        raise ValueError(
+            f"--show_answers {script.show_answers} with --pp_size {args.pp_size}: a pipeline-parallel model holds only "
+            f"its own stages on each rank and cannot answer in memory; drop --show_answers (and answer with the saved "
+            f"model reloaded from <output_dir>/final) or use a layout without pipeline parallelism"
+        )
 
 
 def prepare_data(script: ScriptArguments, args: DistTrainingArguments):

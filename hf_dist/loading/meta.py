@@ -82,7 +82,7 @@ def load_generation_config(model: nn.Module, directory: str) -> None:
 
 
 def transformers_load(
-    directory: str, dtype, model_kwargs: dict, overrides: dict, peft_config, seed: int = 0
+    directory: str, dtype, model_kwargs: dict, overrides: dict, peft_config, seed: int
 ) -> nn.Module:
     from transformers import AutoModelForCausalLM
 

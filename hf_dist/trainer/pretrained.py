@@ -63,12 +63,13 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     Args:
         name_or_dir: a local directory with safetensors weights, or a Hub name already in the local cache.
         args: the arguments you pass to ``DistTrainer``; their layout (FSDP2 / TP / PP, dtype) is applied here.
-        peft_config: a PEFT ``LoraConfig`` to add adapters before the layout (as ``get_peft_model`` would).
+        peft_config: a PEFT ``LoraConfig`` to add adapters before the layout (``hf_dist.models.add_adapters``:
+            ``get_peft_model`` with the adapters drawn from ``args.seed``, the same under every layout).
         from_pretrained_kwargs: ``dtype`` (default: what the layout keeps, ``layout_dtype``),
             ``attn_implementation``, ``trust_remote_code``, Hub options, and config overrides.
 
     Returns the model ready for ``DistTrainer(model=..., args=args)``; for DDP and DeepSpeed, transformers'
-    own ``from_pretrained`` (plus ``get_peft_model``). Checkpoint names are mapped by transformers' own renaming
+    own ``from_pretrained`` (plus ``add_adapters``). Checkpoint names are mapped by transformers' own renaming
     rules (``hf_dist.loading.key_map``); a tensor transformers assembles from several stored ones (per-expert MoE
     weights, e.g. Mixtral) is built by transformers' converter one tensor at a time and its slices kept. A
     checkpoint where transformers splits one stored tensor into several is loaded with transformers on every
