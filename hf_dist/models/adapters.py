@@ -34,7 +34,7 @@ def add_adapters(model: nn.Module, peft_config, *, seed: int) -> nn.Module:
         model = get_peft_model(model, peft_config)
     on_meta = any(p.is_meta for p in model.parameters())
     if _redrawn(peft_config):
-        init_adapters(model, peft_config, seed)
+        _redraw(model, peft_config, seed)
     elif on_meta:
         raise ValueError(
             f"init_lora_weights={getattr(peft_config, 'init_lora_weights', True)!r}, "
@@ -49,10 +49,11 @@ def add_adapters(model: nn.Module, peft_config, *, seed: int) -> nn.Module:
 
 
 def _redrawn(peft_config) -> bool:
-    return getattr(peft_config, "init_lora_weights", True) in REDRAWN_INITS and not getattr(peft_config, "use_dora", False)
+    init = getattr(peft_config, "init_lora_weights", True)
+    return init in REDRAWN_INITS and not getattr(peft_config, "use_dora", False)
 
 
-def init_adapters(model: nn.Module, peft_config, seed: int) -> None:
+def _redraw(model: nn.Module, peft_config, seed: int) -> None:
     """PEFT's own ``reset_lora_parameters`` for every LoRA adapter, drawn on the host from ``seed`` in module order
     (adapters on ``meta`` are materialised on the host; others go back to their device afterwards)."""
     init = getattr(peft_config, "init_lora_weights", True)
