@@ -4,7 +4,8 @@ Every case builds the reference the ordinary way (transformers' ``from_pretraine
 DistTrainer applies) and the streamed model with ``hf_dist.from_pretrained``, then compares every local shard
 exactly (LoRA adapters included: both paths draw them from the run's seed), the logits, and the logits after one
 AdamW step (1e-6). Models: an untied Llama, a tied-embedding Llama, and Phi-3 (fused ``qkv_proj`` /
-``gate_up_proj``), all tiny, with non-default config values, saved as several safetensors shards. One spawn per world size runs all its cases.
+``gate_up_proj``), all tiny, with non-default config values, saved as several safetensors shards. One spawn per
+world size runs all its cases.
 """
 
 from __future__ import annotations
