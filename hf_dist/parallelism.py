@@ -13,6 +13,8 @@ and backward (FSDP2's default: backward needs them first), and the blocks follow
 reshard, and while gathered the parameters registered on a module are the unsharded ones: an optimizer built then
 (the Trainer builds it in ``train()``, after any ``evaluate()``) would hold them and update tensors FSDP throws
 away. So every FSDP unit reshards at the end of a forward without autograd (``_reshard_after_no_grad_forward``).
+``generate`` is a forward of the root too (``_generate_as_forward``): a ``PeftModel`` root's ``generate`` bypasses
+its ``forward``, and would otherwise meet sharded embeddings.
 ``tests/test_parallelize.py`` trains several optimizer steps after an evaluation against one process.
 
 Not here: choosing the layout (``ParallelDims``, the planner), TP plans (``hf_dist.tensor_parallel``), splitting
@@ -21,6 +23,7 @@ into pipeline stages (``hf_dist.pipeline_parallel``), or Trainer glue (``hf_dist
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -180,18 +183,49 @@ def apply_fsdp(
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     model.register_forward_hook(_reshard_after_no_grad_forward)
+    _generate_as_forward(model)
     return model
 
 
 def _reshard_after_no_grad_forward(module: nn.Module, args, output):
     """Without autograd no backward follows to reshard: do it now, so the registered parameters are the shards."""
     if not torch.is_grad_enabled():
-        from torch.distributed.fsdp import FSDPModule
-
-        for unit in module.modules():
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
+        _reshard_units(module)
     return output
+
+
+def _reshard_units(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def _generate_as_forward(model: nn.Module) -> None:
+    """Make ``model.generate`` gather the root's parameters (embeddings, norm, head) as its forward does.
+
+    FSDP gathers them in the root's ``forward``; a ``PeftModel`` root's ``generate`` calls the wrapped HF model's
+    ``generate``, which never passes through the root's forward, so the embedding would meet sharded weights.
+    torch's ``register_fsdp_forward_method`` runs the root's pre/post-forward around ``generate``; every unit is
+    resharded after it (no backward follows). A plain HF root's forward inside it gathers and reshards as before.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not callable(getattr(model, "generate", None)):
+        return
+    register_fsdp_forward_method(model, "generate")
+    gathered_generate = model.generate
+
+    @functools.wraps(gathered_generate)
+    def generate(*args, **kwargs):
+        try:
+            with torch.no_grad():
+                return gathered_generate(*args, **kwargs)
+        finally:
+            _reshard_units(model)
+
+    model.generate = generate
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -133,6 +133,24 @@ def test_recipe_missing_resume_path_is_refused_before_the_model_loads(tmp_path, 
     assert not (tmp_path / "run").exists()  # nothing written either
 
 
+def test_recipe_show_answers_with_pipeline_parallelism_is_refused():
+    from types import SimpleNamespace
+
+    recipe = load_recipe()  # parse() calls this check; pp_size=2 arguments need 2 launched ranks, so it is called alone
+    with pytest.raises(ValueError, match=r"--show_answers 2 with --pp_size 2: a pipeline-parallel model .* drop "
+                                         r"--show_answers"):
+        recipe.check_show_answers(recipe.ScriptArguments(show_answers=2), SimpleNamespace(pp_size=2))
+    recipe.check_show_answers(recipe.ScriptArguments(show_answers=2), SimpleNamespace(pp_size=1))
+
+
+def test_greedy_answer_refuses_a_model_without_generate():
+    import torch
+
+    from hf_dist.models import greedy_answer
+
+    with pytest.raises(ValueError, match=r"Linear has no generate\(\): a pipeline-parallel model"):
+        greedy_answer(torch.nn.Linear(2, 2), tokenizer=None, messages="hello")
+
 # -- hf-dist config / plan ----------------------------------------------------------------------------------
 CONFIG = ["config", "--strategy", "zero2", "--gpus", "2", "--micro-batch", "1", "--global-batch", "8"]
 PLAN = ["plan", "--gpus", "8", "--gpu", "a100-80gb", "--seq-len", "512", "--global-batch", "64"]

@@ -2,6 +2,7 @@
 
 Each layout's loss over 5 optimizer steps matches a single-process run with the same global batch (fp32,
 1e-4), and the run reports the layout it asked for (FSDP2 is really sharded, DeepSpeed really runs ZeRO).
+LoRA under FSDP2 with ``--show_answers`` trains and answers as one process does.
 These are the expensive tests: one launch per layout, tiny model, short sequences.
 """
 
@@ -65,9 +66,15 @@ def test_layout_matches_single_process(reference, config, tmp_path):
     assert summary["reload"].startswith("AutoModelForCausalLM.from_pretrained: ok")
 
 
-def test_lora_under_fsdp2_saves_a_real_adapter(tmp_path):
-    summary = launch("fsdp", tmp_path, "--lora", "--lora_r", "4")
+def test_lora_under_fsdp2_saves_a_real_adapter_and_answers_as_one_process(tmp_path):
+    lora = ["--lora", "--lora_r", "4", "--show_answers", "2", "--answer_tokens", "6"]
+    one = _run([sys.executable, str(TRAIN), *COMMON, *lora], tmp_path / "single")
+    summary = launch("fsdp", tmp_path, *lora)  # generate() of a PeftModel under FSDP2 once met sharded embeddings
     assert summary["reload"].startswith("AutoPeftModelForCausalLM.from_pretrained: ok")
+    torch.testing.assert_close(summary["losses"], one["losses"], atol=1e-4, rtol=0)  # same adapters, same steps
+    for when in ("answers_before", "answers_after", "answers_reloaded"):
+        assert len(summary[when]) == 2 and summary[when] == one[when], when
+    assert summary["reload_same_answers"]
     from safetensors.torch import load_file
 
     adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))

@@ -2,9 +2,10 @@
 
 Every case builds the reference the ordinary way (transformers' ``from_pretrained`` on the rank, then the layout
 DistTrainer applies) and the streamed model with ``hf_dist.from_pretrained``, then compares every local shard
-exactly, the logits, and the logits after one AdamW step (1e-6). Models: an untied Llama, a tied-embedding
-Llama, and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``), all tiny, with non-default config values, saved as
-several safetensors shards. One spawn per world size runs all its cases.
+exactly (LoRA adapters included: both paths draw them from the run's seed), the logits, and the logits after one
+AdamW step (1e-6). Models: an untied Llama, a tied-embedding Llama, and Phi-3 (fused ``qkv_proj`` /
+``gate_up_proj``), all tiny, with non-default config values, saved as several safetensors shards. One spawn per
+world size runs all its cases.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def _reference(directory: str, args, dtype, lora: bool):
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     if lora:
-        from peft import get_peft_model
+        from hf_dist.models import add_adapters
 
-        model = get_peft_model(model, _lora())
+        model = add_adapters(model, _lora(), seed=args.seed)  # what the plain path (one process, DDP) does
     return apply_owned_layout(model, args, args.layout.dims)
 
 
@@ -106,21 +107,15 @@ def _case(directory: str, output_dir: str, layout: dict) -> dict:
     lora = layout.get("lora", False)
     dtype = layout_dtype(args, lora=lora)
     batch = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-    torch.manual_seed(args.seed)  # the adapters' initialisation (both paths draw it from this seed)
     reference = _reference(directory, args, dtype, lora)
     streamed = hf_dist.from_pretrained(directory, args, peft_config=_lora() if lora else None)
     ref_state, got_state = _local_state(reference), _local_state(streamed)
     assert sorted(ref_state) == sorted(got_state), (set(ref_state) - set(got_state), set(got_state) - set(ref_state))
-    base = {n for n in ref_state if "lora_" not in n}
-    for name in base:
+    for name in ref_state:  # the adapters too: both paths draw them from args.seed
         torch.testing.assert_close(got_state[name], ref_state[name], rtol=0, atol=0, msg=name)
-        assert got_state[name].dtype == dtype or "norm" in name, (name, got_state[name].dtype)
+        assert got_state[name].dtype == dtype or "norm" in name or "lora_" in name, (name, got_state[name].dtype)
     lora_b = [n for n in got_state if "lora_B" in n]
     assert all(got_state[n].abs().sum() == 0 for n in lora_b)
-    if lora:  # same adapter init drawn from the same seed: copy it so the step compares the loaders only
-        for (name, param), (_, ref) in zip(streamed.named_parameters(), reference.named_parameters()):
-            if "lora_A" in name:
-                getattr(param, "_local_tensor", param).data.copy_(getattr(ref, "_local_tensor", ref).data)
     result = {"logits": (_logits(reference, batch), _logits(streamed, batch))}
     _step(reference, batch)
     _step(streamed, batch)

@@ -108,6 +108,7 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
         )
     # Before any process group or data: an output path that is a file, or a resume flag naming no checkpoint
     check_output_path(args.output_dir)
+    check_show_answers(script, args)
     if why := fp16_without_gpu(args):  # the Trainer only warns; the recipe never trains in another precision
         raise ValueError(why)
     check_resume_path(args.resume_from_checkpoint, args.output_dir)
@@ -168,6 +169,16 @@ def check_resume_path(value: str | None, output_dir: str) -> None:
         resume.resolve_resume(value, output_dir, native_only=False)
 
 
+def check_show_answers(script: ScriptArguments, args: DistTrainingArguments) -> None:
+    """In-memory answers need ``generate`` on the whole model: a pipeline stage has neither (before any data)."""
+    if script.show_answers and args.pp_size > 1:
+        raise ValueError(
+            f"--show_answers {script.show_answers} with --pp_size {args.pp_size}: a pipeline-parallel model holds only "
+            f"its own stages on each rank and cannot answer in memory; drop --show_answers (and answer with the saved "
+            f"model reloaded from <output_dir>/final) or use a layout without pipeline parallelism"
+        )
+
+
 def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
     """Tokenizer and datasets. The main process writes shared files first; the others then read them."""
     out = Path(args.output_dir) / "data"
@@ -218,7 +229,7 @@ def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer)
 
 
 def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
-    from peft import get_peft_model
+    from hf_dist.models import add_adapters
 
     if script.model_name_or_path is None:  # the adapter needs its base on disk to be reloadable
         base_dir = Path(args.output_dir) / "base"
@@ -226,7 +237,7 @@ def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
             model.save_pretrained(base_dir)
             give_user_mode(base_dir)  # save_pretrained leaves its safetensors 0600
         model.name_or_path = model.config.name_or_path = str(base_dir.resolve())  # recorded in adapter_config
-    return get_peft_model(model, lora_config(script))
+    return add_adapters(model, lora_config(script), seed=args.seed)  # as hf_dist.from_pretrained: one init per seed
 
 
 def lora_config(script: ScriptArguments):

@@ -1,9 +1,10 @@
 """Build an HF causal LM on ``meta`` from a checkpoint directory, ready to be laid out and then filled.
 
 ``build_on_meta`` creates the parameters on ``meta`` (buffers such as rotary ``inv_freq`` are computed by the
-model's own ``__init__``), re-ties tied weights, and adds LoRA adapters initialised by PEFT's own code on the host
-(they are small), identical on every rank (seeded). ``split_kwargs`` / ``checkpoint_dir`` / ``load_config`` read
-``from_pretrained``-style arguments; ``transformers_load`` is the ordinary loader, for DDP and DeepSpeed (under
+model's own ``__init__``), re-ties tied weights, and adds LoRA adapters with ``hf_dist.models.adapters`` (PEFT's
+own initialisation on the host, from the run's seed, as on the plain path: the same adapters under every layout).
+``split_kwargs`` / ``checkpoint_dir`` / ``load_config`` read ``from_pretrained``-style arguments;
+``transformers_load`` is the ordinary loader, for DDP and DeepSpeed (under
 ZeRO-3 transformers builds the model inside ``deepspeed.zero.Init`` when the DeepSpeed config was registered by
 the training arguments, so each rank materialises only its partition).
 
@@ -58,28 +59,6 @@ def load_config(directory: str, model_kwargs: dict, overrides: dict):
     return config
 
 
-def _init_adapters(model: nn.Module, peft_config, seed: int) -> None:
-    """PEFT's own initialisation for every LoRA adapter, on the host, identical on every rank (seeded)."""
-    init = getattr(peft_config, "init_lora_weights", True)
-    if init not in (True, False, "gaussian") or getattr(peft_config, "use_dora", False):
-        raise ValueError(
-            f"init_lora_weights={init!r}, use_dora={getattr(peft_config, 'use_dora', False)}: these adapters are "
-            f"computed from the base weights, which a meta-device load does not hold; use init_lora_weights=True "
-            f"or 'gaussian' without DoRA, or transformers' from_pretrained"
-        )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for module in model.modules():
-            if hasattr(module, "reset_lora_parameters") and hasattr(module, "lora_A"):
-                for adapter in list(module.lora_A.keys()):
-                    module.lora_A[adapter].to_empty(device="cpu")
-                    module.lora_B[adapter].to_empty(device="cpu")
-                    module.reset_lora_parameters(adapter, init)
-    left = [n for n, p in model.named_parameters() if p.requires_grad and p.is_meta]
-    if left:
-        raise ValueError(f"adapter parameters {left[:4]} have no initialisation on a meta model; use a LoRA config")
-
-
 def build_on_meta(config, dtype: torch.dtype, model_kwargs: dict, peft_config=None, seed: int = 0) -> nn.Module:
     """The causal LM of ``config`` with its parameters on ``meta`` (buffers computed), adapters initialised."""
     from accelerate import init_empty_weights
@@ -90,10 +69,9 @@ def build_on_meta(config, dtype: torch.dtype, model_kwargs: dict, peft_config=No
     model.tie_weights()  # one Parameter for tied embeddings, as from_pretrained leaves them
     model.eval()  # as from_pretrained returns it
     if peft_config is not None:
-        from peft import get_peft_model
+        from hf_dist.models.adapters import add_adapters
 
-        model = get_peft_model(model, peft_config)
-        _init_adapters(model, peft_config, seed)
+        model = add_adapters(model, peft_config, seed=seed)
     return model
 
 
@@ -105,12 +83,14 @@ def load_generation_config(model: nn.Module, directory: str) -> None:
         target.generation_config = GenerationConfig.from_pretrained(directory)
 
 
-def transformers_load(directory: str, dtype, model_kwargs: dict, overrides: dict, peft_config) -> nn.Module:
+def transformers_load(
+    directory: str, dtype, model_kwargs: dict, overrides: dict, peft_config, seed: int
+) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **model_kwargs, **overrides)
     if peft_config is not None:
-        from peft import get_peft_model
+        from hf_dist.models.adapters import add_adapters
 
-        model = get_peft_model(model, peft_config)
+        model = add_adapters(model, peft_config, seed=seed)  # as build_on_meta: the same adapters on every path
     return model

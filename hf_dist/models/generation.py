@@ -1,6 +1,9 @@
 """Greedy chat answers: what the demo, the notebook and the tests print and compare before and after training.
 
-Not a serving path: one conversation at a time, no sampling, no batching.
+Works on a model in memory under one process, DDP, DeepSpeed, FSDP2 (``hf_dist.parallelism`` makes ``generate``
+gather the root's weights, a ``PeftModel`` included) and TP; every rank of a sharded model must call it with the
+same messages. A pipeline-parallel model has no ``generate`` and is refused. Not a serving path: one conversation
+at a time, no sampling, no batching.
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ import torch
 def greedy_answer(model, tokenizer, messages: list[dict] | str, *, max_new_tokens: int = 32) -> str:
     """The model's greedy reply to ``messages`` (a chat, or one user message as a string), rendered with the
     tokenizer's chat template; special tokens are stripped from the reply."""
+    if not callable(getattr(model, "generate", None)):
+        raise ValueError(
+            f"{type(model).__name__} has no generate(): a pipeline-parallel model (pp_size > 1) holds only its own "
+            f"stages on each rank and cannot answer in memory; reload the saved model with from_pretrained to answer, "
+            f"or use a layout without pipeline parallelism (FSDP2, TP, DDP, DeepSpeed)"
+        )
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     inputs = tokenizer.apply_chat_template(

@@ -63,12 +63,13 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     Args:
         name_or_dir: a local directory with safetensors weights, or a Hub name already in the local cache.
         args: the arguments you pass to ``DistTrainer``; their layout (FSDP2 / TP / PP, dtype) is applied here.
-        peft_config: a PEFT ``LoraConfig`` to add adapters before the layout (as ``get_peft_model`` would).
+        peft_config: a PEFT ``LoraConfig`` to add adapters before the layout (``hf_dist.models.add_adapters``:
+            ``get_peft_model`` with the adapters drawn from ``args.seed``, the same under every layout).
         from_pretrained_kwargs: ``dtype`` (default: what the layout keeps, ``layout_dtype``),
             ``attn_implementation``, ``trust_remote_code``, Hub options, and config overrides.
 
     Returns the model ready for ``DistTrainer(model=..., args=args)``; for DDP and DeepSpeed, transformers'
-    own ``from_pretrained`` (plus ``get_peft_model``). Checkpoint names are mapped by transformers' own renaming
+    own ``from_pretrained`` (plus ``add_adapters``). Checkpoint names are mapped by transformers' own renaming
     rules (``hf_dist.loading.key_map``); a tensor transformers assembles from several stored ones (per-expert MoE
     weights, e.g. Mixtral) is built by transformers' converter one tensor at a time and its slices kept. A
     checkpoint where transformers splits one stored tensor into several is loaded with transformers on every
@@ -82,7 +83,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
     dims = args.layout.dims  # the run's one Layout, resolved by DistTrainingArguments
     if not args.layout.streaming_load:
-        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
+        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config, args.seed)
     config = meta.load_config(directory, model_kwargs, overrides)
     if args.pp_size > 1:
         from hf_dist.pipeline_parallel.support import check_pipeline_support
@@ -92,7 +93,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
     names = _names_or_none(model, directory)
     if names is None:  # transformers must split stored tensors: the streaming load does not
-        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config)
+        return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config, args.seed)
     flops = module_flop_counts(model)  # of the whole model, before a pipeline rank drops other stages
     meta.load_generation_config(model, directory)
     model = apply_owned_layout(model, args, dims)

@@ -1,0 +1,135 @@
+"""LoRA through ``hf_dist.from_pretrained`` + ``DistTrainer``: one command gives one model whatever the layout.
+
+On 2 gloo ranks (DDP: transformers' loader; FSDP2 and TP=2: the streaming load on ``meta``) against one process:
+the initial adapters (gathered) are equal exactly, the losses and trained adapters of 3 steps within 1e-5, and the
+greedy tokens the in-memory model generates before and after training are the same (under FSDP2 a ``PeftModel``'s
+``generate`` used to meet sharded embeddings). A full fine-tune's FSDP2 ``generate`` is checked alongside. One
+spawn runs every layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from trainer_harness import token_dataset
+
+STEPS, GLOBAL_BATCH, NEW_TOKENS = 3, 4, 6
+PROMPT = [[5, 17, 42, 8, 99, 3]]
+LAYOUTS = {
+    "one": {},
+    "ddp": {},
+    "fsdp2": {"fsdp": "full_shard", "fsdp_config": {"version": 2}},
+    "tp2": {"tp_size": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    from hf_dist.models import build_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    build_tiny_model(vocab_size=256, hidden_size=64, num_hidden_layers=2, seed=7).save_pretrained(directory)
+    return str(directory)
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+
+
+def _args(out: str, layout: str, **extra):
+    import os
+
+    from hf_dist import DistTrainingArguments
+
+    return DistTrainingArguments(
+        output_dir=out, max_steps=STEPS, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2,
+        learning_rate=2e-2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=3,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1,
+        **LAYOUTS[layout], **extra,
+    )
+
+
+def _adapters(model) -> dict[str, torch.Tensor]:
+    from hf_dist.state_dict import full_state_dict
+
+    return full_state_dict(model, trainable_only=True)
+
+
+def _tokens(model) -> list[int]:
+    out = model.generate(input_ids=torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(PROMPT[0]):].tolist()
+
+
+def _layout_run(checkpoint: str, out: str, layout: str) -> dict:
+    """Load with LoRA, generate, train ``STEPS`` steps, generate: what a ``--lora --show_answers`` run does."""
+    from accelerate.state import AcceleratorState
+
+    import hf_dist
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # several layouts in one process group
+    args = _args(f"{out}/{layout}", layout)
+    model = hf_dist.from_pretrained(checkpoint, args, peft_config=_lora())
+    initial = _adapters(model)
+    trainer = hf_dist.DistTrainer(model=model, args=args, train_dataset=token_dataset(n=16))
+    in_memory = trainer.accelerator.unwrap_model(trainer.model)
+    before = _tokens(in_memory)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return {"initial": initial, "before": before, "losses": losses, "after": _tokens(in_memory),
+            "trained": _adapters(in_memory)}
+
+
+def _full_fsdp2_tokens(checkpoint: str, out: str) -> list[int]:
+    """A full fine-tune (no adapter) under FSDP2 generates through the root's own forward, as before."""
+    from accelerate.state import AcceleratorState
+
+    import hf_dist
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = _args(f"{out}/full", "fsdp2")
+    trainer = hf_dist.DistTrainer(model=hf_dist.from_pretrained(checkpoint, args), args=args)
+    return _tokens(trainer.accelerator.unwrap_model(trainer.model))
+
+
+def _group(rank, world_size, checkpoint, out):
+    results = {layout: _layout_run(checkpoint, out, layout) for layout in ("ddp", "fsdp2", "tp2")}
+    results["full_fsdp2_tokens"] = _full_fsdp2_tokens(checkpoint, out)
+    return results
+
+
+def test_lora_is_one_model_on_one_process_ddp_fsdp2_and_tp2(checkpoint, tmp_path):
+    reference = _layout_run(checkpoint, str(tmp_path / "ref"), "one")
+    assert reference["after"] != reference["before"]  # training changed the answer: the comparison has teeth
+    assert any(v.abs().sum() > 0 for k, v in reference["trained"].items() if "lora_B" in k)
+    per_rank = run_distributed(_group, 2, checkpoint, str(tmp_path), timeout_s=900)
+    for rank, results in enumerate(per_rank):
+        for layout in ("ddp", "fsdp2", "tp2"):
+            got, msg = results[layout], f"rank {rank} {layout}"
+            assert sorted(got["initial"]) == sorted(reference["initial"]), msg
+            for key, value in reference["initial"].items():
+                torch.testing.assert_close(got["initial"][key], value, rtol=0, atol=0, msg=f"{msg} {key}")
+            torch.testing.assert_close(got["losses"], reference["losses"], rtol=0, atol=1e-5, msg=msg)
+            for key, value in reference["trained"].items():
+                torch.testing.assert_close(got["trained"][key], value, rtol=0, atol=1e-5, msg=f"{msg} {key}")
+            assert (got["before"], got["after"]) == (reference["before"], reference["after"]), msg
+        assert results["full_fsdp2_tokens"] == reference["before"], rank  # LoRA B starts at zero: the base's answer
+
+
+def test_adapters_are_drawn_from_the_seed_and_leave_the_global_generator_alone():
+    from hf_dist.models import add_adapters, build_tiny_model
+
+    def lora_a(seed: int, draws_before: int) -> list[torch.Tensor]:
+        model = build_tiny_model(vocab_size=64, hidden_size=32, num_hidden_layers=1, seed=0)
+        torch.rand(draws_before)  # whatever ran before must not matter
+        state = torch.random.get_rng_state()
+        model = add_adapters(model, _lora(), seed=seed)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        return [p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n]
+
+    first, again, other = lora_a(3, 1), lora_a(3, 5), lora_a(4, 1)
+    assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not any(torch.equal(a, b) for a, b in zip(first, other))
