@@ -132,6 +132,16 @@ class DataParallelBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    # accelerate's ``DataLoaderShard.total_batch_size`` (read by user code, and by accelerate for the remainder of
+    # the last batch) is ``batch_sampler.batch_size x batch_sampler.num_processes``: the batch across the dp ranks.
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch_size
+
+    @property
+    def num_processes(self) -> int:
+        return self.dp_size
+
     def __len__(self) -> int:
         rounds, rest = divmod(self.num_samples, self.micro_batch_size * self.dp_size)
         return rounds + (1 if rest and not self.drop_last else 0)
