@@ -14,11 +14,11 @@ import pytest
 
 from dist_utils import run_distributed
 from hf_dist.tensor_parallel.support import TP_TESTED_MODEL_TYPES, tp_refusal
-from tp_sweep_cases import dense_plan_types, sweep_config
+from tp_sweep_cases import TP_VARIANTS, VARIANTS, dense_plan_types, sweep_config
 from tp_sweep_run import sweep_rank
 
 TOL = 1e-5
-SWEEP_TYPES = sorted(TP_TESTED_MODEL_TYPES)
+SWEEP_TYPES = sorted(TP_TESTED_MODEL_TYPES) + list(TP_VARIANTS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +40,24 @@ def test_tp2_equals_one_process(model_type):
 def test_dist_trainer_refuses_an_unsupported_type_before_touching_it():
     for by_type in _sweep():
         message = by_type["trainer_refusal"]["message"]
-        assert "model_type='gpt2': transformers ships no base_model_tp_plan" in message, message
+        assert "model_type='xglm': transformers ships no base_model_tp_plan" in message, message
         assert message.endswith("[model untouched: True]"), message
+
+
+REFUSED_VARIANTS = {
+    "falcon:mqa": "num_key_value_heads=1 is not divisible by tp=2",
+    "falcon:alibi": "model_type='falcon': alibi=True",
+    "bloom:slow_but_exact": "model_type='bloom': slow_but_exact=True with pretraining_tp=2",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_VARIANTS))
+def test_variants_tp_cannot_reproduce_are_refused_by_name_before_launch(case):
+    from hf_dist.tensor_parallel import check_tp_sizes
+
+    assert case in VARIANTS and case not in TP_VARIANTS
+    with pytest.raises(ValueError, match=REFUSED_VARIANTS[case]):
+        check_tp_sizes(sweep_config(case), 2)
 
 
 def test_the_sweep_is_large_enough():

@@ -47,7 +47,24 @@ PER_TYPE: dict[str, dict] = {
     "qwen2": {"use_sliding_window": True, "max_window_layers": 1},
     "qwen3": {"use_sliding_window": True, "max_window_layers": 1},
     "gpt_neox": {"use_parallel_residual": False},
+    # classic types (hf_dist's own plans, hf_dist/tensor_parallel/classic.py)
+    "gpt2": {"n_inner": 96, "reorder_and_upcast_attn": True, "scale_attn_by_inverse_layer_idx": True,
+             "activation_function": "relu", "layer_norm_epsilon": 1e-4},
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True, "ffn_hidden_size": 96},
+    "opt": {"word_embed_proj_dim": 32, "ffn_dim": 96, "do_layer_norm_before": False, "enable_bias": False,
+            "activation_function": "gelu"},
+    # 6 heads: ALiBi slopes of a head count that is not a power of two (the extra-slopes branch)
+    "bloom": {"hidden_size": 96, "n_head": 6, "apply_residual_connection_post_layernorm": True},
 }
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "falcon:mha": ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True, "ffn_hidden_size": 96}),
+    "falcon:mqa": ("falcon", {"multi_query": True}),
+    "falcon:alibi": ("falcon", {"multi_query": False, "alibi": True}),
+    "bloom:slow_but_exact": ("bloom", {"pretraining_tp": 2, "slow_but_exact": True}),
+}
+"""Named cases ``type:variant``: other layouts of one model type, supported (in ``TP_VARIANTS``) or refused."""
+TP_VARIANTS = ("falcon:mha",)
+"""Variants that TP must run equal to one process; the others must be refused before launch."""
 
 
 def _has(config, field: str) -> bool:
@@ -66,13 +83,14 @@ def _rope(config_cls) -> dict:
 
 
 def sweep_config(model_type: str):
-    """A tiny config of ``model_type`` with non-default values (see module docstring)."""
+    """A tiny config of ``model_type`` (or a ``VARIANTS`` case) with non-default values (module docstring)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    model_type, variant = VARIANTS.get(model_type, (model_type, {}))
     config_cls = CONFIG_MAPPING[model_type]
     defaults = config_cls()
-    kwargs = {k: v for k, v in SIZES.items() if _has(defaults, k)}
+    kwargs = {k: v for k, v in SIZES.items() if _has(defaults, k) and not isinstance(getattr(config_cls, k, None), property)}
     for field, value in NON_DEFAULT.items():
         settable = not isinstance(getattr(config_cls, field, None), property)
         if settable and _has(defaults, field) and getattr(defaults, field) != value:
@@ -82,7 +100,7 @@ def sweep_config(model_type: str):
         kwargs["pad_token_id"] = 0
     kwargs["tie_word_embeddings"] = not getattr(defaults, "tie_word_embeddings", False)
     kwargs.update(_rope(config_cls))
-    kwargs.update(PER_TYPE.get(model_type, {}))
+    kwargs.update(PER_TYPE.get(model_type, {}) if not variant else variant)
     for field in defaults.to_dict():
         if "dropout" in field or field.endswith("pdrop"):
             kwargs[field] = 0.0

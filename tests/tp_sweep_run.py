@@ -89,13 +89,14 @@ def compare(model_type: str, tp_mesh) -> dict:
 
 
 def trainer_refusal(output_dir: str) -> str:
-    """What ``DistTrainer(tp_size=world)`` says for a model type without a plan (GPT-2), and the proof that
+    """What ``DistTrainer(tp_size=world)`` says for a model type without a plan (XGLM), and the proof that
     it said so before touching the model."""
-    from transformers import AutoModelForCausalLM, GPT2Config
+    from transformers import AutoModelForCausalLM, XGLMConfig
 
     from hf_dist import DistTrainer, DistTrainingArguments
 
-    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    config = XGLMConfig(d_model=32, num_layers=1, attention_heads=2, vocab_size=64, ffn_dim=64)
+    model = AutoModelForCausalLM.from_config(config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = DistTrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=2, global_batch_size=2, tp_size=dist.get_world_size(),

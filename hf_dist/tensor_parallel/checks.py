@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from math import gcd
 
+from hf_dist.tensor_parallel.classic import classic_plan
 from hf_dist.tensor_parallel.plans import REPLICATED_KV_FAMILIES
 from hf_dist.tensor_parallel.support import check_tp_support, model_plan, tp_refusal
 
@@ -47,6 +48,10 @@ def _mlp_width(config) -> tuple[str, int | list[int]]:
 def sharded_sizes(config, *, vocab_parallel: bool) -> dict[str, int | list[int]]:
     """The config values that TP splits evenly: ``{name: value}`` (heads, MLP width, vocab), read from what
     the model's plan shards. A per-layer list means every entry is split."""
+    classic = classic_plan(config)
+    if classic is not None:  # its plan splits heads and the MLP; the MLP width is read as its data says
+        sizes = {"num_attention_heads": config.num_attention_heads, "mlp_width": classic.mlp_width(config)}
+        return {**sizes, "vocab_size": config.vocab_size} if vocab_parallel else sizes
     parents = _sharded_parents(config)
     sizes: dict[str, int | list[int]] = {}
     if parents & _ATTENTION_PARENTS:
@@ -61,6 +66,8 @@ def sharded_sizes(config, *, vocab_parallel: bool) -> dict[str, int | list[int]]
 
 def _kv_heads(config) -> int | None:
     """KV heads when the plan splits attention (``None`` otherwise)."""
+    if (classic := classic_plan(config)) is not None:
+        return classic.kv_heads(config)
     if not _sharded_parents(config) & _ATTENTION_PARENTS:
         return None
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -34,6 +34,15 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from hf_dist.tensor_parallel.classic import classic_plan
+from hf_dist.tensor_parallel.classic_styles import (
+    Conv1DColwise,
+    Conv1DFusedSlice,
+    Conv1DRowwise,
+    LocalAlibi,
+    LocalAttributes,
+    RowwiseParallelWritableOutput,
+)
 from hf_dist.tensor_parallel.styles import (
     ColwiseParallelWritableOutput,
     CombinedStyle,
@@ -149,8 +158,15 @@ def base_plan(config, tp: int | None = None) -> dict[str, str]:
     return plan
 
 
+def _kv_heads(config) -> int:
+    classic = classic_plan(config)
+    if classic is not None:
+        return classic.kv_heads(config)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def _replicates_kv(config, tp: int | None) -> bool:
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv = _kv_heads(config)
     if tp is None or kv >= tp:
         return False
     if config.model_type not in REPLICATED_KV_FAMILIES:
@@ -204,6 +220,13 @@ def _fused_gate_up(config) -> ParallelStyle:
     return FusedColwiseParallel((config.intermediate_size, config.intermediate_size))
 
 
+def _local_attrs(config) -> ParallelStyle:
+    classic = classic_plan(config)
+    if classic is None:
+        raise ValueError(f"style 'local_attrs' is for the classic plans (classic.py), not model_type={config.model_type!r}")
+    return LocalAttributes(classic.local_attrs)
+
+
 _SEQ = Shard(1)
 STYLE_BUILDERS = {
     # transformers' names (the model's own plans)
@@ -219,6 +242,12 @@ STYLE_BUILDERS = {
     "fused_colwise_qkv": _fused_qkv,
     "fused_colwise_gate_up": _fused_gate_up,
     "replicated_kv": _replicated_kv,
+    "conv1d_colwise": lambda config: Conv1DColwise(),
+    "conv1d_rowwise": lambda config: Conv1DRowwise(),
+    "conv1d_fused_qkv_slice": lambda config: Conv1DFusedSlice((config.hidden_size,) * 3),
+    "local_attrs": _local_attrs,
+    "rowwise_writable_output": lambda config: RowwiseParallelWritableOutput(),
+    "local_alibi": lambda config: LocalAlibi(config.num_attention_heads),
     "sequence_parallel": lambda config: SequenceParallel(),
     "rowwise_to_sequence_shards": lambda config: RowwiseParallel(output_layouts=_SEQ, use_local_output=False),
     "embedding_to_sequence_shards": lambda config: PrepareModuleOutput(

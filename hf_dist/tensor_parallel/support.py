@@ -12,7 +12,10 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 
 from __future__ import annotations
 
+from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
+
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
+    "gpt2", "falcon", "opt", "bloom",
     "apertus", "arcee", "cohere", "cohere2", "cohere_compass_text", "cwm", "ernie4_5", "exaone4", "gemma",
     "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hrm_text", "hyperclovax",
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
@@ -52,10 +55,12 @@ def causal_lm_class(config) -> type:
 
 def model_plan(config) -> dict[str, str]:
     """The model's own plan relative to its ``*ForCausalLM``: ``base_model_tp_plan`` under the base model's
-    attribute name, plus the head's ``_tp_plan``. Empty when transformers ships no base plan."""
+    attribute name, plus the head's ``_tp_plan``; hf_dist's own plan (``classic.py``) for the classic types
+    transformers ships none for. Empty otherwise."""
     base = getattr(config, "base_model_tp_plan", None) or {}
     if not base:
-        return {}
+        classic = classic_plan(config)
+        return dict(classic.plan) if classic is not None else {}
     cls = causal_lm_class(config)
     plan = {f"{cls.base_model_prefix}.{pattern}": style for pattern, style in base.items()}
     plan.update(getattr(cls, "_tp_plan", None) or {})
@@ -97,9 +102,13 @@ def tp_refusal(config) -> str | None:
         return "; ".join(reasons)
     if family := _family_refusal(config):
         return family
+    classic = classic_plan(config)
+    if classic is not None and (reason := classic.refusal(config)):
+        return reason
     if not plan:
         return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
-    unknown = sorted({s for s in plan.values() if s not in TRANSLATED_STYLES})
+    known = TRANSLATED_STYLES | CLASSIC_STYLES if classic_plan(config) is not None else TRANSLATED_STYLES
+    unknown = sorted({name for s in plan.values() for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
     if model_type not in TP_TESTED_MODEL_TYPES:
