@@ -33,6 +33,16 @@ NON_DEFAULT = {
 # Fields a model type's default config leaves unset although its model needs them (ministral: head_dim=None).
 NEEDED = {"ministral": {"head_dim": 128}}
 
+# The classic types (hf_dist's own pp plans, hf_dist/pipeline_parallel/plans.py): their own knobs moved.
+PER_TYPE = {
+    "gpt2": {"scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True,
+             "activation_function": "relu", "n_inner": 48},
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 8, "bias": True},
+    "opt": {"word_embed_proj_dim": 16, "do_layer_norm_before": False, "enable_bias": False},
+    "bloom": {"apply_residual_connection_post_layernorm": True},
+    "nemotron": {"partial_rotary_factor": 0.25, "num_key_value_heads": 8},  # its default None fails to build
+}
+
 # The issue's named cases, as the user would write them (defaults where the issue says "default").
 NAMED = {
     "cohere:default": ("cohere", {}),
@@ -44,6 +54,8 @@ NAMED = {
     "mistral:window8": ("mistral", {"sliding_window": 8}),
     "phi3:window8": ("phi3", {"sliding_window": 8}),
     "starcoder2:window8": ("starcoder2", {"sliding_window": 8}),
+    "falcon:mqa": ("falcon", {"multi_query": True, "parallel_attn": False}),
+    "falcon:alibi": ("falcon", {"multi_query": False, "alibi": True}),
 }
 
 
@@ -58,6 +70,7 @@ def non_default_config(model_type: str, **extra):
     values = {k: v for k, v in NON_DEFAULT.items() if hasattr(default, k) and k not in derived}
     values["tie_word_embeddings"] = not getattr(default, "tie_word_embeddings", False)
     values.update(NEEDED.get(model_type, {}))
+    values.update(PER_TYPE.get(model_type, {}))
     values.update(extra)
     return tiny_twin(AutoConfig.for_model(model_type, **values))
 

@@ -19,6 +19,8 @@ HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 32, 4, 8, 64, 128
 _SIZES = {
     "hidden_size": HIDDEN,
     "intermediate_size": INTERMEDIATE,
+    "ffn_hidden_size": INTERMEDIATE,  # falcon
+    "ffn_dim": INTERMEDIATE,  # opt
     "num_attention_heads": HEADS,
     "head_dim": HEAD_DIM,
     "vocab_size": VOCAB,
@@ -65,14 +67,19 @@ def tiny_twin(config, *, layers: int = 4, window: int = 8, width: int = 1):
     the heads).
     """
     values = config.to_dict()
-    widened = {"hidden_size", "intermediate_size", "num_attention_heads"}
+    widened = {"hidden_size", "intermediate_size", "ffn_hidden_size", "ffn_dim", "num_attention_heads"}
+    aliases = getattr(config, "attribute_map", {}) or {}  # GPT-2 style names: hidden_size -> n_embd, ...
     for name, size in _SIZES.items():
-        if name in values and values[name] is not None:
-            values[name] = size * width if name in widened else size
+        key = aliases.get(name, name)
+        if key in values and values[key] is not None:
+            values[key] = size * width if name in widened else size
     kv = _kv_heads(config, width)
     if kv is not None:
         values["num_key_value_heads"] = kv
-    values["num_hidden_layers"] = layers
+    if isinstance(values.get("num_kv_heads"), int):  # falcon's name: multi-head stays so, grouped stays grouped
+        same = values["num_kv_heads"] == getattr(config, "num_attention_heads", None)
+        values["num_kv_heads"] = HEADS * width if same else HEADS * width // 2
+    values[aliases.get("num_hidden_layers", "num_hidden_layers")] = layers
     if values.get("layer_types"):
         values["layer_types"] = _twin_layer_types(values["layer_types"], layers)
     if isinstance(values.get("sliding_window"), int):

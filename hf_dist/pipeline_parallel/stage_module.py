@@ -13,7 +13,7 @@ soft-capping -- is the model's code, not a re-implementation. The stand-ins stee
   stage's output): nothing after it runs.
 
 Which modules are "embeddings", "layers" and "head" comes from the model's own ``base_model_pp_plan`` (on its
-config) and ``_pp_plan`` (on the CausalLM class). The stage's children are the model's children under the
+config) and ``_pp_plan`` (on the CausalLM class), or from ``plans.PP_PLANS`` for types that ship none. The stage's children are the model's children under the
 same names, so ``state_dict()`` keys are the HF checkpoint keys. Which model types are proven to run this way
 is ``support.check_pipeline_support``'s decision, not this module's.
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dist.models.peft_utils import unwrap_peft
+from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names, layer_returns_tuple
 
 IGNORE_INDEX = -100
 
@@ -41,11 +42,16 @@ class ModelParts:
     base: str
     """The base model attribute (``model``, ``transformer``, ...)."""
     layers: str
-    """The decoder-layer ``ModuleList`` inside the base model (``layers``)."""
+    """The decoder-layer ``ModuleList`` inside the base model (``layers``; dotted when nested, ``decoder.layers``)."""
     embeds: tuple[str, ...]
     """FQNs of the first stage's modules outside the layers (``model.embed_tokens``)."""
     heads: tuple[str, ...]
     """FQNs of the last stage's modules outside the layers (``model.norm``, ``lm_head``)."""
+
+    @property
+    def layer_list(self) -> str:
+        """FQN of the decoder-layer ``ModuleList``."""
+        return f"{self.base}.{self.layers}"
 
     def layer_fqn(self, index: int) -> str:
         return f"{self.base}.{self.layers}.{index}"
@@ -55,22 +61,30 @@ class ModelParts:
         return int(fqn[len(prefix) :]) if fqn.startswith(prefix) else None
 
 
+def _child(base: nn.Module, name: str) -> nn.Module | None:
+    """The module at dotted ``name`` under ``base``, or ``None`` when the config switched it off."""
+    try:
+        return base.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def model_parts(model: nn.Module) -> ModelParts:
     """The pp-plan parts of ``model``; ``ValueError`` when the model declares no usable pp plan."""
     lm = unwrap_peft(model)
     config = getattr(lm, "config", None)
-    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    head_plan = dict(getattr(type(lm), "_pp_plan", None) or {})  # the instance merges in the base plan
     prefix = getattr(lm, "base_model_prefix", "")
     base = getattr(lm, prefix, None) if prefix else None
-    lists = [k for k in base_plan if isinstance(getattr(base, k, None), nn.ModuleList)]
+    planned = base_plan_names(config)
+    head_plan = head_plan_names(type(lm), config)  # the instance merges in the base plan
+    names = [k for k in planned if base is not None and _child(base, k) is not None]
+    lists = [k for k in names if isinstance(_child(base, k), nn.ModuleList)]
     if base is None or len(lists) != 1 or not head_plan or any("." in k for k in head_plan):
         raise ValueError(
             f"{type(lm).__name__} declares no pipeline plan hf_dist can split (base_model_pp_plan="
-            f"{list(base_plan)}, _pp_plan={list(head_plan)}): pipeline stages need a base model with one "
+            f"{planned}, _pp_plan={head_plan}): pipeline stages need a base model with one "
             f"decoder-layer list and a top-level head; train this model with pp_size=1"
         )
-    names = list(base_plan)
     cut = names.index(lists[0])
     return ModelParts(
         base=prefix,
@@ -82,7 +96,7 @@ def model_parts(model: nn.Module) -> ModelParts:
 
 def _check_no_stray_parameters(lm: nn.Module, parts: ModelParts) -> None:
     """Every parameter must belong to a plan module: one outside would be copied onto every stage."""
-    owned = (*parts.embeds, *parts.heads, f"{parts.base}.{parts.layers}")
+    owned = (*parts.embeds, *parts.heads, parts.layer_list)
     stray = [n for n, _ in lm.named_parameters() if not any(n.startswith(o + ".") for o in owned)]
     if stray:
         raise ValueError(
@@ -106,7 +120,7 @@ def stage_units(model: nn.Module) -> tuple[list[tuple[str, int]], int, int]:
     def count(fqns) -> int:
         return sum(p.numel() for f in fqns for p in lm.get_submodule(f).parameters())
 
-    layers = getattr(lm.get_submodule(parts.base), parts.layers)
+    layers = lm.get_submodule(parts.layer_list)
     units = [(parts.layer_fqn(i), count([parts.layer_fqn(i)])) for i in range(len(layers))]
     return units, count(parts.embeds), count(parts.heads)
 
@@ -135,36 +149,58 @@ class _StandIn(nn.Module):
     """Takes the place of a decoder layer another stage owns; holds no parameters.
 
     Plain attributes of the real layer (``attention_type``, ``layer_idx``, ...) are copied, because base
-    models read them in their layer loop to pick masks and rotary embeddings.
+    models read them in their layer loop to pick masks and rotary embeddings. ``as_tuple``: the base model
+    reads ``outputs[0]`` of its layers (Falcon, BLOOM, ...), so the received states are handed back in a tuple.
     """
 
-    def __init__(self, layer: nn.Module, role: str, inbox: _Inbox) -> None:
+    def __init__(self, layer: nn.Module, role: str, inbox: _Inbox, as_tuple: bool = False) -> None:
         super().__init__()
         for key, value in vars(layer).items():
             if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
                 setattr(self, key, value)
         self.role = role
         self.inbox = inbox
+        self.as_tuple = as_tuple
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.role == "after":
             raise _StageExit(hidden_states)
         if self.inbox.received is None:
             raise RuntimeError("a pipeline stage stand-in ran outside its stage's forward")
-        return self.inbox.received
+        return (self.inbox.received,) if self.as_tuple else self.inbox.received
 
 
 class _Unowned(nn.Module):
-    """Takes the place of an embedding or head module another stage owns; must never run."""
+    """Takes the place of an embedding or head module another stage owns.
+
+    A head module must never run. An embedding module may, on a non-first stage, when the model calls it on
+    its own before the layers (GPT-2's position embedding ``wpe(position_ids)``, OPT's ``project_in``): it returns
+    zeros shaped like the received hidden states, which the first stand-in replaces by the received tensor.
+    """
+
+    def __init__(self, inbox: _Inbox | None = None) -> None:
+        super().__init__()
+        self.inbox = inbox
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("a pipeline stage reached a module another stage owns")
+        if self.inbox is None or self.inbox.received is None:
+            raise RuntimeError("a pipeline stage reached a module another stage owns")
+        return torch.zeros_like(self.inbox.received)
 
 
 def _view(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
-    """A shallow copy of ``module`` with its own child table (parameters and buffers stay shared)."""
+    """A shallow copy of ``module`` whose descendants at the (dotted) paths of ``replace`` are swapped, with
+    shallow copies along each path (parameters and buffers stay shared)."""
+    direct = {k: v for k, v in replace.items() if "." not in k}
+    nested: dict[str, dict[str, nn.Module]] = {}
+    for path, child in replace.items():
+        if "." in path:
+            head, rest = path.split(".", 1)
+            nested.setdefault(head, {})[rest] = child
+    for head, inner in nested.items():
+        direct[head] = _view(module._modules[head], inner)
     clone = copy.copy(module)
-    clone._modules = {**module._modules, **replace}
+    clone._modules = {**module._modules, **direct}
     return clone
 
 
@@ -193,29 +229,24 @@ class CausalLMStage(nn.Module):
         object.__setattr__(self, "_lm", view)  # not a submodule: its children are registered above
 
     def _build_view(self, lm: nn.Module, parts: ModelParts, owned: list[int]) -> nn.Module:
-        base = lm.get_submodule(parts.base)
-        real = getattr(base, parts.layers)
+        real = lm.get_submodule(parts.layer_list)
+        as_tuple = layer_returns_tuple(lm.config)
         layers = nn.ModuleList(
-            real[i] if i in owned else _StandIn(real[i], "before" if i < owned[0] else "after", self._inbox)
+            real[i] if i in owned else _StandIn(real[i], "before" if i < owned[0] else "after", self._inbox, as_tuple)
             for i in range(len(real))
         )
-        unowned = [] if self.is_first else list(parts.embeds)
-        unowned += [] if self.is_last else list(parts.heads)
-        base_replace = {parts.layers: layers}
-        top_replace = {}
-        for fqn in unowned:
+        replace: dict[str, nn.Module] = {parts.layer_list: layers}
+        unowned = [] if self.is_first else [(fqn, self._inbox) for fqn in parts.embeds]
+        unowned += [] if self.is_last else [(fqn, None) for fqn in parts.heads]
+        for fqn, inbox in unowned:
             if not any(True for _ in lm.get_submodule(fqn).parameters()):
                 continue  # no weights (dropout): it runs on every stage, on tensors the stand-ins replace
-            if fqn.startswith(parts.base + "."):
-                base_replace[fqn[len(parts.base) + 1 :]] = _Unowned()
-            else:
-                top_replace[fqn] = _Unowned()
-        top_replace[parts.base] = _view(base, base_replace)
-        return _view(lm, top_replace)
+            replace[fqn] = _Unowned(inbox)
+        return _view(lm, replace)
 
     def owned_layers(self) -> list[nn.Module]:
         """This stage's decoder layers, in order (the units FSDP wraps one by one)."""
-        layers = getattr(self.get_submodule(self.parts.base), self.parts.layers)
+        layers = self.get_submodule(self.parts.layer_list)
         return [layer for layer in layers if not isinstance(layer, _StandIn)]
 
     def input_embeddings(self) -> nn.Module:
@@ -228,7 +259,7 @@ class CausalLMStage(nn.Module):
 
     def owned_modules(self) -> dict[str, nn.Module]:
         """``{HF FQN: module}`` of everything this stage owns: embeddings, decoder layers, head."""
-        layers = getattr(self.get_submodule(self.parts.base), self.parts.layers)
+        layers = self.get_submodule(self.parts.layer_list)
         owned = {self.parts.layer_fqn(i): m for i, m in enumerate(layers) if not isinstance(m, _StandIn)}
         first = {f: self.get_submodule(f) for f in self.parts.embeds} if self.is_first else {}
         last = {f: self.get_submodule(f) for f in self.parts.heads} if self.is_last else {}

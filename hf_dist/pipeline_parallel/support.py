@@ -3,7 +3,8 @@
 
 ``CausalLMStage`` runs each stage through the model's own forward, so a model type is supported when
 
-- its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head);
+- its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head), or
+  hf_dist writes one for it (``plans.PP_PLANS``, the classic types transformers ships none for);
 - it is dense: mixture-of-experts routers and linear-attention / state-space layers are refused for now
   (their auxiliary losses and recurrent state cross stage boundaries in ways the stages do not carry);
 - and PP=2 training of a tiny config with non-default values of every field read outside the decoder layers
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import functools
 
+from hf_dist.pipeline_parallel.plans import base_plan_names
+
 # Model types whose PP=2 training equals one process in tests/test_pp_sweep.py (fp32, 1e-5, non-default
 # configs): test_pp_sweep.py trains every one of them, and checks that nothing else is reported "yes".
 PIPELINE_PROVEN_MODEL_TYPES = frozenset({
     "apertus", "arcee", "cohere", "cohere2", "cwm", "doge", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text",
     "glm", "glm4", "gpt_neox", "granite", "granite_swa", "helium", "hyperclovax", "internlm3", "iquestcoder",
-    "jais2", "llama", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
+    "jais2", "llama", "gpt2", "falcon", "opt", "bloom", "nemotron", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
     "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma", "youtu",
 })
 
@@ -49,8 +52,8 @@ def _other_layer_kinds(config) -> list[str]:
 def pipeline_refusal(config) -> str | None:
     """Why pipeline stages would not reproduce ``config``'s model, or ``None`` when they do."""
     model_type = getattr(config, "model_type", None)
-    if not getattr(config, "base_model_pp_plan", None):
-        return f"model_type={model_type!r} declares no base_model_pp_plan"
+    if not base_plan_names(config):
+        return f"model_type={model_type!r} declares no base_model_pp_plan (and hf_dist has none in PP_PLANS)"
     moe = _moe_field(config)
     if moe is not None:
         return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet"

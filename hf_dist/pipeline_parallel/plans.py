@@ -1,0 +1,50 @@
+"""Pipeline plans, as data, for the model types transformers ships no ``base_model_pp_plan`` for.
+
+transformers declares, per architecture, which modules of the base model come before the decoder-layer list,
+the list itself and what comes after (``base_model_pp_plan``), and which head modules the ``*ForCausalLM`` adds
+(``_pp_plan``). The classic dense types predate these plans; ``PP_PLANS`` writes the same facts for them, with
+the model's own module names. A name may be dotted (OPT keeps its layers in ``model.decoder.layers``); a name
+whose module the config switches off (OPT's ``project_in`` when no projection is needed) is skipped.
+
+Pure data; which types are proven to run this way is ``support.py``'s decision. Not for: building stages.
+"""
+
+from __future__ import annotations
+
+PP_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # model_type: (base model modules in forward order, the layer list among them; head modules)
+    "gpt2": (("wte", "wpe", "drop", "h", "ln_f"), ("lm_head",)),
+    "falcon": (("word_embeddings", "h", "ln_f"), ("lm_head",)),
+    "opt": (
+        ("decoder.embed_tokens", "decoder.embed_positions", "decoder.project_in", "decoder.layers",
+         "decoder.final_layer_norm", "decoder.project_out"),
+        ("lm_head",),
+    ),
+    "bloom": (("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"), ("lm_head",)),
+    "nemotron": (("embed_tokens", "layers", "norm"), ("lm_head",)),
+}
+"""Model type -> (base-model plan names, head plan names), as transformers' plans would list them."""
+
+TUPLE_LAYER_OUTPUT: frozenset[str] = frozenset({"falcon", "bloom", "gptj", "codegen", "mpt"})
+"""Model types whose decoder layer returns a tuple (the base model reads ``outputs[0]``), not a tensor."""
+
+
+def layer_returns_tuple(config) -> bool:
+    """Whether the base model of ``config`` unpacks its decoder layers' output as a tuple."""
+    return getattr(config, "model_type", None) in TUPLE_LAYER_OUTPUT
+
+
+def base_plan_names(config) -> list[str]:
+    """The base model's pipeline plan names: the config's own ``base_model_pp_plan``, else ``PP_PLANS``."""
+    own = getattr(config, "base_model_pp_plan", None)
+    if own:
+        return list(own)
+    return list(PP_PLANS.get(getattr(config, "model_type", None), ((), ()))[0])
+
+
+def head_plan_names(lm_class: type, config) -> list[str]:
+    """The head modules of the ``*ForCausalLM``: its class's ``_pp_plan``, else ``PP_PLANS``."""
+    own = getattr(lm_class, "_pp_plan", None)
+    if own:
+        return list(own)
+    return list(PP_PLANS.get(getattr(config, "model_type", None), ((), ()))[1])
