@@ -21,6 +21,11 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
         ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}),
         ("gemma3_text", {}),
         ("olmo3", {}),
+        ("gpt2", {}),  # hf_dist's own pp plans (pipeline_parallel/plans.py)
+        ("opt", {"word_embed_proj_dim": 16}),
+        ("bloom", {}),
+        ("falcon", {"alibi": True, "multi_query": False}),
+        ("nemotron", {}),
     ],
 )
 def test_proven_model_types_are_accepted_with_their_own_fields(model_type, overrides):
@@ -33,8 +38,8 @@ def test_proven_model_types_are_accepted_with_their_own_fields(model_type, overr
         ("mixtral", "mixture-of-experts model .num_experts=8."),
         ("qwen3_moe", "mixture-of-experts"),
         ("olmo_hybrid", r"non-attention layers \['linear_attention'\]"),
-        ("gpt2", "declares no base_model_pp_plan"),
-        ("bloom", "declares no base_model_pp_plan"),
+        ("xglm", "declares no base_model_pp_plan"),
+        ("biogpt", "declares no base_model_pp_plan"),
     ],
 )
 def test_moe_hybrid_and_planless_types_are_refused_by_name(model_type, reason):

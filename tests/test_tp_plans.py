@@ -49,7 +49,7 @@ def test_intermediate_size_checked():
         check_tp_sizes(tiny_config("llama", intermediate_size=130, num_attention_heads=4, num_key_value_heads=4), 4)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "falcon", "opt", "bloom", "gptj", "codegen"])
+@pytest.mark.parametrize("model_type", ["xglm", "biogpt"])
 def test_types_without_a_plan_are_refused_by_name_not_crashing(model_type):
     from transformers import AutoConfig
 
@@ -61,6 +61,27 @@ def test_types_without_a_plan_are_refused_by_name_not_crashing(model_type):
         check_tp_sizes(config, 2)
     with pytest.raises(ValueError, match="no base_model_tp_plan"):
         plan_names(config)
+
+
+def test_classic_plans_check_the_sizes_they_split():
+    """hf_dist's own plans (classic.py): heads and the MLP width from the config's own names, KV heads of
+    Falcon's layouts, refusals by name before anything is built."""
+    from transformers import AutoConfig
+
+    assert valid_tp_sizes(AutoConfig.for_model("gpt2")) == [1, 2, 3, 4, 6, 12]  # 12 heads, 4 x 768 MLP
+    with pytest.raises(ValueError, match=r"tp=5 does not divide num_attention_heads=12, mlp_width=3072"):
+        check_tp_sizes(AutoConfig.for_model("gpt2"), 5)
+    assert valid_tp_sizes(AutoConfig.for_model("gpt2", n_inner=100)) == [1, 2, 4]
+    falcon_mqa = AutoConfig.for_model("falcon")  # default: one KV head for all query heads
+    with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible by tp=2"):
+        check_tp_sizes(falcon_mqa, 2)
+    grouped = AutoConfig.for_model("falcon", num_attention_heads=8, hidden_size=64, new_decoder_architecture=True,
+                                   num_kv_heads=2)
+    assert valid_tp_sizes(grouped) == [1, 2]
+    with pytest.raises(ValueError, match="model_type='falcon': alibi=True"):
+        check_tp_sizes(AutoConfig.for_model("falcon", multi_query=False, alibi=True), 2)
+    assert plan_names(AutoConfig.for_model("bloom"), tp=2)["transformer.h.*.self_attention"] == "local_attrs+local_alibi"
+    assert valid_tp_sizes(AutoConfig.for_model("bloom")) == [1, 2, 4, 8]  # default: 8 heads, 4 x 64 MLP
 
 
 @pytest.mark.parametrize(
