@@ -41,6 +41,12 @@ PER_TYPE = {
     "opt": {"word_embed_proj_dim": 16, "do_layer_norm_before": False, "enable_bias": False},
     "bloom": {"apply_residual_connection_post_layernorm": True},
     "nemotron": {"partial_rotary_factor": 0.25, "num_key_value_heads": 8},  # its default None fails to build
+    "gpt_bigcode": {"multi_query": False, "scale_attn_weights": False, "n_inner": 48},
+    "gptj": {"rotary_dim": 4, "n_inner": 48},
+    "codegen": {"rotary_dim": 4, "n_inner": 48},
+    "stablelm": {"qk_layernorm": True, "use_parallel_residual": True, "use_qkv_bias": True},
+    "persimmon": {"qk_layernorm": False},
+    "mpt": {"attn_config": {"clip_qkv": 0.5, "alibi_bias_max": 4}},
 }
 
 # The issue's named cases, as the user would write them (defaults where the issue says "default").
@@ -56,6 +62,7 @@ NAMED = {
     "starcoder2:window8": ("starcoder2", {"sliding_window": 8}),
     "falcon:mqa": ("falcon", {"multi_query": True, "parallel_attn": False}),
     "falcon:alibi": ("falcon", {"multi_query": False, "alibi": True}),
+    "gpt_bigcode:mqa": ("gpt_bigcode", {"multi_query": True}),
 }
 
 

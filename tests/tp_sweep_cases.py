@@ -54,16 +54,27 @@ PER_TYPE: dict[str, dict] = {
     "opt": {"word_embed_proj_dim": 32, "ffn_dim": 96, "do_layer_norm_before": False, "enable_bias": False,
             "activation_function": "gelu"},
     # 6 heads: ALiBi slopes of a head count that is not a power of two (the extra-slopes branch)
-    "bloom": {"hidden_size": 96, "n_head": 6, "apply_residual_connection_post_layernorm": True},
+    "bloom": {"hidden_size": 96, "num_attention_heads": 6, "apply_residual_connection_post_layernorm": True},
+    "gpt_bigcode": {"multi_query": False, "n_inner": 96, "scale_attn_weights": False,
+                    "attention_softmax_in_fp32": False},
+    "gptj": {"rotary_dim": 4, "n_inner": 96},
+    "stablelm": {"use_qkv_bias": True, "use_parallel_residual": True, "qk_layernorm": False},
+    "persimmon": {"qk_layernorm": True, "partial_rotary_factor": 0.25},
+    # 6 heads: MPT's ALiBi slopes for a head count that is not a power of two; clipped q/k/v
+    "mpt": {"hidden_size": 96, "num_attention_heads": 6, "attn_config": {"clip_qkv": 0.5, "alibi_bias_max": 4}},
 }
 VARIANTS: dict[str, tuple[str, dict]] = {
     "falcon:mha": ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True, "ffn_hidden_size": 96}),
     "falcon:mqa": ("falcon", {"multi_query": True}),
     "falcon:alibi": ("falcon", {"multi_query": False, "alibi": True}),
     "bloom:slow_but_exact": ("bloom", {"pretraining_tp": 2, "slow_but_exact": True}),
+    "gpt_bigcode:mqa": ("gpt_bigcode", {"multi_query": True}),
+    "stablelm:qk_layernorm": ("stablelm", {"qk_layernorm": True}),
+    "persimmon:no_qk_layernorm": ("persimmon", {"qk_layernorm": False}),
+    "codegen": ("codegen", {}),
 }
 """Named cases ``type:variant``: other layouts of one model type, supported (in ``TP_VARIANTS``) or refused."""
-TP_VARIANTS = ("falcon:mha",)
+TP_VARIANTS = ("falcon:mha", "persimmon:no_qk_layernorm")
 """Variants that TP must run equal to one process; the others must be refused before launch."""
 
 

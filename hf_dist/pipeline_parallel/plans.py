@@ -22,6 +22,12 @@ PP_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "bloom": (("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"), ("lm_head",)),
     "nemotron": (("embed_tokens", "layers", "norm"), ("lm_head",)),
+    "gpt_bigcode": (("wte", "wpe", "drop", "h", "ln_f"), ("lm_head",)),
+    "gptj": (("wte", "drop", "h", "ln_f"), ("lm_head",)),
+    "codegen": (("wte", "drop", "h", "ln_f"), ("lm_head",)),
+    "stablelm": (("embed_tokens", "layers", "norm"), ("lm_head",)),
+    "persimmon": (("embed_tokens", "layers", "final_layernorm"), ("lm_head",)),
+    "mpt": (("wte", "blocks", "norm_f"), ("lm_head",)),
 }
 """Model type -> (base-model plan names, head plan names), as transformers' plans would list them."""
 

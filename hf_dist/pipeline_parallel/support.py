@@ -26,7 +26,8 @@ from hf_dist.pipeline_parallel.plans import base_plan_names
 PIPELINE_PROVEN_MODEL_TYPES = frozenset({
     "apertus", "arcee", "cohere", "cohere2", "cwm", "doge", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text",
     "glm", "glm4", "gpt_neox", "granite", "granite_swa", "helium", "hyperclovax", "internlm3", "iquestcoder",
-    "jais2", "llama", "gpt2", "falcon", "opt", "bloom", "nemotron", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
+    "jais2", "llama", "gpt2", "falcon", "opt", "bloom", "nemotron",
+    "gpt_bigcode", "gptj", "codegen", "stablelm", "persimmon", "mpt", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
     "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma", "youtu",
 })
 

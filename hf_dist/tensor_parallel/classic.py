@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 CLASSIC_STYLES: frozenset[str] = frozenset({
     "conv1d_colwise", "conv1d_rowwise", "conv1d_fused_qkv_slice", "local_attrs", "local_alibi",
-    "rowwise_writable_output",
+    "rowwise_writable_output", "local_position_bias", "fused_colwise_qkv",
 })
 """hf_dist's style names these plans use besides transformers' own (``plans.STYLE_BUILDERS``)."""
 
@@ -44,6 +44,12 @@ class ClassicPlan:
     """``config -> int``: key/value heads (the plan splits them with the query heads)."""
     refusal: Callable = field(default=lambda c: None)
     """``config -> str | None``: why the plan is not exact for this config."""
+    only_if: dict[str, str] = field(default_factory=dict)
+    """``{pattern: config flag}``: entries for modules the model builds only when the flag is set."""
+
+    def plan_for(self, config) -> dict[str, str]:
+        """The plan entries for the modules ``config``'s model has."""
+        return {p: s for p, s in self.plan.items() if p not in self.only_if or getattr(config, self.only_if[p])}
 
 
 def _falcon_kv(config) -> int:
@@ -68,6 +74,17 @@ def _bloom_refusal(config) -> str | None:
 def _gpt2_refusal(config) -> str | None:
     if config.add_cross_attention:
         return "add_cross_attention=True (cross-attention layers have no plan)"
+    return None
+
+
+def _codegen_refusal(config) -> str:
+    return ("its qkv_proj packs q, v and k in blocks that the forward reshapes with a hard-coded mp_num=4: a "
+            "rank's share of those blocks does not reshape into its own heads, so TP would not be exact")
+
+
+def _stablelm_refusal(config) -> str | None:
+    if config.qk_layernorm:
+        return "qk_layernorm=True keeps one LayerNorm per head in a list that the forward zips with the local heads"
     return None
 
 
@@ -129,6 +146,78 @@ CLASSIC_TP: dict[str, ClassicPlan] = {
         local_attrs=("num_heads",),
         mlp_width=lambda c: 4 * c.hidden_size,
         refusal=_bloom_refusal,
+    ),
+    "gpt_bigcode": ClassicPlan(
+        plan={  # multi-head layout: c_attn rows are [q | k | v] per head, so a contiguous slice is whole heads
+            f"{_GPT2}.attn.c_attn": "colwise",
+            f"{_GPT2}.attn.c_proj": "rowwise",
+            f"{_GPT2}.attn": "local_attrs",
+            f"{_GPT2}.mlp.c_fc": "colwise",
+            f"{_GPT2}.mlp.c_proj": "rowwise",
+            "lm_head": "colwise_gather_output",
+        },
+        local_attrs=("num_heads",),
+        mlp_width=lambda c: c.n_inner or 4 * c.hidden_size,
+        kv_heads=lambda c: 1 if c.multi_query else c.num_attention_heads,
+        refusal=_gpt2_refusal,
+    ),
+    "gptj": ClassicPlan(
+        plan={
+            f"{_GPT2}.attn.q_proj": "colwise",
+            f"{_GPT2}.attn.k_proj": "colwise",
+            f"{_GPT2}.attn.v_proj": "colwise",
+            f"{_GPT2}.attn.out_proj": "rowwise",
+            f"{_GPT2}.attn": "local_attrs",
+            f"{_GPT2}.mlp.fc_in": "colwise",
+            f"{_GPT2}.mlp.fc_out": "rowwise",
+            "lm_head": "colwise_gather_output",
+        },
+        local_attrs=("num_attention_heads",),
+        mlp_width=lambda c: c.n_inner or 4 * c.hidden_size,
+    ),
+    "codegen": ClassicPlan(plan={}, refusal=_codegen_refusal),
+    "stablelm": ClassicPlan(
+        plan={
+            "model.layers.*.self_attn.q_proj": "colwise",
+            "model.layers.*.self_attn.k_proj": "colwise",
+            "model.layers.*.self_attn.v_proj": "colwise",
+            "model.layers.*.self_attn.o_proj": "rowwise",
+            "model.layers.*.self_attn": "local_attrs",
+            "model.layers.*.mlp.gate_proj": "colwise",
+            "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise",
+            "lm_head": "colwise_gather_output",
+        },
+        local_attrs=("num_heads", "num_key_value_heads"),
+        kv_heads=lambda c: c.num_key_value_heads,
+        refusal=_stablelm_refusal,
+    ),
+    "persimmon": ClassicPlan(
+        plan={  # query_key_value rows are [q, k, v] per head
+            "model.layers.*.self_attn.query_key_value": "colwise",
+            "model.layers.*.self_attn.dense": "rowwise",
+            "model.layers.*.self_attn": "local_attrs",
+            # one LayerNorm over head_dim shared by all heads: whole on every rank, gradient summed
+            "model.layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
+            "model.layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
+            "model.layers.*.mlp.dense_h_to_4h": "colwise",
+            "model.layers.*.mlp.dense_4h_to_h": "rowwise",
+            "lm_head": "colwise_gather_output",
+        },
+        local_attrs=("num_heads",),
+        only_if={f"model.layers.*.self_attn.{n}_layernorm": "qk_layernorm" for n in "qk"},
+    ),
+    "mpt": ClassicPlan(
+        plan={  # Wqkv is [q | k | v]: each part split on its own
+            "transformer.blocks.*.attn.Wqkv": "fused_colwise_qkv",
+            "transformer.blocks.*.attn.out_proj": "rowwise",
+            "transformer.blocks.*.attn": "local_attrs+local_position_bias",
+            "transformer.blocks.*.ffn.up_proj": "colwise",
+            "transformer.blocks.*.ffn.down_proj": "rowwise",
+            "lm_head": "colwise_gather_output",
+        },
+        local_attrs=("n_heads",),
+        mlp_width=lambda c: 4 * c.hidden_size,
     ),
 }
 """Model type -> its plan as data (see module docstring)."""

@@ -11,8 +11,7 @@ that keep head counts as attributes, and BLOOM's per-head ALiBi bias.
   parallel attention: ``mlp_output += attention_output``); DTensor hands out a view autograd forbids writing to.
 - ``LocalAttributes``: divides integer attributes of a module (``num_heads``, ``split_size``) by ``tp``, for
   forwards that reshape by them.
-- ``LocalAlibi``: slices the ALiBi bias a BLOOM attention receives (``[batch * heads, 1, keys]``, batch-major)
-  to this rank's heads: the slopes stay the global heads' own, so the result is exact.
+- ``LocalAlibi``: slices the ALiBi bias a BLOOM or MPT attention receives to this rank's heads: the slopes stay the global heads' own, so the result is exact.
 
 Not for: choosing which style goes where (``classic.py``, ``plans.py``).
 """
@@ -153,24 +152,26 @@ class LocalAttributes(ParallelStyle):
 
 
 class LocalAlibi(ParallelStyle):
-    """Slice the ``alibi`` keyword argument (``[batch * heads, 1, keys]``) to this rank's ``heads / tp`` heads."""
+    """Slice an ALiBi keyword argument to this rank's ``heads / tp`` heads: BLOOM's ``alibi``
+    (``[batch * heads, 1, keys]``, batch-major) or MPT's ``position_bias`` (``[heads, 1, keys]``)."""
 
-    def __init__(self, heads: int) -> None:
+    def __init__(self, heads: int, kwarg: str = "alibi") -> None:
         super().__init__()
         self.heads = heads
+        self.kwarg = kwarg
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        rank, tp, heads = device_mesh.get_local_rank(), device_mesh.size(), self.heads
+        rank, tp, heads, kwarg = device_mesh.get_local_rank(), device_mesh.size(), self.heads, self.kwarg
 
         def slice_alibi(mod, args, kwargs):
-            alibi = kwargs.get("alibi")
+            alibi = kwargs.get(kwarg)
             if alibi is not None:
                 rows = alibi.view(-1, heads, *alibi.shape[1:]).chunk(tp, dim=1)[rank]
-                kwargs["alibi"] = rows.reshape(-1, *alibi.shape[1:])
+                kwargs[kwarg] = rows.reshape(-1, *alibi.shape[1:])
             return args, kwargs
 
         module.register_forward_pre_hook(slice_alibi, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
-        return f"LocalAlibi(heads={self.heads})"
+        return f"LocalAlibi(heads={self.heads}, kwarg={self.kwarg!r})"

@@ -248,6 +248,7 @@ STYLE_BUILDERS = {
     "local_attrs": _local_attrs,
     "rowwise_writable_output": lambda config: RowwiseParallelWritableOutput(),
     "local_alibi": lambda config: LocalAlibi(config.num_attention_heads),
+    "local_position_bias": lambda config: LocalAlibi(config.num_attention_heads, kwarg="position_bias"),
     "sequence_parallel": lambda config: SequenceParallel(),
     "rowwise_to_sequence_shards": lambda config: RowwiseParallel(output_layouts=_SEQ, use_local_output=False),
     "embedding_to_sequence_shards": lambda config: PrepareModuleOutput(

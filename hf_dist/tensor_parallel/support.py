@@ -15,7 +15,7 @@ from __future__ import annotations
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
 
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
-    "gpt2", "falcon", "opt", "bloom",
+    "gpt2", "falcon", "opt", "bloom", "gpt_bigcode", "gptj", "stablelm", "persimmon", "mpt",
     "apertus", "arcee", "cohere", "cohere2", "cohere_compass_text", "cwm", "ernie4_5", "exaone4", "gemma",
     "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hrm_text", "hyperclovax",
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
@@ -60,7 +60,7 @@ def model_plan(config) -> dict[str, str]:
     base = getattr(config, "base_model_tp_plan", None) or {}
     if not base:
         classic = classic_plan(config)
-        return dict(classic.plan) if classic is not None else {}
+        return classic.plan_for(config) if classic is not None else {}
     cls = causal_lm_class(config)
     plan = {f"{cls.base_model_prefix}.{pattern}": style for pattern, style in base.items()}
     plan.update(getattr(cls, "_tp_plan", None) or {})
