@@ -48,6 +48,24 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
+def _default_layout_note(model_type: str) -> str | None:
+    """For a TP-supported type whose default config no TP degree fits (multi-query Falcon, StarCoder 1): why."""
+    from transformers import AutoConfig
+
+    from hf_dist.tensor_parallel.checks import check_tp_sizes, valid_tp_sizes
+
+    try:
+        config = AutoConfig.for_model(model_type)
+        if valid_tp_sizes(config) != [1]:
+            return None
+        check_tp_sizes(config, 2)
+    except ValueError as error:
+        return f"TP: its default config is refused ({str(error).split(';')[0]})"
+    except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more
+        return None
+    return None
+
+
 def coverage_rows() -> list[tuple[str, str, str, str]]:
     """``(model type, TP, PP, note)`` for every causal-LM model type, sorted by type."""
     from hf_dist.tensor_parallel.support import tp_coverage
@@ -59,6 +77,8 @@ def coverage_rows() -> list[tuple[str, str, str, str]]:
         notes = []
         if tp_reason != "yes":
             notes.append(f"TP: {_short(tp_reason)}")
+        elif note := _default_layout_note(model_type):
+            notes.append(note)
         if pp_reason != "yes" and pp_reason != tp_reason:
             notes.append(f"PP: {_short(pp_reason)}")
         rows.append((model_type, "yes" if tp_reason == "yes" else "no", "yes" if pp_reason == "yes" else "no",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from hf_dist.tensor_parallel.classic_styles import Conv1DColwise, Conv1DFusedSlice, Conv1DRowwise
 from hf_dist.tensor_parallel.match import match_plan
 
 
@@ -27,6 +28,11 @@ def _is_lora_layer(module: nn.Module) -> bool:
 
 def _lora_entries(pattern: str, module: nn.Module, style: ParallelStyle) -> dict[str, ParallelStyle]:
     entries = {f"{pattern}.base_layer": style}
+    if isinstance(style, (Conv1DColwise, Conv1DRowwise, Conv1DFusedSlice)):
+        raise ValueError(
+            f"LoRA on {pattern!r} (a GPT-2 Conv1D) with tensor parallelism is not supported: its adapters are Linears "
+            f"laid out the other way round; use tp_size=1 with LoRA on this model (FSDP2 or DDP)"
+        )
     if isinstance(style, ColwiseParallel):
         sharded_half = "lora_B"
     elif isinstance(style, RowwiseParallel):
