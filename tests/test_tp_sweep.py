@@ -50,7 +50,7 @@ REFUSED_VARIANTS = {
     "bloom:slow_but_exact": "model_type='bloom': slow_but_exact=True with pretraining_tp=2",
     "gpt_bigcode:mqa": "num_key_value_heads=1 is not divisible by tp=2",
     "stablelm:qk_layernorm": "model_type='stablelm': qk_layernorm=True keeps one LayerNorm per head",
-    "codegen": "model_type='codegen': its qkv_proj packs q, v and k in blocks .* mp_num=4",
+    "codegen": "model_type='codegen': its qkv_proj packs q, v and k in blocks of a hard-coded mp_num=4",
 }
 
 

@@ -78,8 +78,8 @@ def _gpt2_refusal(config) -> str | None:
 
 
 def _codegen_refusal(config) -> str:
-    return ("its qkv_proj packs q, v and k in blocks that the forward reshapes with a hard-coded mp_num=4: a "
-            "rank's share of those blocks does not reshape into its own heads, so TP would not be exact")
+    return ("its qkv_proj packs q, v and k in blocks of a hard-coded mp_num=4 that its forward reshapes; a rank's "
+            "share is not whole heads")
 
 
 def _stablelm_refusal(config) -> str | None:

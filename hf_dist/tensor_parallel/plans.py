@@ -18,7 +18,10 @@ stands for one path component (a layer index). hf_dist's overlays:
 - sequence parallelism, vocab parallelism (with ``VocabParallelCausalLMLoss``), and replicated KV heads when
   there are fewer KV heads than TP ranks, for the families whose module names they are written for.
 
-Which model types may use these plans at all is decided in ``support.py``; sizes are checked in ``checks.py``.
+For the classic types transformers ships no plan for (GPT-2, Falcon, OPT, BLOOM, ...), ``model_plan`` returns
+hf_dist's own plan from ``classic.py`` (data, with styles from ``classic_styles.py``); the overlays above apply
+to it the same way. Which model types may use these plans at all is decided in ``support.py``; sizes are checked
+in ``checks.py``.
 Not for: applying plans (``apply.py``).
 """
 

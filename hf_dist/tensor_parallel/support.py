@@ -1,8 +1,10 @@
 """Which models hf_dist runs tensor-parallel: the one support decision for TP, from the config alone.
 
-A model type is supported when transformers ships a ``base_model_tp_plan`` for it, its plan uses only styles
-hf_dist translates into DTensor styles (``plans.py``), its layers are all attention layers, and a TP=2 parity
-test against one process passes for it (``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
+A model type is supported when transformers ships a ``base_model_tp_plan`` for it (or, for the classic types
+transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
+into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
+classic plan names as inexact, and a TP=2 parity test against one process passes for it
+(``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
 Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
 linear-attention or state-space layers, no plan, no parity test yet.
 
