@@ -60,7 +60,7 @@ def _default_layout_note(model_type: str) -> str | None:
             return None
         check_tp_sizes(config, 2)
     except ValueError as error:
-        return f"TP: its default config is refused ({str(error).split(';')[0]})"
+        return f"TP: its default config is refused ({str(error).split('; tensor parallelism splits')[0]})"
     except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more
         return None
     return None

@@ -54,7 +54,7 @@ def pipeline_refusal(config) -> str | None:
     """Why pipeline stages would not reproduce ``config``'s model, or ``None`` when they do."""
     model_type = getattr(config, "model_type", None)
     if not base_plan_names(config):
-        return f"model_type={model_type!r} declares no base_model_pp_plan (and hf_dist has none in PP_PLANS)"
+        return f"model_type={model_type!r} declares no base_model_pp_plan"
     moe = _moe_field(config)
     if moe is not None:
         return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet"
