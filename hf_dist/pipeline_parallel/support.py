@@ -26,9 +26,10 @@ from hf_dist.pipeline_parallel.plans import base_plan_names
 PIPELINE_PROVEN_MODEL_TYPES = frozenset({
     "apertus", "arcee", "cohere", "cohere2", "cwm", "doge", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text",
     "glm", "glm4", "gpt_neox", "granite", "granite_swa", "helium", "hyperclovax", "internlm3", "iquestcoder",
-    "jais2", "llama", "gpt2", "falcon", "opt", "bloom", "nemotron",
-    "gpt_bigcode", "gptj", "codegen", "stablelm", "persimmon", "mpt", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
+    "jais2", "llama", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
     "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma", "youtu",
+    # the classic types, with hf_dist's own pp plans (plans.PP_PLANS)
+    "gpt2", "gpt_bigcode", "falcon", "opt", "bloom", "gptj", "codegen", "stablelm", "persimmon", "mpt", "nemotron",
 })
 
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")

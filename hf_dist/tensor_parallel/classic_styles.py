@@ -11,7 +11,8 @@ that keep head counts as attributes, and BLOOM's per-head ALiBi bias.
   parallel attention: ``mlp_output += attention_output``); DTensor hands out a view autograd forbids writing to.
 - ``LocalAttributes``: divides integer attributes of a module (``num_heads``, ``split_size``) by ``tp``, for
   forwards that reshape by them.
-- ``LocalAlibi``: slices the ALiBi bias a BLOOM or MPT attention receives to this rank's heads: the slopes stay the global heads' own, so the result is exact.
+- ``LocalAlibi``: slices the ALiBi bias a BLOOM or MPT attention receives to this rank's heads: the slopes
+  stay the global heads' own, so the result is exact.
 
 Not for: choosing which style goes where (``classic.py``, ``plans.py``).
 """
@@ -22,7 +23,15 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from hf_dist.tensor_parallel.styles import ReplicatedWithGradReduce

@@ -226,7 +226,9 @@ def _fused_gate_up(config) -> ParallelStyle:
 def _local_attrs(config) -> ParallelStyle:
     classic = classic_plan(config)
     if classic is None:
-        raise ValueError(f"style 'local_attrs' is for the classic plans (classic.py), not model_type={config.model_type!r}")
+        raise ValueError(
+            f"style 'local_attrs' is for the classic plans (classic.py), not model_type={config.model_type!r}"
+        )
     return LocalAttributes(classic.local_attrs)
 
 
