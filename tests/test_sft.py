@@ -156,3 +156,28 @@ def test_an_sft_config_converts_field_by_field(tmp_path):
     assert isinstance(converted, DistSFTConfig)
     assert (converted.learning_rate, converted.max_length, converted.packing) == (3e-4, 20, True)
     assert DistSFTConfig(output_dir=str(tmp_path), use_cpu=True).learning_rate == SFTConfig.learning_rate  # TRL's
+
+
+def test_without_args_it_writes_where_sft_trainer_would(tmp_path, monkeypatch):
+    # SFTTrainer(model) with no args writes to "<model name>-SFT" (name from the id, or the model's config), not to
+    # the Trainer's "trainer_output"
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_dist.trainer.sft import DistSFTConfig, DistSFTTrainer
+
+    monkeypatch.chdir(tmp_path)
+    tokenizer = _tokenizer(tmp_path / "tok")
+    folder = tmp_path / "org" / "tiny-thing"
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = Dataset.from_dict({"text": _texts(4)})
+
+    by_name = DistSFTTrainer(str(folder), train_dataset=data)
+    by_model = DistSFTTrainer(AutoModelForCausalLM.from_pretrained(folder), train_dataset=data,
+                              processing_class=tokenizer)
+    for trainer in (by_name, by_model):
+        assert isinstance(trainer.args, DistSFTConfig)
+        assert Path(trainer.args.output_dir).name == "tiny-thing-SFT"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from transformers import Trainer, TrainingArguments
 from trl import SFTConfig, SFTTrainer
+from trl.trainer.utils import get_config_model_id
 
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.trainer import DistTrainer
@@ -51,12 +52,18 @@ def as_dist_sft_config(args: TrainingArguments | None) -> DistSFTConfig | None:
     return DistSFTConfig(**values)
 
 
+def default_output_dir(model) -> str:
+    """TRL's ``output_dir`` when ``SFTTrainer`` is given no args: ``<model name>-SFT`` (name from the id or config)."""
+    name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return f"{name.split('/')[-1]}-SFT"
+
+
 class DistSFTTrainer(SFTTrainer, DistTrainer):
     """``trl.SFTTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, PP, LoRA) and batch contract."""
 
     def __init__(self, model, args: TrainingArguments | None = None, *positional, **kwargs):
-        if args is None:
-            args = DistSFTConfig(output_dir="trainer_output")
+        if args is None:  # where SFTTrainer would write, not the Trainer's "trainer_output"
+            args = DistSFTConfig(output_dir=default_output_dir(model))
         super().__init__(model, as_dist_sft_config(args), *positional, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
