@@ -184,6 +184,14 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "A fresh start deletes the checkpoint-N folders an earlier run left in output_dir (without "
                   "it they are moved into output_dir/previous_run-<UTC time>/, where they still resume by path)."},
     )
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Training loss through the head chunk by chunk (hf_dist.loss): never the whole [batch, seq, "
+            "vocab] logits nor their gradient; equal to the model's own loss. Used where exact (one process, DDP, "
+            "FSDP2; not under TP/PP/DeepSpeed, a label smoother or compute_loss_func). Evaluation is unchanged."
+        },
+    )
     dist_logging: bool = field(
         default=False,
         metadata={

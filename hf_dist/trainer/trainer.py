@@ -37,6 +37,7 @@ from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
 from hf_dist.trainer import checkpoint_glue, data, launch_env, preemption, resume, step, teardown
+from hf_dist.trainer.loss import chunked_loss_for
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
@@ -226,6 +227,11 @@ class DistTrainer(Trainer):
             if self.dims.pp_enabled:
                 return step.pipeline_training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The Trainer's own, with the model's loss made chunk by chunk where exact (``hf_dist.trainer.loss``)."""
+        chunked = chunked_loss_for(self, model, inputs)
+        return super().compute_loss(chunked or model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
