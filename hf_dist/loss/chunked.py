@@ -54,7 +54,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, transform, chunk_tokens):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)  # chunk sums, rounded once
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
@@ -73,7 +73,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_bias += grad_logits.sum(0).float()
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total
+        return total.to(torch.float32)
 
     @staticmethod
     def backward(ctx, grad_output):
