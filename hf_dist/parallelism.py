@@ -33,6 +33,7 @@ from torch import nn
 
 from hf_dist.compile import CompileRequest, compile_blocks
 from hf_dist.data_parallel import replicate
+from hf_dist.data_parallel.fsdp_prefetch import reshard_after_forward, set_explicit_prefetch
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.tensor_parallel.apply import apply_tensor_parallel
@@ -56,6 +57,9 @@ class FsdpRequest:
     """Ranks a replica shards over, when the launch config states it (checked against the world by ``Layout``)."""
     source: str = "TrainingArguments.fsdp"
     """Where the request came from, for messages."""
+    explicit_prefetch: bool = True
+    """Each block all-gathers the next one in forward, the previous one in backward; the last block stays gathered
+    after forward (``hf_dist.data_parallel.fsdp_prefetch``). False: FSDP2's implicit prefetch only."""
 
     def as_fields(self) -> dict[str, object]:
         """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
@@ -82,6 +86,7 @@ class FsdpRequest:
             dp_replicate=args.fsdp2_dp_replicate,
             dp_shard=getattr(args, "fsdp2_dp_shard", None),
             source="DistTrainingArguments.fsdp2",
+            explicit_prefetch=getattr(args, "fsdp2_explicit_prefetch", True),
         )
 
 
@@ -181,9 +186,13 @@ def apply_fsdp(
     offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
     units = list(units) if units is not None else find_blocks(model, request.wrap_classes)
-    for block in units:
-        fully_shard(block, reshard_after_forward=request.reshard_after_forward, **kwargs)
+    for i, block in enumerate(units):
+        reshard = reshard_after_forward(i, len(units), requested=request.reshard_after_forward,
+                                        explicit_prefetch=request.explicit_prefetch)
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if request.explicit_prefetch:
+        set_explicit_prefetch(units)
     if grad_reduction == "sum":
         for unit in (*units, model):  # per unit: a unit's settings do not reach the units inside it
             unit.set_gradient_divide_factor(1.0)

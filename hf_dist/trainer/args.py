@@ -151,6 +151,11 @@ class DistTrainingArguments(TrainingArguments):
     fsdp2_cpu_offload: bool = field(
         default=False, metadata={"help": "With fsdp2: keep the sharded parameters in CPU memory."}
     )
+    fsdp2_explicit_prefetch: bool = field(
+        default=True,
+        metadata={"help": "With fsdp2: each block all-gathers the next in forward and the previous in backward, and "
+                  "the last block stays gathered after forward. False: FSDP2's implicit prefetch only."},
+    )
     fsdp2_dp_replicate: int = field(
         default=1,
         metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
