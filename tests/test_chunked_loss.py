@@ -120,30 +120,46 @@ def test_refuses_bad_shapes_and_chunks():
 STEPS = 3
 
 
+def _prefetch(trainer) -> list[tuple[int, int, bool]]:
+    """Per FSDP block: (forward prefetch targets, backward prefetch targets, resharded after forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for m in trainer.model.modules() if isinstance(m, FSDPModule) and m is not trainer.model]
+    states = [b._get_fsdp_state() for b in blocks]
+    return [(len(s._states_to_forward_prefetch), len(s._states_to_backward_prefetch),
+             b._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None) for b, s in zip(blocks, states)]
+
+
 def _trained(**overrides):
     with tempfile.TemporaryDirectory() as out:
         losses, params, trainer = train_tiny(out, max_steps=STEPS, global_batch_size=8, **overrides)
     used = getattr(trainer, "_chunked_loss", None)
-    return losses, params, used is not None and used.refusal is None and used.verified
+    prefetch = _prefetch(trainer) if overrides.get("fsdp") else None
+    return losses, params, used is not None and used.refusal is None and used.verified, prefetch
+
+
+FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
 
 
 def _two_ranks(rank, world_size):
-    runs = {}
-    for layout, extra in (("ddp", {}), ("fsdp2", {"fsdp": "full_shard", "fsdp_config": {"version": 2}})):
-        runs[layout] = _trained(per_device_train_batch_size=2, **extra)
-    return runs
+    layouts = {"ddp": {}, "fsdp2": FSDP2, "fsdp2_implicit_prefetch": {**FSDP2, "fsdp2_explicit_prefetch": False}}
+    return {layout: _trained(per_device_train_batch_size=2, **extra) for layout, extra in layouts.items()}
 
 
 def test_dist_trainer_with_the_chunked_loss_matches_the_models_own_loss():
-    ref_losses, ref_params, used = _trained(per_device_train_batch_size=4, chunked_loss=False)
+    """Also FSDP2 with explicit prefetch (the default) and without it: both equal one process."""
+    ref_losses, ref_params, used, _ = _trained(per_device_train_batch_size=4, chunked_loss=False)
     assert not used
-    losses, params, used = _trained(per_device_train_batch_size=4)
+    losses, params, used, _ = _trained(per_device_train_batch_size=4)
     assert used
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
     for rank_runs in run_distributed(_two_ranks, 2):
-        for layout, (losses, params, used) in rank_runs.items():
+        # two blocks: the first prefetches the second in forward and keeps resharding; the last is kept gathered
+        assert rank_runs["fsdp2"][3] == [(1, 0, True), (0, 1, False)]
+        assert rank_runs["fsdp2_implicit_prefetch"][3] == [(0, 0, True), (0, 0, True)]
+        for layout, (losses, params, used, _) in rank_runs.items():
             assert used, layout
             torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5, msg=layout)
             for name, value in ref_params.items():
