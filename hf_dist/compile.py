@@ -46,12 +46,13 @@ def compile_blocks(blocks: Sequence[nn.Module], request: CompileRequest) -> int:
     """Compile each of ``blocks`` in place; the number compiled."""
     for block in blocks:
         block.compile(backend=request.backend, mode=request.mode, fullgraph=request.fullgraph)
+        block.hf_dist_compile = request  # what is_block_compiled reads (torch keeps its compiled call private)
     return len(blocks)
 
 
 def is_block_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` was compiled in place (``nn.Module.compile``)."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``compile_blocks`` compiled ``module``."""
+    return isinstance(getattr(module, "hf_dist_compile", None), CompileRequest)
 
 
 @dataclass(kw_only=True, frozen=True)
