@@ -71,6 +71,19 @@ def test_equals_the_models_own_loss_and_gradients(model_type, num_items):
         assert model.router_aux_loss_coef * float(aux) > 1e-2  # dropping it would break the equality above
 
 
+def test_under_bf16_autocast_equal_within_bf16_rounding():
+    """Same loss; gradients within bf16's rounding (the model rounds ``grad / tokens`` to bf16, the chunks round
+    ``grad`` and divide after the matmul in fp32)."""
+    model = _model("llama")
+    ids, labels = _batch(seq=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = _loss_and_grads(model, model, input_ids=ids, labels=labels)
+        loss, grads = _loss_and_grads(model, ChunkedCausalLMLoss(model, chunk_tokens=7), input_ids=ids, labels=labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    for name, grad in ref_grads.items():
+        assert float((grads[name] - grad).norm() / grad.norm()) < 2 ** -6, name  # bf16 eps is 2**-8
+
+
 def test_a_logit_transform_it_does_not_reproduce_falls_back_to_the_models_loss():
     model = _model("llama")
     ids, labels = _batch()
