@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dist_utils import run_distributed
 from trainer_harness import train_tiny
 
-from hf_dist.loss import ChunkedCausalLMLoss, LogitTransform, linear_cross_entropy
+from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
+from hf_dist.loss.chunked import LogitTransform, linear_cross_entropy
 
 VOCAB = 97
 MODELS = {
@@ -177,3 +178,25 @@ def test_dist_trainer_with_the_chunked_loss_matches_the_models_own_loss():
             torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5, msg=layout)
             for name, value in ref_params.items():
                 torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=f"{layout} {name}")
+
+
+def test_the_planner_counts_one_chunk_not_the_whole_logits():
+    from transformers import LlamaConfig
+
+    from hf_dist.loss.policy import chunk_tokens_for, layout_refusal
+    from hf_dist.planner import Workload, make_layout, model_spec
+    from hf_dist.planner.activations import activation_model
+
+    spec = model_spec(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                                  num_attention_heads=9, num_key_value_heads=3))
+    layout = make_layout("ddp", 1)
+    n, v, h, k = 4 * 2048, 49152, 576, chunk_tokens_for(49152)
+    whole = activation_model(spec, Workload(seq_len=2048, micro_batch_size=4, precision="fp32"), layout)
+    chunked = activation_model(spec, Workload(seq_len=2048, micro_batch_size=4, precision="fp32", chunked_loss=True),
+                               layout)
+    assert (whole.loss, whole.loss_backward, whole.logits_forward) == (4 * n * v + 8 * n, 8 * n * v, 4 * n * v)
+    assert (chunked.loss, chunked.loss_backward, chunked.logits_forward) == (4 * v * h + 8 * n, 8 * k * v, 16 * k * v)
+    assert layout_refusal(layout) is None
+    assert "tensor" in layout_refusal(make_layout("ddp", 2, tp=2))
+    assert "pipeline" in layout_refusal(make_layout("ddp", 2, pp=2))
+    assert "DeepSpeed" in layout_refusal(make_layout("zero3", 2))

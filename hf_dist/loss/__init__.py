@@ -1,7 +1,6 @@
-"""Losses that never build whole ``[batch, seq, vocab]`` logits (``chunked``), driven through the model's own
-forward (``causal_lm``). The vocab-parallel TP loss stays in ``hf_dist.tensor_parallel.loss``."""
+"""Losses that never build whole ``[batch, seq, vocab]`` logits: ``chunked`` (cross-entropy through the head chunk
+by chunk), ``causal_lm`` (a causal LM's loss through its own forward with it), ``policy`` (where DistTrainer and the
+planner use it; torch-free). The vocab-parallel TP loss stays in ``hf_dist.tensor_parallel.loss``.
 
-from hf_dist.loss.causal_lm import ChunkedCausalLMLoss, chunked_loss_refusal
-from hf_dist.loss.chunked import LogitTransform, linear_cross_entropy
-
-__all__ = ["ChunkedCausalLMLoss", "LogitTransform", "chunked_loss_refusal", "linear_cross_entropy"]
+Nothing is imported here, so that the planner can read ``policy`` without torch.
+"""

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 24
-"""Logit elements per chunk (64 MiB in fp32): ``chunk_tokens = DEFAULT_CHUNK_ELEMENTS // vocab``."""
+from hf_dist.loss.policy import chunk_tokens_for
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,11 +42,6 @@ class LogitTransform:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-
-def chunk_tokens_for(vocab: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
-    """Tokens per chunk so that one chunk's logits hold about ``chunk_elements`` values (at least one token)."""
-    return max(1, chunk_elements // max(1, vocab))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -107,7 +102,7 @@ def linear_cross_entropy(
         weight, bias: the head's parameters (``nn.Linear`` layout: ``[vocab, hidden_size]``).
         targets: token ids with ``hidden``'s leading shape; ``ignore_index`` positions add nothing.
         transform: the model's scaling/soft-capping of its logits (identity when None).
-        chunk_tokens: tokens per chunk (default: about ``DEFAULT_CHUNK_ELEMENTS`` logits per chunk).
+        chunk_tokens: tokens per chunk (default: ``policy.chunk_tokens_for``, about 16M logits per chunk).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} must share their "

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from hf_dist.loss.chunked import chunk_tokens_for
+from hf_dist.loss.policy import chunk_tokens_for
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import lm_head_tp

@@ -14,7 +14,8 @@ import logging
 
 from torch import nn
 
-from hf_dist.loss import ChunkedCausalLMLoss
+from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
+from hf_dist.loss.policy import layout_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +24,11 @@ def layout_refusal(trainer) -> str | None:
     """Why this run's layout keeps the model's own loss (None: the chunked loss may be used)."""
     if not trainer.args.chunked_loss:
         return "chunked_loss=False"
-    if trainer.dims.tp_enabled:
-        return "tensor parallelism has its own loss"
-    if trainer.dims.pp_enabled:
-        return "the pipeline's last stage has its own loss"
-    if trainer.is_deepspeed_enabled:
+    if trainer.is_deepspeed_enabled:  # also a DeepSpeed config given other than through the layout
         return "DeepSpeed gathers the head only inside its own forward"
+    refusal = layout_refusal(trainer.args.layout)
+    if refusal is not None:
+        return refusal
     if trainer.label_smoother is not None or trainer.compute_loss_func is not None:
         return "a label smoother or compute_loss_func needs the whole logits"
     return None
