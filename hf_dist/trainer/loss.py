@@ -20,7 +20,7 @@ from hf_dist.loss.policy import layout_refusal
 logger = logging.getLogger(__name__)
 
 
-def layout_refusal(trainer) -> str | None:
+def trainer_refusal(trainer) -> str | None:
     """Why this run's layout keeps the model's own loss (None: the chunked loss may be used)."""
     if not trainer.args.chunked_loss:
         return "chunked_loss=False"
@@ -36,7 +36,7 @@ def layout_refusal(trainer) -> str | None:
 
 def chunked_loss_for(trainer, model: nn.Module, inputs: dict) -> ChunkedCausalLMLoss | None:
     """The chunked loss to call instead of ``model`` for this batch, or None for the model's own forward."""
-    if not model.training or "labels" not in inputs or layout_refusal(trainer) is not None:
+    if not model.training or "labels" not in inputs or trainer_refusal(trainer) is not None:
         return None
     if type(model).__name__ == "OptimizedModule":  # accelerate's whole-model compile: hooks inside would be traced
         return None
