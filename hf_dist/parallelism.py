@@ -1,11 +1,11 @@
 """Apply a parallel layout to a model: the one place hf_dist changes a model for a layout, in one visible order.
 
 ``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, activation
-checkpointing, then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel axes (HSDP when
-``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over dp in
-buckets, once per optimizer step (``hf_dist.data_parallel.replicate``). ``DistTrainer``, the public API and every
-pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist wraps a model. There is no compile step:
-nothing in hf_dist compiles.
+checkpointing, ``torch.compile`` per block when asked (``hf_dist.compile``), then data parallelism -- FSDP2
+``fully_shard`` over the data-parallel axes (HSDP when ``dp_replicate > 1``), or, without FSDP, whole parameters on
+every dp rank with gradients averaged over dp in buckets, once per optimizer step (``hf_dist.data_parallel.replicate``).
+``DistTrainer``, the public API and every pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist
+wraps a model (``DistTrainer`` compiles the blocks of the layouts accelerate wraps with the same ``compile_blocks``).
 
 The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
 and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
@@ -31,7 +31,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from hf_dist.compile import CompileRequest, compile_blocks
 from hf_dist.data_parallel import replicate
+from hf_dist.data_parallel.fsdp_prefetch import reshard_after_forward, set_explicit_prefetch
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.tensor_parallel.apply import apply_tensor_parallel
@@ -55,6 +57,9 @@ class FsdpRequest:
     """Ranks a replica shards over, when the launch config states it (checked against the world by ``Layout``)."""
     source: str = "TrainingArguments.fsdp"
     """Where the request came from, for messages."""
+    explicit_prefetch: bool = True
+    """Each block all-gathers the next one in forward, the previous one in backward; the last block stays gathered
+    after forward (``hf_dist.data_parallel.fsdp_prefetch``). False: FSDP2's implicit prefetch only."""
 
     def as_fields(self) -> dict[str, object]:
         """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
@@ -81,6 +86,7 @@ class FsdpRequest:
             dp_replicate=args.fsdp2_dp_replicate,
             dp_shard=getattr(args, "fsdp2_dp_shard", None),
             source="DistTrainingArguments.fsdp2",
+            explicit_prefetch=getattr(args, "fsdp2_explicit_prefetch", True),
         )
 
 
@@ -97,8 +103,9 @@ def parallelize(
     fsdp_units: Sequence[nn.Module] | None = None,
     grad_reduction: Literal["mean", "sum"] = "mean",
     replicate_gradients: bool = True,
+    compile_request: CompileRequest | None = None,
 ) -> nn.Module:
-    """Apply TP, then activation checkpointing, then FSDP2 or replicated data parallelism, in place.
+    """Apply TP, then activation checkpointing, then per-block compile, then FSDP2 or replicated DP, in place.
 
     Args:
         model: an HF causal LM (optionally a ``PeftModel``) or a pipeline stage, identical on every rank, on its
@@ -108,12 +115,13 @@ def parallelize(
         activation_checkpointing: recompute each decoder layer in backward (also when ``fsdp`` asks for it).
         param_dtype: FSDP mixed precision: compute in this dtype, reduce gradients in fp32.
         sequence_parallel, vocab_parallel, tp_plan: as in ``hf_dist.tensor_parallel.apply_tensor_parallel``.
-        fsdp_units: the modules FSDP shards one by one before the root (a pipeline stage's own decoder layers);
-            default: those of the request's ``wrap_classes`` or the model's ``_no_split_modules``.
+        fsdp_units: the blocks FSDP shards (and ``compile_request`` compiles) one by one before the root (a
+            pipeline stage's own decoder layers); default: the request's ``wrap_classes`` or ``_no_split_modules``.
         grad_reduction: ``"sum"`` sums FSDP gradients over dp instead of averaging them (a pipeline divides its loss
             by the tokens of the whole global batch already).
         replicate_gradients: False leaves gradient reduction of replicated (non-FSDP) dp to the caller (the pipeline
             all-reduces once per step: zero-bubble schedules write ``.grad`` past per-parameter hooks).
+        compile_request: ``torch.compile`` each block in place (``hf_dist.compile``); None: eager.
     """
     if grad_reduction not in ("mean", "sum"):
         raise ValueError(f"grad_reduction={grad_reduction!r} must be 'mean' or 'sum'")
@@ -125,6 +133,9 @@ def parallelize(
         )
     if activation_checkpointing or (request is not None and request.activation_checkpointing):
         apply_activation_checkpointing(model)
+    if compile_request is not None:
+        blocks = fsdp_units if fsdp_units is not None else find_blocks(model, request and request.wrap_classes)
+        compile_blocks(blocks, compile_request)
     if request is not None:
         model = apply_fsdp(
             model, dims, request, units=fsdp_units, param_dtype=param_dtype, grad_reduction=grad_reduction
@@ -175,9 +186,13 @@ def apply_fsdp(
     offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
     units = list(units) if units is not None else find_blocks(model, request.wrap_classes)
-    for block in units:
-        fully_shard(block, reshard_after_forward=request.reshard_after_forward, **kwargs)
+    for i, block in enumerate(units):
+        reshard = reshard_after_forward(i, len(units), requested=request.reshard_after_forward,
+                                        explicit_prefetch=request.explicit_prefetch)
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    if request.explicit_prefetch:
+        set_explicit_prefetch(units)
     if grad_reduction == "sum":
         for unit in (*units, model):  # per unit: a unit's settings do not reach the units inside it
             unit.set_gradient_divide_factor(1.0)

@@ -40,7 +40,10 @@ def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
 
         check_pipeline_layout(causal_lm_of(model).config, dims, config, device=args.device)
     reshard = fsdp.reshard_after_forward if fsdp is not None else False
-    pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard)
+    from hf_dist.compile import CompileRequest
+
+    pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard,
+                             compile_request=CompileRequest.from_args(args))
     wrapped = PipelineModel(pipe)
     # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
     wrapped.is_distributed_loading_by_transformers = True

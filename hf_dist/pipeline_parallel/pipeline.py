@@ -90,8 +90,11 @@ class PipelinedCausalLM:
         device: torch.device | str = "cpu",
         release_unowned: bool = True,
         reshard_after_forward: bool = False,
+        compile_request=None,
     ) -> None:
         """Split ``model`` for this rank of ``dims`` (mesh built) and build the schedule.
+
+        ``compile_request`` (``hf_dist.compile.CompileRequest``) compiles each stage's own decoder layers.
 
         ``release_unowned`` drops the modules of other ranks' stages from ``model``. ``reshard_after_forward``
         (FSDP only): free gathered parameters after each micro-batch's forward (less memory, one all-gather per
@@ -126,6 +129,7 @@ class PipelinedCausalLM:
             _release_unowned(model, self.plan, {n for i in self.stage_ids for n in self.plan.stages[i]})
         self.hidden_dtype = next(causal_lm_of(model).parameters()).dtype
         self.hidden_size = causal_lm_of(model).config.hidden_size
+        self.compile_request = compile_request
         self._parallelize_stages(reshard_after_forward)
         self.loss_fn = TokenWeightedLoss()
         self._build_schedule()
@@ -146,8 +150,8 @@ class PipelinedCausalLM:
             self.allreduce_group = self.dims.get_mesh("dp_replicate").get_group()
         self.modules = [
             parallelize(
-                m, self.dims, fsdp=fsdp, fsdp_units=m.owned_layers() if fsdp else None, grad_reduction="sum",
-                replicate_gradients=False,
+                m, self.dims, fsdp=fsdp, fsdp_units=m.owned_layers(), grad_reduction="sum",
+                replicate_gradients=False, compile_request=self.compile_request,
             )
             for m in self.modules
         ]

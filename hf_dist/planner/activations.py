@@ -24,6 +24,11 @@ and during backward one layer is recomputed and holds the full set above.
 The head keeps the final norm, the lm_head input (``c·N·h``; not kept when lm_head is frozen), under autocast
 the lm_head weight cast, the fp32 log-softmax output ``4·N·V`` and the labels. Backward of the loss holds two
 more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax input gradient): ``8·N·V``.
+With the chunked loss (``Workload.chunked_loss``, ``hf_dist.loss.chunked``) no ``N x V`` tensor exists: the loss
+keeps the head weight's fp32 gradient ``4·V·h`` (made in forward) and the labels, and one chunk of ``k`` tokens
+(``chunk_tokens_for(V)``) holds its logits, their fp32 upcast, the log-softmax and two fp32 gradients at once:
+``k·V·(c + 4 + 4 + 8)`` bytes (``k·V·16`` in fp32, where the upcast is the logits themselves); the lm_head input term
+stands for the hidden states' gradient the loss keeps instead (the same ``c·N·h``).
 With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split,
 except with vocabulary parallelism, where the model returns vocab-sharded logits and the loss runs under
 ``loss_parallel``: every ``N x V`` term is then ``N x V/t``. The lm_head weight cast is split where TP splits the
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hf_dist.loss.policy import chunk_tokens_for
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import lm_head_tp
@@ -156,12 +162,25 @@ def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivat
     )
 
 
+def _whole_loss_terms(n: int, v: int, c: int) -> dict[str, int]:
+    """The model's own loss: fp32 ``N x V`` log-softmax saved, logits and their upcast, two fp32 gradients."""
+    return dict(loss=4 * n * v + 8 * n, loss_backward=8 * n * v, logits_forward=c * n * v + (4 * n * v if c != 4 else 0))
+
+
+def _chunked_loss_terms(n: int, h: int, v: int, c: int) -> dict[str, int]:
+    """``hf_dist.loss``: the head weight's fp32 gradient and the labels kept; one chunk's logits at a time."""
+    k = min(n, chunk_tokens_for(v))
+    chunk = k * v * (c + (4 if c != 4 else 0) + 4 + 8)  # logits, upcast, log-softmax, its and the logits' gradient
+    return dict(loss=4 * v * h + 8 * n, loss_backward=8 * k * v, logits_forward=chunk)
+
+
 def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> ActivationModel:
     """All activation terms of ``model`` under ``workload`` on one rank of ``layout``."""
     r, c, autocast = dtype_bytes(workload, layout)
     n, h, v, t = workload.tokens, model.hidden_size, model.vocab_size, layout.dims.tp
     sp = t if layout.sequence_parallel else 1
     v = v // t if layout.vocab_parallel else v  # the logits columns a rank holds
+    chunked = workload.chunked_loss and not layout.vocab_parallel
     final_norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
     lm_head_input = 0 if layout.lora_rank else c * n * h
     lm_head_cast = c * model.vocab_size * h // lm_head_tp(model, t, layout.vocab_parallel) if autocast else 0
@@ -175,9 +194,7 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
         rope_tables=2 * workload.seq_len * model.head_dim * r,
         embedding_ids=8 * n,
         head=final_norm // sp + lm_head_input + lm_head_cast,
-        loss=4 * n * v + 8 * n,
-        loss_backward=8 * n * v,
-        logits_forward=c * n * v + (4 * n * v if c != 4 else 0),
+        **(_chunked_loss_terms(n, h, v, c) if chunked else _whole_loss_terms(n, v, c)),
         grad_working_set=2 * r * n * h // sp + max(2 * c * n * model.intermediate_size, eager_grads) // t,
         attention_mask=mask,
         largest_layer_tensor=max(c * n * model.intermediate_size, eager_grads // 2) // t,

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hf_dist.batch import BatchContract
+from hf_dist.loss.policy import layout_refusal
 from hf_dist.planner.catalogue import GpuSpec, ModelSpec, spec_config
 from hf_dist.planner.host import HostMemory, Loading, host_memory
 from hf_dist.planner.workload import Attention, Layout, Workload, make_layout
@@ -213,7 +214,8 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch,
                         precision=precision_that_runs(layout, req.precision), attention=req.attention,
                         activation_checkpointing=req.activation_checkpointing,
-                        gradient_accumulation_steps=batch.gradient_accumulation_steps)
+                        gradient_accumulation_steps=batch.gradient_accumulation_steps,
+                        chunked_loss=layout_refusal(layout) is None)  # as DistTrainer will compute the loss
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
     host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
     throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus,

@@ -53,6 +53,9 @@ class Workload:
     """Per decoder layer (HF ``gradient_checkpointing_enable``, non-reentrant)."""
     gradient_accumulation_steps: int = 1
     """Micro steps per optimizer step (bounds the micro batches a pipeline holds in flight)."""
+    chunked_loss: bool = False
+    """The loss through the head chunk by chunk (``hf_dist.loss``, DistTrainer's default where exact): one chunk of
+    logits at a time, never ``N x V``. Ignored under vocabulary-parallel TP, which has its own loss."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps"):

@@ -151,6 +151,11 @@ class DistTrainingArguments(TrainingArguments):
     fsdp2_cpu_offload: bool = field(
         default=False, metadata={"help": "With fsdp2: keep the sharded parameters in CPU memory."}
     )
+    fsdp2_explicit_prefetch: bool = field(
+        default=True,
+        metadata={"help": "With fsdp2: each block all-gathers the next in forward and the previous in backward, and "
+                  "the last block stays gathered after forward. False: FSDP2's implicit prefetch only."},
+    )
     fsdp2_dp_replicate: int = field(
         default=1,
         metadata={"help": "With fsdp2: replica groups (HYBRID_SHARD): shard inside world/dp_replicate ranks, "
@@ -183,6 +188,14 @@ class DistTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "A fresh start deletes the checkpoint-N folders an earlier run left in output_dir (without "
                   "it they are moved into output_dir/previous_run-<UTC time>/, where they still resume by path)."},
+    )
+    chunked_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Training loss through the head chunk by chunk (hf_dist.loss): never the whole [batch, seq, "
+            "vocab] logits nor their gradient; equal to the model's own loss. Used where exact (one process, DDP, "
+            "FSDP2; not under TP/PP/DeepSpeed, a label smoother or compute_loss_func). Evaluation is unchanged."
+        },
     )
     dist_logging: bool = field(
         default=False,

@@ -27,7 +27,8 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.file_modes import give_user_mode
 from hf_dist.parallel_dims import ParallelDims
-from hf_dist.parallelism import parallelize
+from hf_dist.compile import compile_blocks
+from hf_dist.parallelism import find_blocks, parallelize
 from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
@@ -36,7 +37,8 @@ from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
-from hf_dist.trainer import checkpoint_glue, data, launch_env, preemption, resume, step, teardown
+from hf_dist.trainer import checkpoint_glue, compile_glue, data, launch_env, preemption, resume, step, teardown
+from hf_dist.trainer.loss import chunked_loss_for
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
@@ -76,6 +78,7 @@ def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
         param_dtype=param_dtype,
         sequence_parallel=args.tp_sequence_parallel,
         vocab_parallel=args.tp_vocab_parallel,
+        compile_request=compile_glue.compile_request(args),
     )
     mark_distribution_owned(model)
     return model
@@ -100,6 +103,8 @@ class DistTrainer(Trainer):
         with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
+        if compile_glue.compile_request(args) is not None:
+            self.add_callback(compile_glue.CompileReport())
         if args.dist_logging:
             self.add_callback(LogHistoryCallback())  # OUTPUT_DIR/log_history.jsonl, for `hf-dist report`
         signals = preemption.parse_signals(args.preemption_signals)
@@ -131,6 +136,8 @@ class DistTrainer(Trainer):
             flops = module_flop_counts(model)  # before sharding; ds_numel under ZeRO-3 zero.Init
             if self.owns_layout:
                 model = apply_owned_layout(model, args, self.dims)
+            elif compile_glue.compile_request(args) is not None:  # accelerate wraps it (DDP) or nothing does
+                compile_blocks(find_blocks(model), compile_glue.compile_request(args))
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
         fsdp = args.hf_dist_fsdp
         recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
@@ -151,7 +158,8 @@ class DistTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         with launch_env.accelerate_view(self.args):  # accelerate must not build FSDP over hf_dist's FSDP2
-            super().create_accelerator_and_postprocess()
+            with compile_glue.accelerate_compiles_nothing(self.args):  # nor compile what hf_dist compiled
+                super().create_accelerator_and_postprocess()
 
     def _check_packing(self) -> None:
         """Packed batches must not let conversations attend to each other (KV cache off, varlen kwargs on flash)."""
@@ -226,6 +234,11 @@ class DistTrainer(Trainer):
             if self.dims.pp_enabled:
                 return step.pipeline_training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The Trainer's own, with the model's loss made chunk by chunk where exact (``hf_dist.trainer.loss``)."""
+        chunked = chunked_loss_for(self, model, inputs)
+        return super().compute_loss(chunked or model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)

@@ -1,0 +1,116 @@
+"""Cross-entropy through a linear head, chunk by chunk: the ``[tokens, vocab]`` logits exist one chunk at a time.
+
+``linear_cross_entropy(hidden, weight, bias, targets, ...)`` equals ``F.cross_entropy(transform(F.linear(hidden,
+weight, bias)).float(), targets, reduction="sum")`` -- what ``transformers.loss.loss_utils.ForCausalLMLoss`` computes
+before it divides -- and has the same gradients, without holding the whole logits or their gradient: each chunk's
+logits are made, differentiated (by autograd, on the chunk alone, so the transform's backward is torch's own) and
+dropped in the forward pass; the gradients for ``hidden``, ``weight`` and ``bias`` are kept (the size of those
+tensors, not of the logits) and scaled by the incoming gradient in backward. The memory held is one chunk of
+logits (``chunk_tokens x vocab``) plus a gradient the size of the head's weight.
+
+Not for: deciding whether a model's loss may be computed this way, or finding its hidden states
+(``hf_dist.loss.causal_lm``); the vocab-parallel TP loss (``hf_dist.tensor_parallel.loss``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hf_dist.loss.policy import chunk_tokens_for
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogitTransform:
+    """What a model's forward does to ``lm_head``'s output before its loss, in the model's order and dtype."""
+
+    multiply: float | None = None
+    """``logits * multiply`` (cohere's ``logit_scale``)."""
+    divide: float | None = None
+    """``logits / divide`` (granite's ``logits_scaling``)."""
+    softcap: float | None = None
+    """``tanh(logits / softcap) * softcap`` (gemma2/gemma3's ``final_logit_softcapping``)."""
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``transform(linear(hidden))`` with its gradients made chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, transform, chunk_tokens):
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)  # chunk sums, rounded once
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = hidden[start : start + chunk_tokens]
+            with torch.enable_grad():
+                logits = F.linear(rows, weight, bias).detach().requires_grad_()
+                loss = F.cross_entropy(transform(logits).float(), targets[start : start + chunk_tokens], reduction="sum")
+                (grad_logits,) = torch.autograd.grad(loss, logits)
+            total += loss.detach()
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_tokens] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += (grad_logits.t() @ rows).float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0).float()
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        scale = grad_output
+        return (
+            None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype),
+            None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
+            None if grad_bias is None else (grad_bias * scale).to(bias_dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    transform: LogitTransform | None = None,
+    chunk_tokens: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Summed cross-entropy of ``transform(hidden @ weight.T + bias)`` against ``targets``, chunk by chunk.
+
+    Args:
+        hidden: ``[..., hidden_size]`` states entering the head (any leading shape; flattened).
+        weight, bias: the head's parameters (``nn.Linear`` layout: ``[vocab, hidden_size]``).
+        targets: token ids with ``hidden``'s leading shape; ``ignore_index`` positions add nothing.
+        transform: the model's scaling/soft-capping of its logits (identity when None).
+        chunk_tokens: tokens per chunk (default: ``policy.chunk_tokens_for``, about 16M logits per chunk).
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} must share their "
+                         f"leading shape (one target per position)")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive number of tokens per chunk")
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1).to(hidden.device)
+    kept = (targets != ignore_index).nonzero().squeeze(1)  # ignored positions never reach the head
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden[kept], weight, bias, targets[kept], transform or LogitTransform(), chunk)

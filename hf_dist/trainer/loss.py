@@ -1,0 +1,49 @@
+"""When ``DistTrainer`` computes the training loss chunk by chunk (``hf_dist.loss``) instead of the model's own.
+
+The chunked loss equals the model's, so it is used wherever it is exact and the Trainer would call the model's own
+loss: training (not evaluation: metrics need whole logits), labels in the batch, no label smoother or
+``compute_loss_func``, and a layout whose head is whole on this rank -- one process, DDP, FSDP2 (the root's head is
+gathered in its forward). Not under TP (the vocab-parallel loss, ``hf_dist.tensor_parallel.loss``), PP (the last
+stage's ``TokenWeightedLoss``), DeepSpeed (ZeRO-3 gathers the head only inside its own forward) or a whole-model
+``torch.compile`` wrapper. Why a model is refused is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
+from hf_dist.loss.policy import layout_refusal
+
+logger = logging.getLogger(__name__)
+
+
+def trainer_refusal(trainer) -> str | None:
+    """Why this run's layout keeps the model's own loss (None: the chunked loss may be used)."""
+    if not trainer.args.chunked_loss:
+        return "chunked_loss=False"
+    if trainer.is_deepspeed_enabled:  # also a DeepSpeed config given other than through the layout
+        return "DeepSpeed gathers the head only inside its own forward"
+    refusal = layout_refusal(trainer.args.layout)
+    if refusal is not None:
+        return refusal
+    if trainer.label_smoother is not None or trainer.compute_loss_func is not None:
+        return "a label smoother or compute_loss_func needs the whole logits"
+    return None
+
+
+def chunked_loss_for(trainer, model: nn.Module, inputs: dict) -> ChunkedCausalLMLoss | None:
+    """The chunked loss to call instead of ``model`` for this batch, or None for the model's own forward."""
+    if not model.training or "labels" not in inputs or trainer_refusal(trainer) is not None:
+        return None
+    if type(model).__name__ == "OptimizedModule":  # accelerate's whole-model compile: hooks inside would be traced
+        return None
+    cached = getattr(trainer, "_chunked_loss", None)
+    if cached is None or cached.model is not model:  # a new model (model_init, DDP wrap in train())
+        cached = ChunkedCausalLMLoss(model)
+        trainer._chunked_loss = cached
+        if cached.refusal is not None and trainer.args.should_log:
+            logger.warning("chunked loss off, the model's own loss is used: %s", cached.refusal)
+    return cached if cached.refusal is None else None

@@ -1,0 +1,202 @@
+"""The chunked loss (``hf_dist.loss``) against the model's own loss: values, gradients, memory, and DistTrainer.
+
+Pure cases run the model's own forward both ways in one process (models with logit soft-capping, scaling, and a
+MoE router aux loss included); the trainer cases train 3 steps with the chunked loss in one process and on 2 gloo
+ranks (DDP, FSDP2) against one process with the model's own loss.
+"""
+
+import tempfile
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist_utils import run_distributed
+from trainer_harness import train_tiny
+
+from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
+from hf_dist.loss.chunked import LogitTransform, linear_cross_entropy
+
+VOCAB = 97
+MODELS = {
+    "llama": {"tie_word_embeddings": False},
+    "gemma2": {"final_logit_softcapping": 3.0},
+    "cohere": {"logit_scale": 0.37},
+    "granite": {"logits_scaling": 2.5},
+    "qwen3_moe": {"output_router_logits": True, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 16, "router_aux_loss_coef": 0.3},
+}
+
+
+def _model(model_type: str, vocab: int = VOCAB):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  **MODELS[model_type])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _batch(seq: int = 11):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, seq), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt that is not trained on
+    return ids, labels
+
+
+def _loss_and_grads(model, call, **inputs):
+    model.zero_grad()
+    loss = call(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+@pytest.mark.parametrize("num_items", [None, 17])
+def test_equals_the_models_own_loss_and_gradients(model_type, num_items):
+    model = _model(model_type)
+    ids, labels = _batch()
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    ref_loss, ref_grads = _loss_and_grads(model, model, input_ids=ids, labels=labels, **extra)
+    chunked = ChunkedCausalLMLoss(model, chunk_tokens=5)  # several chunks, the last one short
+    loss, grads = _loss_and_grads(model, chunked, input_ids=ids, labels=labels, **extra)
+    assert chunked.refusal is None and chunked.verified
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    if model_type == "qwen3_moe":  # the router aux loss is in it, weighted as the model weighs it
+        aux = model(input_ids=ids).aux_loss.detach()
+        assert model.router_aux_loss_coef * float(aux) > 1e-2  # dropping it would break the equality above
+
+
+def test_under_bf16_autocast_equal_within_bf16_rounding():
+    """Same loss; gradients within bf16's rounding (the model rounds ``grad / tokens`` to bf16, the chunks round
+    ``grad`` and divide after the matmul in fp32)."""
+    model = _model("llama")
+    ids, labels = _batch(seq=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = _loss_and_grads(model, model, input_ids=ids, labels=labels)
+        loss, grads = _loss_and_grads(model, ChunkedCausalLMLoss(model, chunk_tokens=7), input_ids=ids, labels=labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    for name, grad in ref_grads.items():
+        assert float((grads[name] - grad).norm() / grad.norm()) < 2 ** -6, name  # bf16 eps is 2**-8
+
+
+def test_a_logit_transform_it_does_not_reproduce_falls_back_to_the_models_loss():
+    model = _model("llama")
+    ids, labels = _batch()
+    ref_loss, _ = _loss_and_grads(model, model, input_ids=ids, labels=labels)
+    chunked = ChunkedCausalLMLoss(model)
+    chunked.transform = LogitTransform(multiply=2.0)  # as if the model scaled its logits some unknown way
+    loss, _ = _loss_and_grads(model, chunked, input_ids=ids, labels=labels)
+    assert chunked.refusal is not None and "logits" in chunked.refusal
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_builds_the_whole_logits_or_their_gradient():
+    """The largest tensor made in forward and backward is one chunk of logits, not ``tokens x vocab``."""
+    vocab = 1000  # tokens x vocab well above the head's weight (vocab x hidden) and any activation
+    model = _model("llama", vocab=vocab)
+    ids, labels = _batch(seq=40)
+    tokens = ids.numel()
+    with _LargestTensor() as whole:
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert whole.largest >= tokens * vocab  # the probe sees the model's own whole logits
+    with _LargestTensor() as chunked:
+        ChunkedCausalLMLoss(model, chunk_tokens=4)(input_ids=ids, labels=labels).loss.backward()
+    assert chunked.largest < tokens * vocab / 2
+
+
+def test_refuses_bad_shapes_and_chunks():
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="leading shape"):
+        linear_cross_entropy(hidden, weight, None, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_tokens=0"):
+        linear_cross_entropy(hidden, weight, None, torch.zeros(2, 3, dtype=torch.long), chunk_tokens=0)
+
+
+STEPS = 3
+
+
+def _prefetch(trainer) -> list[tuple[int, int, bool]]:
+    """Per FSDP block: (forward prefetch targets, backward prefetch targets, resharded after forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for m in trainer.model.modules() if isinstance(m, FSDPModule) and m is not trainer.model]
+    states = [b._get_fsdp_state() for b in blocks]
+    return [(len(s._states_to_forward_prefetch), len(s._states_to_backward_prefetch),
+             b._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None) for b, s in zip(blocks, states)]
+
+
+def _trained(**overrides):
+    with tempfile.TemporaryDirectory() as out:
+        losses, params, trainer = train_tiny(out, max_steps=STEPS, global_batch_size=8, **overrides)
+    used = getattr(trainer, "_chunked_loss", None)
+    prefetch = _prefetch(trainer) if overrides.get("fsdp") else None
+    return losses, params, used is not None and used.refusal is None and used.verified, prefetch
+
+
+FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+
+
+def _two_ranks(rank, world_size):
+    layouts = {"ddp": {}, "fsdp2": FSDP2, "fsdp2_implicit_prefetch": {**FSDP2, "fsdp2_explicit_prefetch": False}}
+    return {layout: _trained(per_device_train_batch_size=2, **extra) for layout, extra in layouts.items()}
+
+
+def test_dist_trainer_with_the_chunked_loss_matches_the_models_own_loss():
+    """Also FSDP2 with explicit prefetch (the default) and without it: both equal one process."""
+    ref_losses, ref_params, used, _ = _trained(per_device_train_batch_size=4, chunked_loss=False)
+    assert not used
+    losses, params, used, _ = _trained(per_device_train_batch_size=4)
+    assert used
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    for rank_runs in run_distributed(_two_ranks, 2):
+        # two blocks: the first prefetches the second in forward and keeps resharding; the last is kept gathered
+        assert rank_runs["fsdp2"][3] == [(1, 0, True), (0, 1, False)]
+        assert rank_runs["fsdp2_implicit_prefetch"][3] == [(0, 0, True), (0, 0, True)]
+        for layout, (losses, params, used, _) in rank_runs.items():
+            assert used, layout
+            torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5, msg=layout)
+            for name, value in ref_params.items():
+                torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=f"{layout} {name}")
+
+
+def test_the_planner_counts_one_chunk_not_the_whole_logits():
+    from transformers import LlamaConfig
+
+    from hf_dist.loss.policy import chunk_tokens_for, layout_refusal
+    from hf_dist.planner import Workload, make_layout, model_spec
+    from hf_dist.planner.activations import activation_model
+
+    spec = model_spec(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                                  num_attention_heads=9, num_key_value_heads=3))
+    layout = make_layout("ddp", 1)
+    n, v, h, k = 4 * 2048, 49152, 576, chunk_tokens_for(49152)
+    whole = activation_model(spec, Workload(seq_len=2048, micro_batch_size=4, precision="fp32"), layout)
+    chunked = activation_model(spec, Workload(seq_len=2048, micro_batch_size=4, precision="fp32", chunked_loss=True),
+                               layout)
+    assert (whole.loss, whole.loss_backward, whole.logits_forward) == (4 * n * v + 8 * n, 8 * n * v, 4 * n * v)
+    assert (chunked.loss, chunked.loss_backward, chunked.logits_forward) == (4 * v * h + 8 * n, 8 * k * v, 16 * k * v)
+    assert layout_refusal(layout) is None
+    assert "tensor" in layout_refusal(make_layout("ddp", 2, tp=2))
+    assert "pipeline" in layout_refusal(make_layout("ddp", 2, pp=2))
+    assert "DeepSpeed" in layout_refusal(make_layout("zero3", 2))
