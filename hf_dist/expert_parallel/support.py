@@ -1,0 +1,61 @@
+"""Which models run expert-parallel in hf_dist, and why the others are refused (pure: configs in, reasons out).
+
+A model runs EP when its config ships transformers' ``base_model_ep_plan`` in the form every supported MoE type
+uses: the experts module (``ep_dispatch_experts``, tokens dispatched to it) holding 3-D expert weights
+``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (and their biases, gpt-oss) split on the expert dimension
+(``grouped_gemm``), with ``E`` divisible by ``ep``. Dense models and MoE types whose experts are a list of
+per-expert modules or another layout are refused by name.
+"""
+
+from __future__ import annotations
+
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+                        "num_routed_experts")
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def ep_plan(config) -> dict[str, str]:
+    """The model's own expert-parallel plan (``base_model_ep_plan``: module/parameter pattern -> style)."""
+    return dict(getattr(config, "base_model_ep_plan", None) or {})
+
+
+def num_experts(config) -> int | None:
+    """Routed experts per MoE layer, from whichever field the model type uses."""
+    for name in _EXPERT_COUNT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def ep_refusal(config, ep: int) -> str | None:
+    """Why ``config``'s model cannot run with ``ep_size=ep`` in hf_dist, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    experts = num_experts(config)
+    plan = ep_plan(config)
+    if experts is None and not plan:
+        return f"model_type={model_type!r} is not a mixture-of-experts model (no routed experts, no base_model_ep_plan)"
+    if not plan:
+        return (f"model_type={model_type!r} has {experts} experts but ships no base_model_ep_plan (its experts are "
+                f"not in transformers' expert-parallel form)")
+    dispatch = [k for k, style in plan.items() if style == "ep_dispatch_experts"]
+    weights = {k: style for k, style in plan.items() if style != "ep_dispatch_experts"}
+    odd = sorted(f"{k}: {s}" for k, s in weights.items()
+                 if s != "grouped_gemm" or k.rsplit(".", 1)[-1] not in _EXPERT_WEIGHTS)
+    if len(dispatch) != 1 or odd or not weights:
+        return (f"model_type={model_type!r}'s experts are not the 3-D gate_up_proj/down_proj form with token dispatch "
+                f"that hf_dist's EP runs (plan: {plan})")
+    if experts is None:
+        return f"model_type={model_type!r}: its config names no routed-expert count ({', '.join(_EXPERT_COUNT_FIELDS)})"
+    if experts % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0]
+        return f"ep_size={ep} does not divide the {experts} experts of each layer; use ep_size in {valid}"
+    return None
+
+
+def check_ep_support(config, ep: int) -> None:
+    """Raise ``ValueError`` naming the model, the rule and the fix when ``ep_size=ep`` cannot run on it."""
+    if ep == 1:
+        return
+    if why := ep_refusal(config, ep):
+        raise ValueError(f"ep_size={ep} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
