@@ -283,7 +283,8 @@ class Layout:
         elif self.is_deepspeed:
             kind = f"DeepSpeed ZeRO-{self.strategy[-1]}"
         elif self.dp > 1:
-            kind = "DDP" if not (self.tp > 1 or self.pp > 1 or self.ep > 1) else f"DP{self.dp} (hf_dist gradient averaging)"
+            model_parallel = self.tp > 1 or self.pp > 1 or self.ep > 1
+            kind = f"DP{self.dp} (hf_dist gradient averaging)" if model_parallel else "DDP"
         else:
             kind = "single process" if self.world_size == 1 else "no data parallelism"
         if backend:
