@@ -61,3 +61,9 @@ def test_models_without_3d_experts_are_refused_by_name():
     bare.base_model_ep_plan = None
     assert "ships no base_model_ep_plan" in ep_refusal(bare, 2)
     check_ep_support(LlamaConfig(), 1)  # ep_size=1 asks nothing of the model
+
+
+def test_coverage_says_yes_exactly_for_the_parity_tested_types():
+    from hf_dist.expert_parallel.support import EP_PARITY_TESTED
+
+    assert sorted(EP_PARITY_TESTED) == sorted(CASES)

@@ -59,3 +59,30 @@ def check_ep_support(config, ep: int) -> None:
         return
     if why := ep_refusal(config, ep):
         raise ValueError(f"ep_size={ep} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
+
+
+EP_PARITY_TESTED = ("deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe")
+"""Model types whose EP=2 x FSDP2 and EP=2 x DDP runs equal one process (``tests/ep_cases.py`` ``CASES``; a test
+keeps the two lists the same)."""
+
+
+def ep_coverage() -> dict[str, str]:
+    """EP decision per causal-LM model type of the installed transformers, on its default config: ``"yes"`` (parity
+    tested), ``"dense"`` (not a MoE model), or the reason it does not run (refused, or supported but untested)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    table = {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception as error:  # noqa: BLE001 - a config that cannot be built is the note
+            table[model_type] = f"its default config cannot be built ({type(error).__name__})"
+            continue
+        if num_experts(config) is None and not ep_plan(config):
+            table[model_type] = "dense"
+        elif why := ep_refusal(config, 2):
+            table[model_type] = why
+        else:
+            table[model_type] = "yes" if model_type in EP_PARITY_TESTED else "no EP parity case in tests/ep_cases.py"
+    return table
