@@ -1,7 +1,7 @@
 """DistTrainer with ``ep_size=2`` on 2 gloo ranks (tiny qwen3_moe, router aux loss on): EP x FSDP2 and EP x DDP
 save hf_dist checkpoints that resume exactly, an EP=2 x FSDP2 checkpoint resumes in one process (plain model,
-accumulation 4 instead of 2: the same global batch), and the final ``save_model`` folder loads with
-``from_pretrained`` to the trained weights."""
+accumulation 4 instead of 2: the same global batch), and the final ``save_model`` folder, written in
+the model's own per-expert key format, loads with ``from_pretrained`` to the trained weights."""
 
 from __future__ import annotations
 
@@ -109,6 +109,16 @@ def test_ep_checkpoint_resumes_in_one_process(runs, layout):
 def test_ep_final_save_loads_with_from_pretrained(runs, layout):
     from transformers import AutoModelForCausalLM
 
+    from safetensors.torch import load_file
+
     root, result = runs
-    loaded = AutoModelForCausalLM.from_pretrained(str(root / layout / "full" / "final"))
+    final = root / layout / "full" / "final"
+    stored = load_file(str(final / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in stored  # the model's own per-expert keys
+    assert not any(key.endswith("experts.gate_up_proj") for key in stored)
+    reference = _model()
+    reference.save_pretrained(root / f"reference_{layout}")  # transformers' own save: the same keys and shapes
+    expected = load_file(str(root / f"reference_{layout}" / "model.safetensors"))
+    assert {k: v.shape for k, v in stored.items()} == {k: v.shape for k, v in expected.items()}
+    loaded = AutoModelForCausalLM.from_pretrained(str(final))
     _close({k: v.detach() for k, v in loaded.state_dict().items()}, result[layout]["full"]["params"], 0)
