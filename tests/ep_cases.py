@@ -29,10 +29,40 @@ def moe_config(name: str, *, aux: float = AUX):
                                 first_k_dense_replace=1, routed_scaling_factor=2.0, norm_topk_prob=False,
                                 q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                 v_head_dim=8)
+    if name == "qwen2_moe":  # shared expert behind a sigmoid gate; first layer dense (mlp_only_layers)
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig(**common, **router, intermediate_size=48, moe_intermediate_size=24,
+                              shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=3,
+                              norm_topk_prob=True, mlp_only_layers=[0])
+    if name == "olmoe":
+        from transformers import OlmoeConfig
+
+        return OlmoeConfig(**common, **router, intermediate_size=24, num_experts=4, num_experts_per_tok=3,
+                           norm_topk_prob=True)
+    if name == "phimoe":  # router jitter off: random noise has no one-process equal
+        from transformers import PhimoeConfig
+
+        return PhimoeConfig(**common, **router, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                            router_jitter_noise=0.0, input_jitter_noise=0.0)
+    if name == "granitemoe":
+        from transformers import GraniteMoeConfig
+
+        return GraniteMoeConfig(**common, **router, intermediate_size=24, num_local_experts=4, num_experts_per_tok=3)
+    if name == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(**common, **router, head_dim=8, intermediate_size=48, moe_intermediate_size=24,
+                             n_routed_experts=4, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1,
+                             first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=False,
+                             use_qk_norm=True)
     raise ValueError(f"no tiny MoE case {name!r}")
 
 
 CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+"""EP x FSDP2 and EP x DDP against one process."""
+SWEEP_CASES = ("qwen2_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe")
+"""EP x FSDP2 against one process (the DDP path is the same code, covered by ``CASES``)."""
 AUX_CASES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 

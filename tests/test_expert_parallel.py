@@ -2,7 +2,8 @@
 
 One spawn runs every case: qwen3_moe, mixtral, gpt_oss (router aux loss on, coefficient ``AUX``) and deepseek_v3
 (grouped routing, shared expert, first layer dense), each with non-default top-k / ``norm_topk_prob``, under
-EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP), 3 AdamW steps with gradient clipping active
+EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP); qwen2_moe (gated shared expert, a dense layer), olmoe,
+phimoe, granitemoe (aux loss on) and glm4_moe (grouped routing, shared expert, qk-norm) under EP=2 x FSDP2; 3 AdamW steps with gradient clipping active
 (``MAX_NORM`` below every step's norm, so the norm over the dense and expert meshes decides the update).
 
 The reference is one process that runs the same two micro-batches per step (each rank's half of the global batch)
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from ep_cases import AUX_CASES, CASES, moe_model, token_batches
+from ep_cases import AUX_CASES, CASES, SWEEP_CASES, moe_model, token_batches
 
 STEPS, GLOBAL_BATCH, LR, MAX_NORM = 3, 8, 1e-3, 0.05
 LAYOUTS = ("fsdp", "ddp")
@@ -50,14 +51,14 @@ def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int
     from transformers import Trainer
 
     from hf_dist import FsdpRequest, ParallelDims, parallelize
+    from hf_dist.expert_parallel import expert_modules
     from hf_dist.state_dict import full_state_dict
 
     fsdp = layout == "fsdp"
     dims = ParallelDims(world_size=world, dp_shard=world if fsdp else 1, dp_replicate=1 if fsdp else world, ep=2)
     dims.build_mesh("cpu")
     model = parallelize(moe_model(name), dims, fsdp=FsdpRequest() if fsdp else None)
-    experts = model.model.layers[-1].mlp.experts
-    local_experts = experts.num_experts
+    local_experts = {m.num_experts for m in expert_modules(model)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, norms = [], []
     for batch in batches:
@@ -75,9 +76,9 @@ def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int
 def _two_ranks(rank, world):
     batches = token_batches(STEPS, GLOBAL_BATCH)
     results = {}
-    for name in CASES:
+    for name in CASES + SWEEP_CASES:
         results[name] = {"ref": _reference(name, batches, world)}
-        for layout in LAYOUTS:
+        for layout in LAYOUTS if name in CASES else ("fsdp",):
             results[name][layout] = _parallel(name, layout, batches, rank, world)
     return results
 
@@ -87,12 +88,12 @@ def runs():
     return run_distributed(_two_ranks, 2)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(("name", "layout"), [(n, lay) for n in CASES for lay in LAYOUTS] +
+                         [(n, "fsdp") for n in SWEEP_CASES])
 def test_ep2_trains_like_one_process(runs, name, layout):
     for rank, results in enumerate(runs):
         ref, run = results[name]["ref"], results[name][layout]
-        assert run["local_experts"] == 2  # 4 experts, 2 on each rank
+        assert run["local_experts"] == {2}  # 4 experts, 2 on each rank, in every MoE layer
         assert min(ref["norms"]) > MAX_NORM  # clipping active: the norm over both meshes decides the update
         assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
         assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)

@@ -4,7 +4,7 @@ efsdp as transformers derives it), and which models run EP, refused by name othe
 from __future__ import annotations
 
 import pytest
-from ep_cases import CASES, moe_config
+from ep_cases import CASES, SWEEP_CASES, moe_config
 
 from hf_dist.expert_parallel import check_ep_support, ep_refusal
 from hf_dist.parallel_dims import ParallelDims
@@ -41,7 +41,7 @@ def test_products_without_a_parity_test_are_refused_with_the_fix(fields, fix):
         Layout(num_gpus=8, ep=2, **fields)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", CASES + SWEEP_CASES)
 def test_moe_types_with_3d_experts_run_ep(name):
     config = moe_config(name)
     assert ep_refusal(config, 2) is None and ep_refusal(config, 4) is None
@@ -66,4 +66,4 @@ def test_models_without_3d_experts_are_refused_by_name():
 def test_coverage_says_yes_exactly_for_the_parity_tested_types():
     from hf_dist.expert_parallel.support import EP_PARITY_TESTED
 
-    assert sorted(EP_PARITY_TESTED) == sorted(CASES)
+    assert sorted(EP_PARITY_TESTED) == sorted(CASES + SWEEP_CASES)

@@ -31,6 +31,7 @@ def num_experts(config) -> int | None:
 def ep_refusal(config, ep: int) -> str | None:
     """Why ``config``'s model cannot run with ``ep_size=ep`` in hf_dist, or None when it can."""
     model_type = getattr(config, "model_type", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
     experts = num_experts(config)
     plan = ep_plan(config)
     if experts is None and not plan:
@@ -61,9 +62,10 @@ def check_ep_support(config, ep: int) -> None:
         raise ValueError(f"ep_size={ep} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
 
 
-EP_PARITY_TESTED = ("deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe")
-"""Model types whose EP=2 x FSDP2 and EP=2 x DDP runs equal one process (``tests/ep_cases.py`` ``CASES``; a test
-keeps the two lists the same)."""
+EP_PARITY_TESTED = ("deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "mixtral", "olmoe", "phimoe", "qwen2_moe",
+                    "qwen3_moe")
+"""Model types whose EP=2 runs equal one process (``tests/ep_cases.py`` ``CASES`` and ``SWEEP_CASES``; a test keeps
+the lists the same)."""
 
 
 def ep_coverage() -> dict[str, str]:
@@ -79,7 +81,8 @@ def ep_coverage() -> dict[str, str]:
         except Exception as error:  # noqa: BLE001 - a config that cannot be built is the note
             table[model_type] = f"its default config cannot be built ({type(error).__name__})"
             continue
-        if num_experts(config) is None and not ep_plan(config):
+        text = config.get_text_config()
+        if num_experts(text) is None and not ep_plan(text):
             table[model_type] = "dense"
         elif why := ep_refusal(config, 2):
             table[model_type] = why
