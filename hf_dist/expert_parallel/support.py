@@ -14,13 +14,22 @@ _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", 
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
+def _text_config(config):
+    """The decoder's config of a multimodal wrapper (where the experts are); the config itself otherwise."""
+    try:
+        return config.get_text_config()
+    except (AttributeError, ValueError):  # no text part, or several (encoder-decoder): the config itself
+        return config
+
+
 def ep_plan(config) -> dict[str, str]:
     """The model's own expert-parallel plan (``base_model_ep_plan``: module/parameter pattern -> style)."""
-    return dict(getattr(config, "base_model_ep_plan", None) or {})
+    return dict(getattr(_text_config(config), "base_model_ep_plan", None) or {})
 
 
 def num_experts(config) -> int | None:
     """Routed experts per MoE layer, from whichever field the model type uses."""
+    config = _text_config(config)
     for name in _EXPERT_COUNT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 1:
@@ -31,7 +40,7 @@ def num_experts(config) -> int | None:
 def ep_refusal(config, ep: int) -> str | None:
     """Why ``config``'s model cannot run with ``ep_size=ep`` in hf_dist, or None when it can."""
     model_type = getattr(config, "model_type", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal wrappers
+    config = _text_config(config)
     experts = num_experts(config)
     plan = ep_plan(config)
     if experts is None and not plan:
@@ -81,7 +90,7 @@ def ep_coverage() -> dict[str, str]:
         except Exception as error:  # noqa: BLE001 - a config that cannot be built is the note
             table[model_type] = f"its default config cannot be built ({type(error).__name__})"
             continue
-        text = config.get_text_config()
+        text = _text_config(config)
         if num_experts(text) is None and not ep_plan(text):
             table[model_type] = "dense"
         elif why := ep_refusal(config, 2):
