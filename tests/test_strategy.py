@@ -189,6 +189,18 @@ def test_what_the_training_arguments_refuse_the_strategy_model_refuses(gpu_node,
     assert str(trainer_error.value) == str(model_error.value)  # one rule, raised from one place
 
 
+def test_an_ep_layout_is_written_and_accepted_as_it_was_asked(gpu_node, tmp_path):
+    for strategy in ("fsdp_full_shard", "ddp"):
+        layout = Layout(strategy=strategy, num_gpus=8, ep=4)
+        folder = tmp_path / strategy
+        argv = ["config", "--strategy", strategy, "--gpus", "8", "--ep", "4", "--micro-batch", "1",
+                "--global-batch", "16", "--model", "qwen2", "--out", str(folder)]
+        assert cli_main(argv) == 0
+        assert "--ep_size 4" in (folder / "launch.sh").read_text()
+        resolved = _trainer_view(layout, folder).layout
+        assert resolved == layout and resolved.dims == layout.dims and resolved.efsdp == 2
+
+
 def test_one_mapping_to_parallel_dims(gpu_node, monkeypatch, tmp_path):
     ddp = Layout(strategy="ddp", num_gpus=8, tp=2).dims
     assert (ddp.dp_replicate, ddp.dp_shard, ddp.tp) == (4, 1, 2)
