@@ -3,7 +3,8 @@
 One spawn runs every case: qwen3_moe, mixtral, gpt_oss (router aux loss on, coefficient ``AUX``) and deepseek_v3
 (grouped routing, shared expert, first layer dense), each with non-default top-k / ``norm_topk_prob``, under
 EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP); qwen2_moe (gated shared expert, a dense layer), olmoe,
-phimoe, granitemoe (aux loss on) and glm4_moe (grouped routing, shared expert, qk-norm) under EP=2 x FSDP2; 3 AdamW steps with gradient clipping active
+phimoe, granitemoe (aux loss on) and glm4_moe (grouped routing, shared expert, qk-norm) under EP=2 x FSDP2;
+qwen3_moe also with activation checkpointing and with SHARD_GRAD_OP; 3 AdamW steps with gradient clipping active
 (``MAX_NORM`` below every step's norm, so the norm over the dense and expert meshes decides the update).
 
 The reference is one process that runs the same two micro-batches per step (each rank's half of the global batch)
@@ -23,6 +24,9 @@ from ep_cases import AUX_CASES, CASES, SWEEP_CASES, moe_model, token_batches
 
 STEPS, GLOBAL_BATCH, LR, MAX_NORM = 3, 8, 1e-3, 0.05
 LAYOUTS = ("fsdp", "ddp")
+EXTRA = {"fsdp_recompute": {"activation_checkpointing": True}, "shard_grad_op": {"reshard_after_forward": False}}
+"""qwen3_moe only: activation checkpointing (the dispatch recomputed in backward) and SHARD_GRAD_OP (experts kept
+gathered between forward and backward) -> FsdpRequest fields."""
 
 
 def _slice(batch: dict, rank: int, world: int) -> dict:
@@ -54,10 +58,10 @@ def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int
     from hf_dist.expert_parallel import expert_modules
     from hf_dist.state_dict import full_state_dict
 
-    fsdp = layout == "fsdp"
+    fsdp = layout != "ddp"
     dims = ParallelDims(world_size=world, dp_shard=world if fsdp else 1, dp_replicate=1 if fsdp else world, ep=2)
     dims.build_mesh("cpu")
-    model = parallelize(moe_model(name), dims, fsdp=FsdpRequest() if fsdp else None)
+    model = parallelize(moe_model(name), dims, fsdp=FsdpRequest(**EXTRA.get(layout, {})) if fsdp else None)
     local_experts = {m.num_experts for m in expert_modules(model)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, norms = [], []
@@ -78,7 +82,7 @@ def _two_ranks(rank, world):
     results = {}
     for name in CASES + SWEEP_CASES:
         results[name] = {"ref": _reference(name, batches, world)}
-        for layout in LAYOUTS if name in CASES else ("fsdp",):
+        for layout in (*LAYOUTS, *EXTRA) if name == "qwen3_moe" else LAYOUTS if name in CASES else ("fsdp",):
             results[name][layout] = _parallel(name, layout, batches, rank, world)
     return results
 
@@ -89,7 +93,7 @@ def runs():
 
 
 @pytest.mark.parametrize(("name", "layout"), [(n, lay) for n in CASES for lay in LAYOUTS] +
-                         [(n, "fsdp") for n in SWEEP_CASES])
+                         [(n, "fsdp") for n in SWEEP_CASES] + [("qwen3_moe", lay) for lay in EXTRA])
 def test_ep2_trains_like_one_process(runs, name, layout):
     for rank, results in enumerate(runs):
         ref, run = results[name]["ref"], results[name][layout]
