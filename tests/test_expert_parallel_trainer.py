@@ -1,5 +1,5 @@
 """DistTrainer with ``ep_size=2`` on 2 gloo ranks (tiny qwen3_moe, router aux loss on): EP x FSDP2 and EP x DDP
-save hf_dist checkpoints that resume exactly, an EP=2 x FSDP2 checkpoint resumes in one process (plain model,
+evaluate as one process does, save hf_dist checkpoints that resume exactly, an EP=2 x FSDP2 checkpoint resumes in one process (plain model,
 accumulation 4 instead of 2: the same global batch), and the final ``save_model`` folder, written in
 the model's own per-expert key format, loads with ``from_pretrained`` to the trained weights."""
 
@@ -15,7 +15,7 @@ from trainer_harness import VOCAB, full_parameters, token_dataset
 
 STEPS, SAVE_EVERY = 6, 3
 LAYOUTS = {"ep_fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}, ep_size=2), "ep_ddp": dict(ep_size=2),
-           "one process": {}}
+           "one process": {}, "fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2})}
 TWO_RANK = ("ep_fsdp2", "ep_ddp")
 
 
@@ -40,19 +40,30 @@ def _run(output_dir: str, *, layout: str, resume: bool | str, stop_after: int | 
     )
     counter = _step_counter()
     callbacks = [counter] + ([_stop_after(stop_after)] if stop_after else [])
-    trainer = DistTrainer(model=_model(), args=args, train_dataset=token_dataset(), callbacks=callbacks)
+    trainer = DistTrainer(model=_model(), args=args, train_dataset=token_dataset(), callbacks=callbacks,
+                          eval_dataset=token_dataset(8, seed=3))
     assert trainer.dims.ep == (2 if layout in TWO_RANK else 1)
+    before = trainer.evaluate()["eval_loss"]  # the initial weights (a checkpoint loads in train())
     trainer.train(resume_from_checkpoint=resume or None)
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
     norms = {log["step"]: log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log}
     if save:
         trainer.save_model(f"{output_dir}/final")
     params = {k: v.numpy() for k, v in full_parameters(trainer).items()}
-    return {"losses": losses, "norms": norms, "params": params, "steps_run": counter.steps_run}
+    return {"losses": losses, "norms": norms, "params": params, "steps_run": counter.steps_run, "eval": before}
+
+
+def _evaluation(output_dir: str, layout: str) -> float:
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    args = DistTrainingArguments(output_dir=output_dir, report_to=[], **LAYOUTS[layout])  # eval batch as _run
+    return DistTrainer(model=_model(), args=args, eval_dataset=token_dataset(8, seed=3)).evaluate()["eval_loss"]
 
 
 def _two_ranks(rank, world, root):
-    out = {}
+    # the router aux term is added per eval batch, and 2 ranks evaluate twice the batches of one process (its
+    # weighting across splits is not settled here), so FSDP2 alone on the same 2 ranks is EP's reference
+    out = {"fsdp2_eval": _evaluation(f"{root}/fsdp2_eval", "fsdp2")}
     for layout in TWO_RANK:
         full = _run(f"{root}/{layout}/full", layout=layout, resume=False, save=True)
         _run(f"{root}/{layout}/cut", layout=layout, resume=False, stop_after=SAVE_EVERY + 1)
@@ -86,9 +97,11 @@ def test_ep_checkpoint_resumes_exactly(runs, layout):
 
 
 def test_ep_layouts_train_alike(runs):
-    """EP x FSDP2 and EP x DDP: the same losses and weights (each equals one process: test_expert_parallel)."""
+    """EP x FSDP2 and EP x DDP: the same losses and weights (each equals one process: test_expert_parallel), and
+    the same evaluation as FSDP2 without EP."""
     _, result = runs
     fsdp, ddp = result["ep_fsdp2"]["full"], result["ep_ddp"]["full"]
+    torch.testing.assert_close([fsdp["eval"], ddp["eval"]], [result["fsdp2_eval"]] * 2, atol=1e-5, rtol=0)
     torch.testing.assert_close(fsdp["losses"], ddp["losses"], atol=1e-5, rtol=0)
     _close(fsdp["params"], ddp["params"], 1e-5)
 
