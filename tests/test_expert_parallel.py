@@ -4,7 +4,8 @@ One spawn runs every case: qwen3_moe, mixtral, gpt_oss (router aux loss on, coef
 (grouped routing, shared expert, first layer dense), each with non-default top-k / ``norm_topk_prob``, under
 EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP); qwen2_moe (gated shared expert, a dense layer), olmoe,
 phimoe, granitemoe (aux loss on) and glm4_moe (grouped routing, shared expert, qk-norm) under EP=2 x FSDP2;
-qwen3_moe also with activation checkpointing and with SHARD_GRAD_OP; 3 AdamW steps with gradient clipping active
+qwen3_moe also with activation checkpointing and with SHARD_GRAD_OP. A second spawn of 4 ranks runs qwen3_moe and
+mixtral at ep=2 with expert-FSDP degree 2 (experts sharded, or their gradients summed, over 2 ranks); 3 AdamW steps with gradient clipping active
 (``MAX_NORM`` below every step's norm, so the norm over the dense and expert meshes decides the update).
 
 The reference is one process that runs the same two micro-batches per step (each rank's half of the global batch)
@@ -51,7 +52,7 @@ def _reference(name: str, batches: list[dict], world: int, aux: float | None = N
     return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int) -> dict:
+def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int, ep: int = 2) -> dict:
     from transformers import Trainer
 
     from hf_dist import FsdpRequest, ParallelDims, parallelize
@@ -59,7 +60,7 @@ def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int
     from hf_dist.state_dict import full_state_dict
 
     fsdp = layout != "ddp"
-    dims = ParallelDims(world_size=world, dp_shard=world if fsdp else 1, dp_replicate=1 if fsdp else world, ep=2)
+    dims = ParallelDims(world_size=world, dp_shard=world if fsdp else 1, dp_replicate=1 if fsdp else world, ep=ep)
     dims.build_mesh("cpu")
     model = parallelize(moe_model(name), dims, fsdp=FsdpRequest(**EXTRA.get(layout, {})) if fsdp else None)
     local_experts = {m.num_experts for m in expert_modules(model)}
@@ -90,6 +91,34 @@ def _two_ranks(rank, world):
 @pytest.fixture(scope="module")
 def runs():
     return run_distributed(_two_ranks, 2)
+
+
+FOUR_RANK_CASES = ("qwen3_moe", "mixtral")
+
+
+def _four_ranks(rank, world):
+    """ep=2 on 4 ranks: each expert on efsdp=2 ranks (FSDP2 shards it there, or its gradient is summed there)."""
+    batches = token_batches(STEPS, GLOBAL_BATCH)
+    return {name: {"ref": _reference(name, batches, world),
+                   **{layout: _parallel(name, layout, batches, rank, world) for layout in LAYOUTS}}
+            for name in FOUR_RANK_CASES}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs():
+    return run_distributed(_four_ranks, 4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", FOUR_RANK_CASES)
+def test_ep2_on_4_ranks_with_expert_fsdp_2_trains_like_one_process(four_rank_runs, name, layout):
+    for rank, results in enumerate(four_rank_runs):
+        ref, run = results[name]["ref"], results[name][layout]
+        assert run["local_experts"] == {2} and min(ref["norms"]) > MAX_NORM
+        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
+        for key, value in run["state"].items():
+            assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
 
 
 @pytest.mark.parametrize(("name", "layout"), [(n, lay) for n in CASES for lay in LAYOUTS] +
