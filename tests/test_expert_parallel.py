@@ -1,14 +1,15 @@
-"""Expert parallelism (``ep_size=2``) on 2 gloo ranks against one process, per tiny MoE type.
+"""Expert parallelism (``ep_size=2``) on 2 and 4 gloo ranks against one process, per tiny MoE type.
 
 One spawn runs every case: qwen3_moe, mixtral, gpt_oss (router aux loss on, coefficient ``AUX``) and deepseek_v3
 (grouped routing, shared expert, first layer dense), each with non-default top-k / ``norm_topk_prob``, under
 EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP); qwen2_moe (gated shared expert, a dense layer), olmoe,
 phimoe, granitemoe (aux loss on) and glm4_moe (grouped routing, shared expert, qk-norm) under EP=2 x FSDP2;
 qwen3_moe also with activation checkpointing and with SHARD_GRAD_OP. A second spawn of 4 ranks runs qwen3_moe and
-mixtral at ep=2 with expert-FSDP degree 2 (experts sharded, or their gradients summed, over 2 ranks); 3 AdamW steps with gradient clipping active
-(``MAX_NORM`` below every step's norm, so the norm over the dense and expert meshes decides the update).
+mixtral at ep=2 with expert-FSDP degree 2 (experts sharded, or their gradients summed, over 2 ranks). Every case:
+3 AdamW steps with gradient clipping active (``MAX_NORM`` below every step's norm, so the norm over the dense and
+expert meshes decides the update).
 
-The reference is one process that runs the same two micro-batches per step (each rank's half of the global batch)
+The reference is one process that runs the same micro-batches per step (each rank's slice of the global batch)
 and averages them: the router aux term is computed per micro-batch in the models' own loss, so this is the same
 objective (how that term should be weighted across splits is a separate question, not decided here).
 """
