@@ -87,7 +87,11 @@ def _close(a: dict, b: dict, atol: float) -> None:
 
 @pytest.mark.parametrize("layout", TWO_RANK)
 def test_ep_checkpoint_resumes_exactly(runs, layout):
-    _, result = runs
+    from hf_dist.checkpoint import read_manifest
+
+    root, result = runs
+    manifest = read_manifest(root / layout / "full" / "checkpoint-6")
+    assert manifest.layout["ep"] == 2 and "EP2" in manifest.layout["description"]
     full, resumed = result[layout]["full"], result[layout]["resumed"]
     assert resumed["steps_run"] == STEPS - SAVE_EVERY
     assert min(full["norms"].values()) > 0.5  # clipping active on every step
