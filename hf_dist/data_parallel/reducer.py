@@ -145,9 +145,12 @@ def replicate(model: nn.Module, dp_mesh, *, bucket_cap_mb: float = DEFAULT_BUCKE
     group = dp_mesh.get_group()
     excluded = {id(p) for p in experts[0](model)} if experts else set()
     _broadcast([p for p in model.parameters() if id(p) not in excluded], group)
-    dense_of = (lambda m: [p for p in m.parameters() if p.requires_grad and id(p) not in
-                           {id(e) for e in experts[0](m)}]) if experts else None
-    reducers = [GradientReducer(model, group, bucket_cap_mb=bucket_cap_mb, params_of=dense_of)]
+
+    def dense_of(module: nn.Module) -> list[nn.Parameter]:
+        expert_ids = {id(p) for p in experts[0](module)}
+        return [p for p in module.parameters() if p.requires_grad and id(p) not in expert_ids]
+
+    reducers = [GradientReducer(model, group, bucket_cap_mb=bucket_cap_mb, params_of=dense_of if experts else None)]
     if experts:
         params_of, efsdp_mesh, dp = experts
         _broadcast(params_of(model), efsdp_mesh.get_group())
