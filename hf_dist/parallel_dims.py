@@ -11,6 +11,12 @@ in one process (tests do that), and building the mesh is explicit.
 Mesh axis order, outermost first: ``pp, dp_replicate, dp_shard, tp``. Tensor
 parallelism is innermost so that its ranks are neighbours (one node, fast
 links); pipeline stages are outermost so that they cross nodes.
+
+Experts (``ep > 1``) are laid out over the same ranks a second way, as transformers' ``DistributedConfig`` does:
+inside one pipeline stage the ``dp x tp`` ranks are factored into ``efsdp x ep`` (``efsdp = dp x tp / ep``). The
+``ep`` ranks of a group (neighbours, innermost) hold different experts and exchange tokens; the ``efsdp`` ranks
+hold the same experts and shard them with FSDP (or average their gradients without FSDP). The expert mesh is a
+second root mesh ``(pp, efsdp, ep)`` built next to the dense one.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 _FACTORS = ("pp", "dp_replicate", "dp_shard", "tp")
+_EXPERT_FACTORS = ("pp", "efsdp", "ep")
 
 
 @dataclass(kw_only=True)
@@ -36,8 +43,12 @@ class ParallelDims:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (number of physical stages)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks of one stage that hold different experts (not a factor of the world: the
+    experts' own factorisation of the ``dp x tp`` ranks, see the module docstring)."""
     _mesh: object | None = field(default=None, init=False, repr=False, compare=False)
     _dp_mesh: object | None = field(default=None, init=False, repr=False, compare=False)
+    _expert_mesh: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -69,6 +80,14 @@ class ParallelDims:
                 f"{self._describe()} multiply to {product}, but world_size={self.world_size}; "
                 f"the four factors must multiply to the world size (set one of them to -1 to take the ranks left over)"
             )
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ValueError(f"ep={self.ep!r} must be a positive integer (1: no expert parallelism)")
+        if (self.dp * self.tp) % self.ep:
+            spread = self.dp * self.tp
+            valid = [d for d in range(1, spread + 1) if spread % d == 0]
+            raise ValueError(f"ep={self.ep} does not divide the {spread} ranks of a stage that experts spread over "
+                             f"(dp_replicate x dp_shard x tp = {self.dp_replicate} x {self.dp_shard} x {self.tp}); "
+                             f"use ep in {valid}")
 
     def _describe(self) -> str:
         return ", ".join(f"{name}={getattr(self, name)}" for name in _FACTORS)
@@ -78,6 +97,15 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel degree: the number of different batches seen per micro step."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts (transformers' ``efsdp_size``): ``dp x tp / ep``."""
+        return self.dp * self.tp // self.ep
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -133,13 +161,22 @@ class ParallelDims:
         )
         # keep the flattened axis itself: slicing a flattened dim from the root mesh is deprecated
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        if self.ep > 1:
+            self._expert_mesh = init_device_mesh(
+                device_type, (self.pp, self.efsdp, self.ep), mesh_dim_names=_EXPERT_FACTORS
+            )
         self._mesh = mesh
         return mesh
 
     def get_mesh(self, name: str):
-        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` or ``dp``)."""
+        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` or ``dp``; with ``ep > 1``
+        also ``ep`` and ``efsdp``, from the expert mesh)."""
         if self._mesh is None:
             raise RuntimeError("call build_mesh() before get_mesh()")
+        if name in ("ep", "efsdp"):
+            if self._expert_mesh is None:
+                raise ValueError(f"mesh axis {name!r} exists only with ep > 1 (this layout has ep={self.ep})")
+            return self._expert_mesh[name]
         if name not in (*_FACTORS, "dp"):
             raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, 'dp'))}")
         if name == "dp":

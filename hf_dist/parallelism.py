@@ -1,11 +1,17 @@
 """Apply a parallel layout to a model: the one place hf_dist changes a model for a layout, in one visible order.
 
-``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, activation
-checkpointing, ``torch.compile`` per block when asked (``hf_dist.compile``), then data parallelism -- FSDP2
-``fully_shard`` over the data-parallel axes (HSDP when ``dp_replicate > 1``), or, without FSDP, whole parameters on
-every dp rank with gradients averaged over dp in buckets, once per optimizer step (``hf_dist.data_parallel.replicate``).
-``DistTrainer``, the public API and every pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist
-wraps a model (``DistTrainer`` compiles the blocks of the layouts accelerate wraps with the same ``compile_blocks``).
+``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, expert
+parallelism over the ``ep`` axis (``hf_dist.expert_parallel``), activation checkpointing, ``torch.compile`` per
+block when asked (``hf_dist.compile``), then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel axes
+(HSDP when ``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over
+dp in buckets, once per optimizer step (``hf_dist.data_parallel.replicate``). ``DistTrainer``, the public API and
+every pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist wraps a model (``DistTrainer``
+compiles the blocks of the layouts accelerate wraps with the same ``compile_blocks``).
+
+Expert parameters under EP are sharded (FSDP2) or reduced (replicated dp) over the ``efsdp`` ranks that hold the
+same experts, not over dp: each expert shard's gradient already sums the contributions of the ``ep`` ranks' batches
+(the dispatch brought their tokens), so the sum over ``efsdp`` covers all ``dp`` batches and is divided by ``dp``
+(transformers' ``apply_fsdp2`` makes the same choice).
 
 The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
 and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
@@ -34,6 +40,7 @@ from torch import nn
 from hf_dist.compile import CompileRequest, compile_blocks
 from hf_dist.data_parallel import replicate
 from hf_dist.data_parallel.fsdp_prefetch import reshard_after_forward, set_explicit_prefetch
+from hf_dist.expert_parallel import apply_expert_parallel, expert_modules, expert_params
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.tensor_parallel.apply import apply_tensor_parallel
@@ -105,7 +112,8 @@ def parallelize(
     replicate_gradients: bool = True,
     compile_request: CompileRequest | None = None,
 ) -> nn.Module:
-    """Apply TP, then activation checkpointing, then per-block compile, then FSDP2 or replicated DP, in place.
+    """Apply TP, then EP, then activation checkpointing, then per-block compile, then FSDP2 or replicated DP, in
+    place.
 
     Args:
         model: an HF causal LM (optionally a ``PeftModel``) or a pipeline stage, identical on every rank, on its
@@ -131,6 +139,8 @@ def parallelize(
             model, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=sequence_parallel,
             vocab_parallel=vocab_parallel,
         )
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims)
     if activation_checkpointing or (request is not None and request.activation_checkpointing):
         apply_activation_checkpointing(model)
     if compile_request is not None:
@@ -144,7 +154,8 @@ def parallelize(
         if grad_reduction != "mean":
             raise ValueError("grad_reduction='sum' with replicated data parallelism: reduce the gradients yourself "
                              "(replicate_gradients=False) or use FSDP")
-        model = replicate(model, dims.get_mesh("dp"))
+        experts = (expert_params, dims.get_mesh("efsdp"), dims.dp) if dims.ep_enabled else None
+        model = replicate(model, dims.get_mesh("dp"), experts=experts)
     return model
 
 
@@ -186,6 +197,8 @@ def apply_fsdp(
     offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
     units = list(units) if units is not None else find_blocks(model, request.wrap_classes)
+    for experts in expert_modules(model):  # first: each block then leaves the experts' parameters to them
+        _shard_experts(experts, dims, request, kwargs, grad_reduction)
     for i, block in enumerate(units):
         reshard = reshard_after_forward(i, len(units), requested=request.reshard_after_forward,
                                         explicit_prefetch=request.explicit_prefetch)
@@ -200,6 +213,20 @@ def apply_fsdp(
     model.register_forward_hook(_reshard_after_no_grad_forward)
     _generate_as_forward(model)
     return model
+
+
+def _shard_experts(experts: nn.Module, dims: ParallelDims, request: FsdpRequest, kwargs: dict,
+                   grad_reduction: str) -> None:
+    """FSDP2 of one experts module over the ``efsdp`` ranks, its gradient summed there and divided by ``dp``."""
+    from torch.distributed.fsdp import fully_shard
+
+    if grad_reduction != "mean":
+        raise ValueError("grad_reduction='sum' with expert parallelism: no pipeline runs EP (Layout refuses it)")
+    fully_shard(experts, reshard_after_forward=request.reshard_after_forward, **(kwargs | {"mesh": dims.get_mesh(
+        "efsdp")}))
+    experts.set_gradient_divide_factor(float(dims.dp))
+    if dims.efsdp > 1:  # a divisor other than the group's size is PREMUL_SUM, which gloo lacks: sum, divide locally
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def _reshard_after_no_grad_forward(module: nn.Module, args, output):

@@ -180,19 +180,36 @@ def tied_sources(model: nn.Module) -> dict[str, str]:
 
 
 def save_streaming(model: nn.Module, save_directory: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-    """Write ``model``'s weights and config to ``save_directory`` from rank 0; every rank must call this."""
+    """Write ``model``'s weights and config to ``save_directory`` from rank 0; every rank must call this.
+
+    Tensors are written under the model's own checkpoint keys, as ``save_pretrained`` writes them: transformers'
+    conversion mapping reversed (``revert_weight_conversion``), so MoE experts held as 3-D ``gate_up_proj`` /
+    ``down_proj`` are stored per expert (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe...w1``)."""
     state = model.state_dict()
     tied = tied_sources(model)
     state = {k: v for k, v in state.items() if not (k in tied and tied[k] in state)}  # as save_pretrained drops them
     fused = fused_keys(model)
-    entries = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    stored = {k: _stored(model, {k: torch.empty(v.shape, dtype=v.dtype, device="meta")}) for k, v in state.items()}
+    entries = {name: (tuple(t.shape), t.dtype) for parts in stored.values() for name, t in parts.items()}
+    source = {name: key for key, parts in stored.items() for name in parts}
     is_main = not dist.is_initialized() or dist.get_rank() == 0
+    pending: dict[str, torch.Tensor] = {}
 
-    def fetch(key: str) -> torch.Tensor | None:
-        value = hf_layout(key, state[key], fused)  # collective over the tensor's mesh: every rank calls it
+    def fetch(name: str) -> torch.Tensor | None:
+        if name not in pending:  # the first stored tensor of a model tensor: gather it (collective), convert
+            key = source[name]
+            pending.update(_stored(model, {key: hf_layout(key, state[key], fused)}))
+        value = pending.pop(name)
         return value if is_main else None
 
     write_streaming(model, save_directory, entries, fetch, max_shard_bytes=max_shard_bytes)
+
+
+def _stored(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` under the model's checkpoint keys (transformers' conversion reversed); on meta it plans."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
 
 
 def write_streaming(

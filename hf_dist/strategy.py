@@ -89,6 +89,10 @@ class Layout:
     """Tensor-parallel degree, inside a node (``--tp_size``)."""
     pp: int = 1
     """Pipeline-parallel degree (``--pp_size``)."""
+    ep: int = 1
+    """Expert-parallel degree (``--ep_size``): MoE experts split over this many data-parallel ranks, tokens sent to
+    their experts' ranks; experts are sharded (FSDP2) or replicated (DDP) over the ``efsdp = dp x tp / ep`` ranks
+    that hold the same ones."""
     offload: Offload = "none"
     """What leaves the GPU (see ``OFFLOADS``)."""
     sequence_parallel: bool = False
@@ -106,7 +110,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
-        for name in ("num_gpus", "num_nodes", "tp", "pp"):
+        for name in ("num_gpus", "num_nodes", "tp", "pp", "ep"):
             _check_positive(name, getattr(self, name))
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) is not None:
@@ -126,6 +130,36 @@ class Layout:
         check_tp_options(tp=self.tp, pp=self.pp, sequence_parallel=self.sequence_parallel,
                          vocab_parallel=self.vocab_parallel)
         self._check_data_parallel()
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP, alone on a stage's data-parallel ranks: the layouts a
+        parity test holds against one process (tests/test_expert_parallel.py). Everything else is refused here."""
+        if self.ep == 1:
+            return
+        if self.is_deepspeed:
+            raise ValueError(f"ep_size={self.ep} with DeepSpeed {self.strategy}: ZeRO partitions every parameter "
+                             f"itself, experts included, and has no expert-parallel token dispatch in hf_dist; use "
+                             f"FSDP2 (accelerate_configs/fsdp.yaml) or DDP with ep_size, or drop ep_size")
+        if self.pp > 1:
+            raise ValueError(f"ep_size={self.ep} with pp_size={self.pp}: pipeline stages are built per stage and "
+                             f"apply TP/FSDP inside, not the expert mesh; no parity test covers PP x EP; set "
+                             f"pp_size=1 (EP x FSDP2 or EP x DDP), or ep_size=1")
+        if self.tp > 1:
+            raise ValueError(f"ep_size={self.ep} with tp_size={self.tp}: hf_dist's TP refuses MoE experts and does "
+                             f"not slice the batch over TP ranks before the token exchange; use ep_size with FSDP2 "
+                             f"or DDP and tp_size=1")
+        if self.strategy == "fsdp_hybrid_shard":
+            raise ValueError(f"ep_size={self.ep} with HYBRID_SHARD: the expert mesh has no replica axis in hf_dist; "
+                             f"use FULL_SHARD (dp_replicate=1) with ep_size, or ep_size=1")
+        if self.offload != "none":
+            raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: expert shards are not offloaded "
+                             f"(no parity test covers it); drop the offload or set ep_size=1")
+        if self.dp % self.ep:
+            valid = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise ValueError(f"ep_size={self.ep} does not divide the {self.dp} data-parallel ranks (world "
+                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp}) that experts spread over; "
+                             f"use ep_size in {valid}")
 
     def _check_model_parallel(self) -> None:
         if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):
@@ -181,9 +215,15 @@ class Layout:
         """A new ``ParallelDims`` (mesh not built): DDP replicates over the data-parallel ranks; ZeRO, FULL_SHARD and
         SHARD_GRAD_OP shard over all of them; HYBRID_SHARD replicates over ``replicas`` groups, sharding inside."""
         if self.strategy == "ddp":
-            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, dp_replicate=-1, dp_shard=1)
-        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, dp_replicate=self.replicas,
-                            dp_shard=-1)
+            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, dp_replicate=-1,
+                                dp_shard=1)
+        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, ep=self.ep,
+                            dp_replicate=self.replicas, dp_shard=-1)
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts (``dp x tp / ep``; transformers' ``efsdp_size``)."""
+        return self.dp * self.tp // self.ep
 
     @property
     def dp(self) -> int:
@@ -203,8 +243,9 @@ class Layout:
 
     @property
     def owned_by_hf_dist(self) -> bool:
-        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP); else accelerate (DDP, DeepSpeed)."""
-        return self.is_fsdp or self.tp > 1 or self.pp > 1
+        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP, EP); else accelerate (DDP,
+        DeepSpeed)."""
+        return self.is_fsdp or self.tp > 1 or self.pp > 1 or self.ep > 1
 
     @property
     def is_deepspeed(self) -> bool:
@@ -223,6 +264,8 @@ class Layout:
                                                                                     else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.offload != "none":
             parts.append(f"offload_{self.offload}")
         if self.lora_rank:
@@ -240,7 +283,8 @@ class Layout:
         elif self.is_deepspeed:
             kind = f"DeepSpeed ZeRO-{self.strategy[-1]}"
         elif self.dp > 1:
-            kind = "DDP" if not (self.tp > 1 or self.pp > 1) else f"DP{self.dp} (hf_dist gradient averaging)"
+            model_parallel = self.tp > 1 or self.pp > 1 or self.ep > 1
+            kind = f"DP{self.dp} (hf_dist gradient averaging)" if model_parallel else "DDP"
         else:
             kind = "single process" if self.world_size == 1 else "no data parallelism"
         if backend:
@@ -250,6 +294,8 @@ class Layout:
             kind += f" x TP{self.tp}" + (f" ({' + '.join(options)} parallel)" if options else "")
         if self.pp > 1:
             kind += f" x PP{self.pp}"
+        if self.ep > 1:
+            kind += f" x EP{self.ep} (experts over {self.efsdp} x {self.ep})"
         if self.offload != "none":
             kind = f"{kind}, offload {self.offload}"
         if self.lora_rank:

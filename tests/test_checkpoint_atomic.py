@@ -44,7 +44,7 @@ def test_manifest_latest_and_marker(saved):
     assert (saved / "latest").read_text().strip() == "step_4"
     manifest = read_manifest(saved / "step_4")
     assert (manifest.step, manifest.samples_consumed, manifest.world_size) == (4, 16, 1)
-    assert manifest.layout == {"world_size": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert manifest.layout == {"world_size": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "ep": 1}
     assert manifest.batch_contract["global_batch_size"] == 4
     assert {"model", "optimizer", "lr_scheduler", "rng", "hf_config"} <= set(manifest.contents)
     paths = {entry.path for entry in manifest.files}

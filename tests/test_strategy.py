@@ -169,6 +169,12 @@ _REFUSED = [  # (Layout fields, the same request as training arguments)
     (dict(strategy="zero3", tp=2), dict(deepspeed={"zero_optimization": {"stage": 3}}, tp_size=2)),
     (dict(strategy="zero2", pp=2), dict(deepspeed={"zero_optimization": {"stage": 2}}, pp_size=2)),
     (dict(strategy="ddp", tp=3), dict(tp_size=3)),
+    (dict(strategy="zero3", ep=2), dict(deepspeed={"zero_optimization": {"stage": 3}}, ep_size=2)),
+    (dict(strategy="fsdp_full_shard", ep=2, pp=2), dict(fsdp2=True, ep_size=2, pp_size=2)),
+    (dict(strategy="ddp", ep=2, tp=2), dict(ep_size=2, tp_size=2)),
+    (dict(strategy="fsdp_hybrid_shard", ep=2, dp_replicate=2), dict(fsdp2=True, fsdp2_dp_replicate=2, ep_size=2)),
+    (dict(strategy="fsdp_full_shard", ep=2, offload="cpu"), dict(fsdp2=True, fsdp2_cpu_offload=True, ep_size=2)),
+    (dict(strategy="fsdp_full_shard", ep=3), dict(fsdp2=True, ep_size=3)),
 ]
 
 
@@ -181,6 +187,18 @@ def test_what_the_training_arguments_refuse_the_strategy_model_refuses(gpu_node,
     with pytest.raises(ValueError) as model_error:
         Layout(num_gpus=8, **fields)
     assert str(trainer_error.value) == str(model_error.value)  # one rule, raised from one place
+
+
+def test_an_ep_layout_is_written_and_accepted_as_it_was_asked(gpu_node, tmp_path):
+    for strategy in ("fsdp_full_shard", "ddp"):
+        layout = Layout(strategy=strategy, num_gpus=8, ep=4)
+        folder = tmp_path / strategy
+        argv = ["config", "--strategy", strategy, "--gpus", "8", "--ep", "4", "--micro-batch", "1",
+                "--global-batch", "16", "--model", "qwen2", "--out", str(folder)]
+        assert cli_main(argv) == 0
+        assert "--ep_size 4" in (folder / "launch.sh").read_text()
+        resolved = _trainer_view(layout, folder).layout
+        assert resolved == layout and resolved.dims == layout.dims and resolved.efsdp == 2
 
 
 def test_one_mapping_to_parallel_dims(gpu_node, monkeypatch, tmp_path):

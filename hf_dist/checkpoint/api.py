@@ -43,7 +43,7 @@ from hf_dist.parallel_dims import ParallelDims
 from hf_dist.strategy import Layout
 
 __all__ = ["DCP_DIR", "HF_DIR", "RNG_DIR", "TRAIN_STATE", "AsyncCheckpointer", "SaveHandle", "save_checkpoint"]
-_LAYOUT_FIELDS = ("world_size", "pp", "dp_replicate", "dp_shard", "tp")
+_LAYOUT_FIELDS = ("world_size", "pp", "dp_replicate", "dp_shard", "tp", "ep")
 
 
 def layout_dict(layout: ParallelDims | Layout) -> dict:

@@ -147,7 +147,34 @@ def _load_train_state(ckpt: Path, manifest: mf.Manifest, *, lr_scheduler, scaler
             continue
         if name not in train_state:
             raise ValueError(f"{ckpt} holds no {name} state; pass {name}=None to start it fresh")
-        obj.load_state_dict(train_state[name])
+        state = train_state[name]
+        if name == "lr_scheduler":
+            state = _fit_param_groups(state, obj, ckpt)
+        obj.load_state_dict(state)
+
+
+def _fit_param_groups(state: dict, lr_scheduler, ckpt: Path) -> dict:
+    """The saved scheduler state for this run's number of optimizer param groups.
+
+    The group count is a property of the layout, not of the schedule: the Trainer gives each device mesh its own
+    group (expert shards under EP live on another mesh than the dense parameters), so an EP run saves 3 groups and
+    one process has 2. Per-group lists whose saved entries are all equal are repeated to the new count; groups
+    that differ cannot be matched up and are refused."""
+    optimizer = getattr(lr_scheduler, "optimizer", None)
+    saved = len(state.get("base_lrs") or ())
+    groups = len(optimizer.param_groups) if optimizer is not None else saved
+    if not saved or groups == saved:
+        return state
+    fitted = dict(state)
+    for key, value in state.items():
+        if not (isinstance(value, list) and len(value) == saved):
+            continue
+        if any(v != value[0] for v in value):
+            raise ValueError(f"{ckpt}: its lr_scheduler has {saved} param groups with different {key} ({value}) and "
+                             f"this run's optimizer has {groups}; the groups cannot be matched: resume on the saving "
+                             f"layout, or pass lr_scheduler=None and set the schedule yourself")
+        fitted[key] = [value[0]] * groups
+    return fitted
 
 
 def _maybe_restore_rng(ckpt: Path, manifest: mf.Manifest, restore: bool) -> bool:

@@ -199,6 +199,8 @@ def training_arguments(layout: LaunchSpec) -> list[str]:
         args.append("--tp_vocab_parallel")
     if parallel.pp > 1:
         args += ["--pp_size", str(parallel.pp)]
+    if parallel.ep > 1:
+        args += ["--ep_size", str(parallel.ep)]
     return args
 
 

@@ -24,7 +24,7 @@ Why not torch's DDP: it rejects a mix of Tensor and DTensor parameters (TP x DP)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,16 @@ from hf_dist.data_parallel.buckets import DEFAULT_BUCKET_MB, Bucket, plan_bucket
 class GradientReducer:
     """Averages the gradients of ``module``'s trainable parameters over ``group``, bucketed (module docstring)."""
 
-    def __init__(self, module: nn.Module, group, *, bucket_cap_mb: float = DEFAULT_BUCKET_MB):
+    def __init__(self, module: nn.Module, group, *, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
+                 params_of: Callable[[nn.Module], list[nn.Parameter]] | None = None, divisor: int | None = None):
+        """``params_of(module)``: the parameters this reducer owns (default: every trainable one); ``divisor``: what
+        the summed gradients are divided by (default: the group's size -- expert shards summed over the ``efsdp``
+        ranks are divided by the whole dp size, their ``ep`` peers' batches reaching them through the dispatch)."""
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive; the default is {DEFAULT_BUCKET_MB}")
-        self.module, self.group, self.size = module, group, dist.get_world_size(group)
+        self.module, self.group = module, group
+        self.size = divisor if divisor is not None else dist.get_world_size(group)
+        self.params_of = params_of or (lambda m: [p for p in m.parameters() if p.requires_grad])
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.requires_sync = True
         self.overlapped = 0
@@ -73,7 +79,7 @@ class GradientReducer:
             return
         if self._finish_queued:  # the last synced backward raised (e.g. out of memory): forget what it started
             self._reset()
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = self.params_of(module)
         if len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params)):
             return
         if any(p.is_meta for p in params):  # not loaded yet: plan once the parameters hold values
@@ -125,21 +131,54 @@ class GradientReducer:
             self._reset()
 
 
-def replicate(model: nn.Module, dp_mesh, *, bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> nn.Module:
+def replicate(model: nn.Module, dp_mesh, *, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
+              experts: tuple[Callable[[nn.Module], list[nn.Parameter]], object, int] | None = None) -> nn.Module:
     """Plain data parallelism over ``dp_mesh``, in place: parameters broadcast from dp rank 0 (as DDP does at
     construction), gradients averaged in buckets of ``bucket_cap_mb`` MiB (module docstring).
+
+    ``experts``: ``(params_of, efsdp_mesh, dp)`` under expert parallelism: the expert shards differ between the
+    ``ep`` ranks, so they are broadcast and summed over ``efsdp_mesh`` (the ranks holding the same experts) by a
+    second reducer, and divided by ``dp``; the first reducer keeps the other parameters.
 
     The model gains ``no_sync()``, ``set_requires_gradient_sync(bool)`` and ``gradient_reducer`` (its buckets).
     """
     group = dp_mesh.get_group()
+    excluded = {id(p) for p in experts[0](model)} if experts else set()
+    _broadcast([p for p in model.parameters() if id(p) not in excluded], group)
+
+    def dense_of(module: nn.Module) -> list[nn.Parameter]:
+        expert_ids = {id(p) for p in experts[0](module)}
+        return [p for p in module.parameters() if p.requires_grad and id(p) not in expert_ids]
+
+    reducers = [GradientReducer(model, group, bucket_cap_mb=bucket_cap_mb, params_of=dense_of if experts else None)]
+    if experts:
+        params_of, efsdp_mesh, dp = experts
+        _broadcast(params_of(model), efsdp_mesh.get_group())
+        reducers.append(GradientReducer(model, efsdp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
+                                        params_of=params_of, divisor=dp))
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for reducer in reducers:
+                stack.enter_context(reducer.no_sync())
+            yield
+
+    def set_requires_gradient_sync(requires_sync: bool) -> None:
+        for reducer in reducers:
+            reducer.set_requires_gradient_sync(requires_sync)
+
+    # plain attributes (not a subclass): accelerate's no_sync looks for ``model.no_sync``
+    model.gradient_reducer = reducers[0]
+    model.gradient_reducers = reducers
+    model.no_sync = no_sync
+    model.set_requires_gradient_sync = set_requires_gradient_sync
+    return model
+
+
+def _broadcast(params: list[nn.Parameter], group) -> None:
     src = dist.get_global_rank(group, 0)
-    for param in model.parameters():
+    for param in params:
         local = param.to_local() if isinstance(param, DTensor) else param
         if not local.is_meta:  # meta: filled later by the streaming load, the same on every rank
             dist.broadcast(local.data, src=src, group=group)
-    reducer = GradientReducer(model, group, bucket_cap_mb=bucket_cap_mb)
-    # plain attributes (not a subclass): accelerate's no_sync looks for ``model.no_sync``
-    model.gradient_reducer = reducer
-    model.no_sync = reducer.no_sync
-    model.set_requires_gradient_sync = reducer.set_requires_gradient_sync
-    return model

@@ -26,7 +26,7 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
-_MOE = "MoE experts (expert parallelism is not in hf_dist)"
+_MOE = "MoE experts (TP does not shard them; expert parallelism: --ep_size)"
 _STYLE_REASONS = {
     "moe_tp_experts": _MOE,
     "packed_colwise": _MOE,

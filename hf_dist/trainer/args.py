@@ -40,11 +40,11 @@ def check_values(args) -> None:
         raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
                          f"pipeline step); leave it unset to use the accumulation the global batch gives")
     preemption.parse_signals(args.preemption_signals)
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size"):
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer (sequences per forward on one rank for "
-                             f"the batch sizes; 1 disables tp_size/pp_size)")
+                             f"the batch sizes; 1 disables tp_size/pp_size/ep_size)")
 
 
 def fp16_without_gpu(args) -> str | None:
@@ -116,6 +116,12 @@ class DistTrainingArguments(TrainingArguments):
                   "builds whole logits (predictions still gather them)."},
     )
     pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel degree (number of stages)."})
+    ep_size: int = field(
+        default=1,
+        metadata={"help": "Expert-parallel degree for MoE models: experts split over this many data-parallel ranks, "
+                  "tokens exchanged all-to-all; the experts are sharded (FSDP2) or replicated (DDP) over the "
+                  "dp / ep_size ranks that hold the same ones."},
+    )
     pp_schedule: str = field(
         default="1f1b",
         metadata={

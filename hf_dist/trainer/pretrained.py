@@ -89,6 +89,10 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
         from hf_dist.pipeline_parallel.support import check_pipeline_support
 
         check_pipeline_support(config)  # before any process group
+    if args.ep_size > 1:
+        from hf_dist.expert_parallel import check_ep_support
+
+        check_ep_support(config, args.ep_size)  # before any process group
     device = args.device  # starts the process group
     model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
     names = _names_or_none(model, directory)

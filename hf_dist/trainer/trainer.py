@@ -25,6 +25,7 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
+from hf_dist.expert_parallel import check_ep_support
 from hf_dist.file_modes import give_user_mode
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.compile import compile_blocks
@@ -126,6 +127,8 @@ class DistTrainer(Trainer):
             check_pipeline_support(model.config)
         if args.tp_size > 1:  # the model's own plan must be supported and fit
             check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
+        if args.ep_size > 1:  # a MoE model whose experts transformers' EP plan shards
+            check_ep_support(model.config, args.ep_size)
 
     def _prepare_model(self, model, args: DistTrainingArguments):
         """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""

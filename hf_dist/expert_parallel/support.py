@@ -1,0 +1,100 @@
+"""Which models run expert-parallel in hf_dist, and why the others are refused (pure: configs in, reasons out).
+
+A model runs EP when its config ships transformers' ``base_model_ep_plan`` in the form every supported MoE type
+uses: the experts module (``ep_dispatch_experts``, tokens dispatched to it) holding 3-D expert weights
+``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (and their biases, gpt-oss) split on the expert dimension
+(``grouped_gemm``), with ``E`` divisible by ``ep``. Dense models and MoE types whose experts are a list of
+per-expert modules or another layout are refused by name.
+"""
+
+from __future__ import annotations
+
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+                        "num_routed_experts")
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def _text_config(config):
+    """The decoder's config of a multimodal wrapper (where the experts are); the config itself otherwise."""
+    try:
+        return config.get_text_config()
+    except (AttributeError, ValueError):  # no text part, or several (encoder-decoder): the config itself
+        return config
+
+
+def ep_plan(config) -> dict[str, str]:
+    """The model's own expert-parallel plan (``base_model_ep_plan``: module/parameter pattern -> style)."""
+    return dict(getattr(_text_config(config), "base_model_ep_plan", None) or {})
+
+
+def num_experts(config) -> int | None:
+    """Routed experts per MoE layer, from whichever field the model type uses."""
+    config = _text_config(config)
+    for name in _EXPERT_COUNT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def ep_refusal(config, ep: int) -> str | None:
+    """Why ``config``'s model cannot run with ``ep_size=ep`` in hf_dist, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    config = _text_config(config)
+    experts = num_experts(config)
+    plan = ep_plan(config)
+    if experts is None and not plan:
+        return f"model_type={model_type!r} is not a mixture-of-experts model (no routed experts, no base_model_ep_plan)"
+    if not plan:
+        return (f"model_type={model_type!r} has {experts} experts but ships no base_model_ep_plan (its experts are "
+                f"not in transformers' expert-parallel form)")
+    dispatch = [k for k, style in plan.items() if style == "ep_dispatch_experts"]
+    weights = {k: style for k, style in plan.items() if style != "ep_dispatch_experts"}
+    odd = sorted(f"{k}: {s}" for k, s in weights.items()
+                 if s != "grouped_gemm" or k.rsplit(".", 1)[-1] not in _EXPERT_WEIGHTS)
+    if len(dispatch) != 1 or odd or not weights:
+        return (f"model_type={model_type!r}'s experts are not the 3-D gate_up_proj/down_proj form with token dispatch "
+                f"that hf_dist's EP runs (plan: {plan})")
+    if experts is None:
+        return f"model_type={model_type!r}: its config names no routed-expert count ({', '.join(_EXPERT_COUNT_FIELDS)})"
+    if experts % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0]
+        return f"ep_size={ep} does not divide the {experts} experts of each layer; use ep_size in {valid}"
+    return None
+
+
+def check_ep_support(config, ep: int) -> None:
+    """Raise ``ValueError`` naming the model, the rule and the fix when ``ep_size=ep`` cannot run on it."""
+    if ep == 1:
+        return
+    if why := ep_refusal(config, ep):
+        raise ValueError(f"ep_size={ep} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
+
+
+EP_PARITY_TESTED = ("deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "mixtral", "olmoe", "phimoe", "qwen2_moe",
+                    "qwen3_moe")
+"""Model types whose EP=2 runs equal one process (``tests/ep_cases.py`` ``CASES`` and ``SWEEP_CASES``; a test keeps
+the lists the same)."""
+
+
+def ep_coverage() -> dict[str, str]:
+    """EP decision per causal-LM model type of the installed transformers, on its default config: ``"yes"`` (parity
+    tested), ``"dense"`` (not a MoE model), or the reason it does not run (refused, or supported but untested)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    table = {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception as error:  # noqa: BLE001 - a config that cannot be built is the note
+            table[model_type] = f"its default config cannot be built ({type(error).__name__})"
+            continue
+        text = _text_config(config)
+        if num_experts(text) is None and not ep_plan(text):
+            table[model_type] = "dense"
+        elif why := ep_refusal(config, 2):
+            table[model_type] = why
+        else:
+            table[model_type] = "yes" if model_type in EP_PARITY_TESTED else "no EP parity case in tests/ep_cases.py"
+    return table

@@ -1,0 +1,69 @@
+"""Expert parallelism's rules without processes: the layout model's ``ep`` (ParallelDims' expert factorisation,
+efsdp as transformers derives it), and which models run EP, refused by name otherwise."""
+
+from __future__ import annotations
+
+import pytest
+from ep_cases import CASES, SWEEP_CASES, moe_config
+
+from hf_dist.expert_parallel import check_ep_support, ep_refusal
+from hf_dist.parallel_dims import ParallelDims
+from hf_dist.strategy import Layout
+
+
+@pytest.mark.parametrize(("strategy", "gpus", "ep", "efsdp"), [
+    ("fsdp_full_shard", 8, 8, 1), ("fsdp_full_shard", 8, 2, 4), ("fsdp_shard_grad_op", 4, 4, 1), ("ddp", 8, 4, 2),
+])
+def test_layout_ep_maps_to_an_expert_factorisation_of_the_data_parallel_ranks(strategy, gpus, ep, efsdp):
+    layout = Layout(strategy=strategy, num_gpus=gpus, ep=ep)
+    dims = layout.dims
+    assert (dims.ep, dims.efsdp, layout.efsdp) == (ep, efsdp, efsdp)
+    assert dims.efsdp * dims.ep == dims.dp * dims.tp  # pp x dp x tp == pp x efsdp x ep
+    assert layout.owned_by_hf_dist and f"ep{ep}" in layout.name and f"EP{ep}" in layout.describe()
+
+
+def test_ep_must_divide_the_ranks_experts_spread_over():
+    with pytest.raises(ValueError, match=r"ep_size=3 does not divide the 8 data-parallel"
+                                         r" ranks.*in \[1, 2, 4, 8\]"):
+        Layout(strategy="fsdp_full_shard", num_gpus=8, ep=3)
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 ranks"):
+        ParallelDims(world_size=4, dp_shard=-1, ep=3)
+    assert ParallelDims(world_size=8, tp=2, dp_shard=-1, ep=4).efsdp == 2  # transformers: fsdp x tp / ep
+
+
+@pytest.mark.parametrize(("fields", "fix"), [
+    (dict(strategy="zero3"), "use FSDP2"), (dict(strategy="fsdp_full_shard", pp=2), "set pp_size=1"),
+    (dict(strategy="ddp", tp=2), "tp_size=1"), (dict(strategy="fsdp_hybrid_shard", dp_replicate=2), "FULL_SHARD"),
+    (dict(strategy="fsdp_full_shard", offload="cpu"), "drop the offload"),
+])
+def test_products_without_a_parity_test_are_refused_with_the_fix(fields, fix):
+    with pytest.raises(ValueError, match=f"ep_size=2.*{fix}"):
+        Layout(num_gpus=8, ep=2, **fields)
+
+
+@pytest.mark.parametrize("name", CASES + SWEEP_CASES)
+def test_moe_types_with_3d_experts_run_ep(name):
+    config = moe_config(name)
+    assert ep_refusal(config, 2) is None and ep_refusal(config, 4) is None
+    assert "does not divide the 4 experts" in ep_refusal(config, 3)
+
+
+def test_models_without_3d_experts_are_refused_by_name():
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    with pytest.raises(ValueError, match=r"model_type='llama' is not a mixture-of-experts model.*set ep_size=1"):
+        check_ep_support(LlamaConfig(), 2)
+    odd = Qwen3MoeConfig(num_experts=4)
+    odd.base_model_ep_plan = {"layers.*.mlp.experts.*.w1": "colwise", "layers.*.mlp.experts": "ep_dispatch_experts"}
+    with pytest.raises(ValueError, match="not the 3-D gate_up_proj/down_proj form"):
+        check_ep_support(odd, 2)
+    bare = Qwen3MoeConfig(num_experts=4)
+    bare.base_model_ep_plan = None
+    assert "ships no base_model_ep_plan" in ep_refusal(bare, 2)
+    check_ep_support(LlamaConfig(), 1)  # ep_size=1 asks nothing of the model
+
+
+def test_coverage_says_yes_exactly_for_the_parity_tested_types():
+    from hf_dist.expert_parallel.support import EP_PARITY_TESTED
+
+    assert sorted(EP_PARITY_TESTED) == sorted(CASES + SWEEP_CASES)
