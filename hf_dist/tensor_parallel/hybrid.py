@@ -23,6 +23,7 @@ from hf_dist.tensor_parallel.styles import FusedColwiseParallel
 
 _GDN = "model.layers.*.linear_attn"
 _SHORT_CONV = "model.layers.*.conv"
+_MAMBA = "model.layers.*.mamba"
 
 HYBRID_TP: dict[str, dict[str, str]] = {
     "qwen3_5_text": {
@@ -49,12 +50,24 @@ HYBRID_TP: dict[str, dict[str, str]] = {
         _SHORT_CONV: "short_conv_local_params",
         "lm_head": "colwise_gather_output",
     },
+    "falcon_h1": {
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.feed_forward.gate_proj": "colwise",
+        "model.layers.*.feed_forward.up_proj": "colwise",
+        "model.layers.*.feed_forward.down_proj": "rowwise",
+        f"{_MAMBA}.in_proj": "mamba2_fused_in_proj",
+        f"{_MAMBA}.out_proj": "rowwise",
+        _MAMBA: "mamba2_local_params",
+        "lm_head": "colwise_gather_output",
+    },
 }
 """Model type -> ``{pattern: style name}`` laid over the model's own plan (the whole plan where it has none)."""
 
 _MAMBA2 = "Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet"
 HYBRID_TP_REFUSALS: dict[str, str] = {
-    "falcon_h1": _MAMBA2,
     "bamba": _MAMBA2,
     "granitemoehybrid": _MAMBA2,
     "nemotron_h": _MAMBA2,
@@ -68,6 +81,25 @@ HYBRID_TP_REFUSALS: dict[str, str] = {
 def _gdn_parts(config) -> tuple[int, int, int]:
     key = config.linear_num_key_heads * config.linear_key_head_dim
     return key, key, config.linear_num_value_heads * config.linear_value_head_dim
+
+
+def _mamba2_parts(config) -> tuple[int, ...]:
+    """Row counts of a Mamba2 ``in_proj``: ``[gate | x | B | C | dt]`` (the conv runs over ``[x | B | C]``)."""
+    inner = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
+    state = config.mamba_n_groups * config.mamba_d_state
+    return inner, inner, state, state, config.mamba_n_heads
+
+
+def _mamba2_local_params(config) -> LocalParams:
+    parts = _mamba2_parts(config)
+    norm = config.mamba_rms_norm  # the grouped gated norm: weight by channel, groups counted per rank
+    return LocalParams(
+        shards={"conv1d.weight": parts[1:4], "conv1d.bias": parts[1:4], "dt_bias": (), "A_log": (), "D": (),
+                **({"norm.weight": ()} if norm else {})},
+        attrs=("num_heads", "intermediate_size", "conv_dim", "n_groups", "groups_time_state_size",
+               *(("norm.n_groups",) if norm else ())),
+        buffers={"mup_vector": parts} if config.model_type == "falcon_h1" else {},
+    )
 
 
 def _lfm2_mlp_width(config) -> int:
@@ -90,6 +122,8 @@ HYBRID_STYLE_BUILDERS = {
     "whole_local_weight": lambda config: LocalParams(whole=("weight",)),
     "short_conv_fused_bcx": lambda config: FusedColwiseParallel((config.hidden_size,) * 3),
     "short_conv_local_params": lambda config: LocalParams(shards={"conv.weight": (), "conv.bias": ()}),
+    "mamba2_fused_in_proj": lambda config: FusedColwiseParallel(_mamba2_parts(config)),
+    "mamba2_local_params": _mamba2_local_params,
 }
 """Style name -> ``config -> ParallelStyle`` for the names ``HYBRID_TP`` uses (merged into ``STYLE_BUILDERS``)."""
 HYBRID_STYLES: frozenset[str] = frozenset(HYBRID_STYLE_BUILDERS)
@@ -111,4 +145,7 @@ def hybrid_sizes(config) -> dict[str, int]:
                 "num_attention_heads": config.num_attention_heads,
                 "num_key_value_heads": config.num_key_value_heads,
                 "feed-forward width (from intermediate_size)": _lfm2_mlp_width(config)}
+    if model_type == "falcon_h1":
+        return {"mamba_n_groups": config.mamba_n_groups, "mamba_n_heads": config.mamba_n_heads,
+                "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
     return {}

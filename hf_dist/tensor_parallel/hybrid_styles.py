@@ -29,16 +29,24 @@ class LocalParams(ParallelStyle):
         shards: ``{dotted parameter name: parts}`` split on dimension 0 across the TP ranks; ``parts`` is ``()``
             for an even split, or the row count of each fused part, each split on its own.
         whole: parameter names kept whole on every rank; their gradient is summed over the TP ranks.
-        attrs: integer attributes of the module divided by ``tp``.
+        attrs: integer attributes (dotted for a child's) divided by ``tp``.
+        buffers: ``{buffer name: parts}`` of non-persistent buffers the forward multiplies the output of a fused
+            projection by (Falcon-H1's ``mup_vector``): replaced by this rank's slice of their last dimension.
     """
 
     def __init__(
-        self, *, shards: dict[str, tuple[int, ...]] | None = None, whole: tuple[str, ...] = (), attrs: tuple[str, ...] = ()
+        self,
+        *,
+        shards: dict[str, tuple[int, ...]] | None = None,
+        whole: tuple[str, ...] = (),
+        attrs: tuple[str, ...] = (),
+        buffers: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         super().__init__()
         self.shards = dict(shards or {})
         self.whole = tuple(whole)
         self.attrs = tuple(attrs)
+        self.buffers = dict(buffers or {})
 
     @staticmethod
     def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -77,12 +85,17 @@ class LocalParams(ParallelStyle):
         return entries
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
-        for attr in self.attrs:
-            value = getattr(module, attr)
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        for dotted in self.attrs:
+            owner, attr = self._owner(module, dotted)
+            value = getattr(owner, attr)
             if not isinstance(value, int) or value % tp:
-                raise ValueError(f"{type(module).__name__}.{attr}={value!r} does not divide by tp={tp}")
-            setattr(module, attr, value // tp)
+                raise ValueError(f"{type(module).__name__}.{dotted}={value!r} does not divide by tp={tp}")
+            setattr(owner, attr, value // tp)
+        for name, parts in self.buffers.items():
+            whole = module._buffers[name]
+            rows = interleave_parts(whole.movedim(-1, 0), parts, tp).chunk(tp, dim=0)[rank]
+            module.register_buffer(name, rows.movedim(0, -1).contiguous(), persistent=False)
         entries = self._distribute(module, device_mesh)
 
         def swap_in(mod, args):
@@ -102,4 +115,4 @@ class LocalParams(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"LocalParams(shards={self.shards}, whole={self.whole}, attrs={self.attrs})"
+        return f"LocalParams(shards={self.shards}, whole={self.whole}, attrs={self.attrs}, buffers={self.buffers})"

@@ -22,7 +22,7 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
     "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
     "youtu", "gemma3n_text", "phi4_multimodal",
-    "qwen3_5_text", "lfm2",  # hybrids: their linear-attention / short-conv layers by hf_dist's overlay (hybrid.py)
+    "qwen3_5_text", "lfm2", "falcon_h1",  # hybrids: their linear-attention / short-conv layers by hf_dist's overlay (hybrid.py)
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
