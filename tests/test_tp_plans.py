@@ -87,7 +87,7 @@ def test_classic_plans_check_the_sizes_they_split():
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [("mixtral", "MoE experts"), ("minicpm3", "multi-head latent attention"), ("granite_swa", "attention sinks"),
-     ("olmo_hybrid", "Gated DeltaNet has no TP overlay"), ("zamba2", "Mamba2 mixers"), ("bamba", "Mamba2"),
+     ("olmo_hybrid", "Gated DeltaNet has no TP overlay"), ("zamba2", "shared attention blocks"), ("nemotron_h", "MoE experts"),
      ("mamba", "linear-attention"), ("jetmoe", "MoE experts")],
 )
 def test_plans_hf_dist_cannot_shard_are_refused_with_the_reason(model_type, reason):

@@ -82,7 +82,8 @@ def _rope(config_cls) -> dict:
     return {}
 
 
-HYBRID_CASES = {"qwen3_5_text": "qwen3_5_text:deltanet", "lfm2": "lfm2:conv", "falcon_h1": "falcon_h1:mamba2"}
+HYBRID_CASES = {"qwen3_5_text": "qwen3_5_text:deltanet", "lfm2": "lfm2:conv", "falcon_h1": "falcon_h1:mamba2",
+                "bamba": "bamba:mamba2"}
 """Hybrid types: the written-out configs of the PP sweep (``pp_sweep_cases.HYBRID``: layer pattern, conv
 kernel, key/value heads non-default), since the generic sizes here do not shrink their own layers."""
 

@@ -11,6 +11,11 @@ shard these layers by head or by channel, on top of (and replacing entries of) t
   value heads split in contiguous ranges, so each value head keeps the key head it is grouped with.
 - LFM2 short convolutions (``lfm2``): ``in_proj`` split part by part (``[B | C | x]``, by channel), the depthwise
   conv by channel, ``out_proj`` row-parallel; its attention and MLP as any GQA model's.
+- Mamba2 mixers (``falcon_h1``, ``bamba``): by head groups (``tp`` divides ``mamba_n_groups``): ``in_proj`` split
+  part by part (``[gate | x | B | C | dt]``), the conv over ``[x | B | C]`` likewise, ``A_log`` / ``D`` /
+  ``dt_bias`` by head, the grouped gated norm by channel, Falcon-H1's ``mup_vector`` sliced like ``in_proj``,
+  ``out_proj`` row-parallel; attention and MLP as any GQA model's. Only the unfused (PyTorch) Mamba2 path is
+  sharded: with ``mamba_ssm`` kernels installed the fused training path reads ``out_proj.weight`` itself.
 
 ``HYBRID_TP_REFUSALS`` names the hybrid types whose layers have no exact overlay yet, with the reason.
 Pure data and small functions of a config. Not for: applying (``apply.py``) or the support decision.
@@ -18,12 +23,29 @@ Pure data and small functions of a config. Not for: applying (``apply.py``) or t
 
 from __future__ import annotations
 
+import importlib.util
+
 from hf_dist.tensor_parallel.hybrid_styles import LocalParams
 from hf_dist.tensor_parallel.styles import FusedColwiseParallel
 
 _GDN = "model.layers.*.linear_attn"
 _SHORT_CONV = "model.layers.*.conv"
 _MAMBA = "model.layers.*.mamba"
+
+# Mamba2 + attention hybrids (Falcon-H1 runs both in every layer, Bamba one per layer): split by head groups.
+_MAMBA2_HYBRID = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.feed_forward.gate_proj": "colwise",
+    "model.layers.*.feed_forward.up_proj": "colwise",
+    "model.layers.*.feed_forward.down_proj": "rowwise",
+    f"{_MAMBA}.in_proj": "mamba2_fused_in_proj",
+    f"{_MAMBA}.out_proj": "rowwise",
+    _MAMBA: "mamba2_local_params",
+    "lm_head": "colwise_gather_output",
+}
 
 HYBRID_TP: dict[str, dict[str, str]] = {
     "qwen3_5_text": {
@@ -50,28 +72,17 @@ HYBRID_TP: dict[str, dict[str, str]] = {
         _SHORT_CONV: "short_conv_local_params",
         "lm_head": "colwise_gather_output",
     },
-    "falcon_h1": {
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
-        "model.layers.*.self_attn.o_proj": "rowwise",
-        "model.layers.*.feed_forward.gate_proj": "colwise",
-        "model.layers.*.feed_forward.up_proj": "colwise",
-        "model.layers.*.feed_forward.down_proj": "rowwise",
-        f"{_MAMBA}.in_proj": "mamba2_fused_in_proj",
-        f"{_MAMBA}.out_proj": "rowwise",
-        _MAMBA: "mamba2_local_params",
-        "lm_head": "colwise_gather_output",
-    },
+    "falcon_h1": _MAMBA2_HYBRID,
+    "bamba": _MAMBA2_HYBRID,
 }
 """Model type -> ``{pattern: style name}`` laid over the model's own plan (the whole plan where it has none)."""
 
 _MAMBA2 = "Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet"
+_SHARED = "shared attention blocks called from several decoder layers"
 HYBRID_TP_REFUSALS: dict[str, str] = {
-    "bamba": _MAMBA2,
     "granitemoehybrid": _MAMBA2,
     "nemotron_h": _MAMBA2,
-    "zamba2": _MAMBA2,
+    "zamba2": f"{_SHARED} and Mamba2 mixers have no TP overlay yet",
     "qwen3_next": "Gated DeltaNet with q/k/v/z fused per key head (in_proj_qkvz) has no TP overlay yet",
     "olmo_hybrid": "Gated DeltaNet has no TP overlay yet for OLMo-hybrid's layer (only for qwen3_5_text)",
 }
@@ -85,20 +96,22 @@ def _gdn_parts(config) -> tuple[int, int, int]:
 
 def _mamba2_parts(config) -> tuple[int, ...]:
     """Row counts of a Mamba2 ``in_proj``: ``[gate | x | B | C | dt]`` (the conv runs over ``[x | B | C]``)."""
-    inner = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
+    inner = getattr(config, "mamba_d_ssm", None) or int(config.mamba_expand * config.hidden_size)
     state = config.mamba_n_groups * config.mamba_d_state
     return inner, inner, state, state, config.mamba_n_heads
 
 
 def _mamba2_local_params(config) -> LocalParams:
     parts = _mamba2_parts(config)
-    norm = config.mamba_rms_norm  # the grouped gated norm: weight by channel, groups counted per rank
+    falcon = config.model_type == "falcon_h1"
+    norm = config.mamba_rms_norm if falcon else True  # the grouped gated norm: weight by channel
     return LocalParams(
         shards={"conv1d.weight": parts[1:4], "conv1d.bias": parts[1:4], "dt_bias": (), "A_log": (), "D": (),
                 **({"norm.weight": ()} if norm else {})},
-        attrs=("num_heads", "intermediate_size", "conv_dim", "n_groups", "groups_time_state_size",
-               *(("norm.n_groups",) if norm else ())),
-        buffers={"mup_vector": parts} if config.model_type == "falcon_h1" else {},
+        # Falcon-H1's norm counts its groups (per rank: n_groups / tp), Bamba's keeps a fixed group size
+        attrs=("num_heads", "intermediate_size", "conv_dim", "n_groups",
+               *(("groups_time_state_size",) if falcon else ()), *(("norm.n_groups",) if falcon and norm else ())),
+        buffers={"mup_vector": parts} if falcon else {},
     )
 
 
@@ -129,6 +142,17 @@ HYBRID_STYLE_BUILDERS = {
 HYBRID_STYLES: frozenset[str] = frozenset(HYBRID_STYLE_BUILDERS)
 
 
+def hybrid_tp_refusal(config) -> str | None:
+    """Why the overlay of ``config``'s type is not exact here, or ``None``: the named refusals, and the fused
+    Mamba2 training kernel of ``mamba_ssm``, which reads ``out_proj.weight`` itself past the row split."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in HYBRID_TP_REFUSALS:
+        return HYBRID_TP_REFUSALS[model_type]
+    if HYBRID_TP.get(model_type) is _MAMBA2_HYBRID and importlib.util.find_spec("mamba_ssm") is not None:
+        return "mamba_ssm is installed: its fused Mamba2 training kernel applies out_proj.weight whole, past the TP split"
+    return None
+
+
 def hybrid_overlay(config) -> dict[str, str]:
     """The overlay of ``config``'s model type (empty for other types)."""
     return dict(HYBRID_TP.get(getattr(config, "model_type", None), {}))
@@ -145,7 +169,7 @@ def hybrid_sizes(config) -> dict[str, int]:
                 "num_attention_heads": config.num_attention_heads,
                 "num_key_value_heads": config.num_key_value_heads,
                 "feed-forward width (from intermediate_size)": _lfm2_mlp_width(config)}
-    if model_type == "falcon_h1":
+    if model_type in ("falcon_h1", "bamba"):
         return {"mamba_n_groups": config.mamba_n_groups, "mamba_n_heads": config.mamba_n_heads,
                 "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
     return {}

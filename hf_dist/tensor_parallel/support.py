@@ -13,7 +13,7 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 from __future__ import annotations
 
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
-from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, HYBRID_TP_REFUSALS, hybrid_overlay
+from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, hybrid_overlay, hybrid_tp_refusal
 
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "gpt2", "falcon", "opt", "bloom",
@@ -22,7 +22,7 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
     "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
     "youtu", "gemma3n_text", "phi4_multimodal",
-    "qwen3_5_text", "lfm2", "falcon_h1",  # hybrids: their linear-attention / short-conv layers by hf_dist's overlay (hybrid.py)
+    "qwen3_5_text", "lfm2", "falcon_h1", "bamba",  # hybrids: their linear-attention / short-conv layers by hf_dist's overlay (hybrid.py)
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
@@ -86,8 +86,8 @@ def _family_refusal(config) -> str | None:
     if moe:
         return f"{_MOE}: {moe[0]}"
     model_type = getattr(config, "model_type", None)
-    if model_type in HYBRID_TP_REFUSALS:
-        return HYBRID_TP_REFUSALS[model_type]
+    if hybrid := hybrid_tp_refusal(config):
+        return hybrid
     if model_type in HYBRID_TP:
         return None  # its non-attention layers are sharded by the overlay
     if kinds := _layer_kinds(config):
