@@ -74,7 +74,8 @@ def pipeline_refusal(config) -> str | None:
         return f"model_type={model_type!r} declares no base_model_pp_plan (and hf_dist has none in PP_PLANS)"
     moe = _moe_field(config)
     if moe is not None:
-        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet"
+        dense = " (its dense configs, without experts, are pipeline-proven)" if model_type in PIPELINE_PROVEN_MODEL_TYPES else ""
+        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet{dense}"
     extra = [f"{f}={getattr(config, f)}" for f in _EXTRA_LOSS_FIELDS if getattr(config, f, None)]
     if extra:
         return f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not; set it to 0"
