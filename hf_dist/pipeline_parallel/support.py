@@ -74,14 +74,17 @@ def pipeline_refusal(config) -> str | None:
         return f"model_type={model_type!r} declares no base_model_pp_plan (and hf_dist has none in PP_PLANS)"
     moe = _moe_field(config)
     if moe is not None:
-        dense = " (its dense configs, without experts, are pipeline-proven)" if model_type in PIPELINE_PROVEN_MODEL_TYPES else ""
+        proven = model_type in PIPELINE_PROVEN_MODEL_TYPES
+        dense = " (its dense configs, without experts, are pipeline-proven)" if proven else ""
         return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet{dense}"
     extra = [f"{f}={getattr(config, f)}" for f in _EXTRA_LOSS_FIELDS if getattr(config, f, None)]
     if extra:
-        return f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not; set it to 0"
+        return (f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not "
+                f"compute; set it to 0")
     other = _other_layer_kinds(config)
     if other and model_type not in PIPELINE_PROVEN_HYBRID_TYPES:
-        return f"model_type={model_type!r} has non-attention layers {other} with no PP parity case in tests/test_pp_sweep.py"
+        return (f"model_type={model_type!r} has non-attention layers {other} with no PP parity case in "
+                f"tests/test_pp_sweep.py")
     if model_type not in PIPELINE_PROVEN_MODEL_TYPES:
         return f"model_type={model_type!r} has no PP parity case in tests/test_pp_sweep.py"
     return None

@@ -149,7 +149,8 @@ def hybrid_tp_refusal(config) -> str | None:
     if model_type in HYBRID_TP_REFUSALS:
         return HYBRID_TP_REFUSALS[model_type]
     if HYBRID_TP.get(model_type) is _MAMBA2_HYBRID and importlib.util.find_spec("mamba_ssm") is not None:
-        return "mamba_ssm is installed: its fused Mamba2 training kernel applies out_proj.weight whole, past the TP split"
+        return ("mamba_ssm is installed: its fused Mamba2 training kernel applies out_proj.weight whole, past "
+                "the TP split")
     return None
 
 

@@ -22,7 +22,8 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
     "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
     "youtu", "gemma3n_text", "phi4_multimodal",
-    "qwen3_5_text", "lfm2", "falcon_h1", "bamba",  # hybrids: their linear-attention / short-conv layers by hf_dist's overlay (hybrid.py)
+    # hybrids: their linear-attention / short-conv / Mamba2 layers sharded by hf_dist's overlays (hybrid.py)
+    "qwen3_5_text", "lfm2", "falcon_h1", "bamba",
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
@@ -115,7 +116,8 @@ def tp_refusal(config) -> str | None:
         return reason
     if not plan:
         return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
-    known = TRANSLATED_STYLES | CLASSIC_STYLES if classic_plan(config) is not None else TRANSLATED_STYLES | HYBRID_STYLES
+    own = CLASSIC_STYLES if classic_plan(config) is not None else HYBRID_STYLES
+    known = TRANSLATED_STYLES | own
     unknown = sorted({name for s in plan.values() for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
