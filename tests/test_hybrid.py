@@ -90,3 +90,20 @@ def _canaries(rank, world_size):
 
 def test_pp_launch_canary_passes_on_full_size_hybrid_configs():
     assert run_distributed(_canaries, 2, timeout_s=600)[0] == list(_full_size_configs())
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text:deltanet", "lfm2:conv", "falcon_h1:mamba2", "bamba:mamba2"])
+def test_every_overlay_pattern_names_modules_of_the_whole_model(name):
+    """On a pipeline stage a layer-kind pattern may match nothing; on the whole model each must match."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.tensor_parallel.match import match_plan
+    from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, plan_names
+
+    config = _config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = plan_names(config, tp=2)
+    match_plan(model, dict.fromkeys(names, None), optional=HEAD_PATTERNS)  # raises on a pattern matching nothing
+    assert any("linear_attn" in p or ".conv" in p or ".mamba" in p for p in names)

@@ -154,6 +154,15 @@ def hybrid_tp_refusal(config) -> str | None:
     return None
 
 
+def layer_kind_patterns(config, names: dict[str, str]) -> frozenset[str]:
+    """The plan patterns under the decoder layers of a hybrid type: a pipeline stage may own no layer of one
+    kind (no Gated DeltaNet, no attention), so these may match nothing there. On the whole model every one
+    matches (``tests/test_hybrid.py``)."""
+    if getattr(config, "model_type", None) not in HYBRID_TP:
+        return frozenset()
+    return frozenset(p for p in names if p.startswith("model.layers.*."))
+
+
 def hybrid_overlay(config) -> dict[str, str]:
     """The overlay of ``config``'s model type (empty for other types)."""
     return dict(HYBRID_TP.get(getattr(config, "model_type", None), {}))
