@@ -107,3 +107,25 @@ def test_every_overlay_pattern_names_modules_of_the_whole_model(name):
     names = plan_names(config, tp=2)
     match_plan(model, dict.fromkeys(names, None), optional=HEAD_PATTERNS)  # raises on a pattern matching nothing
     assert any("linear_attn" in p or ".conv" in p or ".mamba" in p for p in names)
+
+
+def _pp_tp_canaries(rank, world_size):
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig
+    from hf_dist.pipeline_parallel.canary import check_pipeline_layout
+
+    dims = ParallelDims(world_size=4, pp=2, tp=2, dp_shard=1)
+    dims.build_mesh("cpu")
+    configs = _full_size_configs()
+    configs["lfm2"] = AutoConfig.for_model("lfm2", full_attn_idxs=[3, 5, 8], tie_word_embeddings=False)
+    configs["bamba"] = AutoConfig.for_model("bamba", attn_layer_indices=[3, 9], mamba_n_groups=2)
+    del configs["olmo_hybrid"]  # refused under TP by name
+    for config in configs.values():
+        # twin layers [linear x3, attention]: the first stage owns no attention layer, its patterns match nothing
+        check_pipeline_layout(config, dims, PipelineConfig(schedule="1f1b", microbatches=4))
+    return sorted(configs)
+
+
+def test_pp2_tp2_of_hybrids_equals_one_process_on_their_twins():
+    """The launch canary: a PP=2 x TP=2 step of each twin gives the unsplit twin's loss and gradients."""
+    assert run_distributed(_pp_tp_canaries, 4, timeout_s=600)[0] == ["bamba", "falcon_h1", "lfm2", "qwen3_5_text"]
