@@ -66,6 +66,49 @@ NAMED = {
 }
 
 
+# Hybrid (linear-attention / short-conv / state-space) cases, written out whole because ``tiny_twin`` does not
+# shrink their own sizes: the layer pattern, conv kernel, key/value heads, state size and chunk size all differ
+# from the defaults, and every kind of layer appears on both sides of the PP=2 cut. Shared with the TP sweep.
+_TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+HYBRID = {
+    "qwen3_5_text:deltanet": ("qwen3_5_text", {
+        **_TINY, "head_dim": 16, "linear_conv_kernel_dim": 3, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "tie_word_embeddings": True,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}),
+    "qwen3_next:dense": ("qwen3_next", {
+        **_TINY, "head_dim": 16, "linear_conv_kernel_dim": 2, "linear_key_head_dim": 12, "linear_value_head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 0, "tie_word_embeddings": True,
+        "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"]}),
+    "olmo_hybrid:deltanet": ("olmo_hybrid", {
+        **_TINY, "linear_conv_kernel_dim": 3, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_allow_neg_eigval": False,
+        "pad_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": True,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}),
+    "lfm2:conv": ("lfm2", {
+        **_TINY, "conv_L_cache": 4, "conv_bias": True, "tie_word_embeddings": False,
+        "block_auto_adjust_ff_dim": False, "layer_types": ["conv", "full_attention", "conv", "full_attention"]}),
+    "falcon_h1:mamba2": ("falcon_h1", {
+        **_TINY, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_n_groups": 2,
+        "mamba_d_state": 8, "mamba_d_conv": 3, "mamba_chunk_size": 8, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": False, "embedding_multiplier": 3.0, "lm_head_multiplier": 0.5,
+        "key_multiplier": 0.7, "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8,
+        "ssm_in_multiplier": 1.2, "ssm_out_multiplier": 0.9, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.05],
+        "mlp_multipliers": [1.1, 0.9], "tie_word_embeddings": True}),
+    "bamba:mamba2": ("bamba", {
+        **_TINY, "attn_layer_indices": [1, 3], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2,
+        "mamba_d_state": 8, "mamba_d_conv": 3, "mamba_chunk_size": 8, "mamba_proj_bias": True,
+        "tie_word_embeddings": True}),
+}
+
+
+def hybrid_config(name: str):
+    from transformers import AutoConfig
+
+    model_type, values = HYBRID[name]
+    return AutoConfig.for_model(model_type, **values)
+
+
 def non_default_config(model_type: str, **extra):
     """The model type's default config with ``NON_DEFAULT`` applied where it has the field, made tiny."""
     from transformers import AutoConfig

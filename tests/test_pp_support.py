@@ -37,7 +37,7 @@ def test_proven_model_types_are_accepted_with_their_own_fields(model_type, overr
     [
         ("mixtral", "mixture-of-experts model .num_experts=8."),
         ("qwen3_moe", "mixture-of-experts"),
-        ("olmo_hybrid", r"non-attention layers \['linear_attention'\]"),
+        ("zamba2", "shared attention blocks whose weights would be copied onto every stage"),
         ("xglm", "declares no base_model_pp_plan"),
         ("biogpt", "declares no base_model_pp_plan"),
     ],

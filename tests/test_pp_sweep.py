@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from pp_sweep_cases import NAMED, SEQ, named_config, non_default_config
+from pp_sweep_cases import HYBRID, NAMED, SEQ, hybrid_config, named_config, non_default_config
 
 STEPS, BATCH, MICROBATCHES, LR = 3, 4, 4, 1e-3
 
 
 def _cases() -> list[str]:
-    from hf_dist.pipeline_parallel.support import PIPELINE_PROVEN_MODEL_TYPES
+    """Generic cases for dense types, written-out cases for hybrids (``tiny_twin`` does not shrink their layers)."""
+    from hf_dist.pipeline_parallel.support import PIPELINE_PROVEN_HYBRID_TYPES, PIPELINE_PROVEN_MODEL_TYPES
 
-    return sorted(PIPELINE_PROVEN_MODEL_TYPES) + sorted(NAMED)
+    return sorted(PIPELINE_PROVEN_MODEL_TYPES - PIPELINE_PROVEN_HYBRID_TYPES) + sorted(NAMED) + sorted(HYBRID)
 
 
 def _config(case: str):
+    if case in HYBRID:
+        return hybrid_config(case)
     return named_config(case) if case in NAMED else non_default_config(case)
 
 
@@ -131,14 +135,35 @@ def test_sweep_configs_are_non_default():
 def test_support_claims_only_what_the_sweep_proves():
     from transformers import AutoConfig
 
-    from hf_dist.pipeline_parallel.support import PIPELINE_PROVEN_MODEL_TYPES, pipeline_coverage, pipeline_refusal
+    from hf_dist.pipeline_parallel.support import (
+        PIPELINE_PROVEN_HYBRID_TYPES,
+        PIPELINE_PROVEN_MODEL_TYPES,
+        pipeline_coverage,
+        pipeline_refusal,
+    )
 
-    for model_type in PIPELINE_PROVEN_MODEL_TYPES:
+    moe_by_default = {"qwen3_next"}  # proven dense (num_experts=0); its default config is MoE and refused as such
+    for model_type in PIPELINE_PROVEN_MODEL_TYPES - moe_by_default:
         assert pipeline_refusal(AutoConfig.for_model(model_type)) is None, model_type
+    for model_type in moe_by_default:
+        assert "mixture-of-experts" in pipeline_refusal(AutoConfig.for_model(model_type))
     for _, (model_type, _) in NAMED.items():
         assert model_type in PIPELINE_PROVEN_MODEL_TYPES, model_type
+    assert {model_type for model_type, _ in HYBRID.values()} == set(PIPELINE_PROVEN_HYBRID_TYPES)
+    for name in HYBRID:
+        assert pipeline_refusal(hybrid_config(name)) is None, name
     table = pipeline_coverage()
-    yes = {t for t, status in table.items() if status == "yes"}
-    assert set(PIPELINE_PROVEN_MODEL_TYPES) <= yes
-    # an alias row (gpt-sw3 builds a GPT2Config) is "yes" only through the proven type its config names
-    assert {AutoConfig.for_model(t).model_type for t in yes} == set(PIPELINE_PROVEN_MODEL_TYPES)
+    # an alias type builds its proven type's config (gpt-sw3 is a GPT-2): judged as that type
+    yes = {AutoConfig.for_model(t).model_type for t, status in table.items() if status == "yes"}
+    assert yes == set(PIPELINE_PROVEN_MODEL_TYPES) - moe_by_default
+
+
+def test_hybrid_refusals_name_the_reason():
+    """Bamba's z-loss and Zamba2's shared blocks are refused by name, before any process starts."""
+    from hf_dist.pipeline_parallel.support import check_pipeline_support
+
+    _, values = HYBRID["bamba:mamba2"]
+    with pytest.raises(ValueError, match="z_loss_coefficient=0.1"):
+        check_pipeline_support(AutoConfig.for_model("bamba", **{**values, "z_loss_coefficient": 0.1}))
+    with pytest.raises(ValueError, match="zamba2.*shared attention blocks"):
+        check_pipeline_support(AutoConfig.for_model("zamba2"))

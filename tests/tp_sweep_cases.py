@@ -93,10 +93,23 @@ def _rope(config_cls) -> dict:
     return {}
 
 
+HYBRID_CASES = {"qwen3_5_text": "qwen3_5_text:deltanet", "lfm2": "lfm2:conv", "falcon_h1": "falcon_h1:mamba2",
+                "bamba": "bamba:mamba2"}
+"""Hybrid types: the written-out configs of the PP sweep (``pp_sweep_cases.HYBRID``: layer pattern, conv
+kernel, key/value heads non-default), since the generic sizes here do not shrink their own layers."""
+
+
 def sweep_config(model_type: str):
     """A tiny config of ``model_type`` (or a ``VARIANTS`` case) with non-default values (module docstring)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in HYBRID_CASES:
+        from pp_sweep_cases import hybrid_config
+
+        config = hybrid_config(HYBRID_CASES[model_type])
+        config._attn_implementation = "eager"
+        return config
 
     model_type, variant = VARIANTS.get(model_type, (model_type, {}))
     config_cls = CONFIG_MAPPING[model_type]

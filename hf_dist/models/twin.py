@@ -33,6 +33,12 @@ _SIZES = {
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
+# Hybrid layers (Gated DeltaNet, Mamba2): head counts (times ``width``), head and state sizes, and a chunk size
+# shorter than the twin's sequences, so that the chunked scans cross chunk boundaries as the real model does.
+_HYBRID_SIZES = {"linear_key_head_dim": 8, "linear_value_head_dim": 8, "mamba_d_head": 16, "mamba_d_state": 8,
+                 "mamba_chunk_size": 8}
+_HYBRID_HEADS = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_n_heads": 4}
+
 
 def _twin_layer_types(layer_types: list[str], layers: int) -> list[str]:
     """The first ``layers`` types, with every kind of the original kept (the last slots take missing kinds)."""
@@ -60,6 +66,25 @@ def _token_id(value, vocab: int):
     return value
 
 
+def _shrink_hybrid(values: dict, width: int, layers: int) -> None:
+    """Twin sizes for linear-attention / Mamba2 fields, and attention layers kept among the first ``layers``."""
+    for name, size in _HYBRID_SIZES.items():
+        if isinstance(values.get(name), int) or (name == "mamba_d_head" and values.get(name) == "auto"):
+            values[name] = size
+    for name, heads in _HYBRID_HEADS.items():
+        if isinstance(values.get(name), int):
+            values[name] = heads * width
+    if isinstance(values.get("mamba_n_groups"), int):  # grouped stays grouped; must divide the heads
+        values["mamba_n_groups"] = (2 if values["mamba_n_groups"] > 1 else 1) * width
+    if isinstance(values.get("mamba_d_ssm"), int) and isinstance(values.get("mamba_n_heads"), int):
+        values["mamba_d_ssm"] = values["mamba_n_heads"] * values["mamba_d_head"]
+    if values.get("mamba_expand") and isinstance(values.get("mamba_n_heads"), int) and "mamba_d_ssm" not in values:
+        values["mamba_d_head"] = values["mamba_expand"] * HIDDEN * width // values["mamba_n_heads"]
+    indices = values.get("attn_layer_indices")  # Bamba: attention layers by index
+    if indices:
+        values["attn_layer_indices"] = [i for i in indices if i < layers] or [layers - 1]
+
+
 def tiny_twin(config, *, layers: int = 4, window: int = 8, width: int = 1):
     """A copy of ``config`` with twin sizes, ``layers`` decoder layers and sliding windows of ``window``.
 
@@ -79,6 +104,7 @@ def tiny_twin(config, *, layers: int = 4, window: int = 8, width: int = 1):
     if isinstance(values.get("num_kv_heads"), int):  # falcon's name: multi-head stays so, grouped stays grouped
         same = values["num_kv_heads"] == getattr(config, "num_attention_heads", None)
         values["num_kv_heads"] = HEADS * width if same else HEADS * width // 2
+    _shrink_hybrid(values, width, layers)
     values[aliases.get("num_hidden_layers", "num_hidden_layers")] = layers
     if values.get("layer_types"):
         values["layer_types"] = _twin_layer_types(values["layer_types"], layers)

@@ -28,11 +28,26 @@ PP_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "stablelm": (("embed_tokens", "layers", "norm"), ("lm_head",)),
     "persimmon": (("embed_tokens", "layers", "final_layernorm"), ("lm_head",)),
     "mpt": (("wte", "blocks", "norm_f"), ("lm_head",)),
+    # hybrids: the model's forward builds the per-layer-type masks (attention, conv / mamba) on every stage
+    "lfm2": (("embed_tokens", "layers", "embedding_norm"), ("lm_head",)),  # its final norm is "embedding_norm"
+    "falcon_h1": (("embed_tokens", "layers", "final_layernorm"), ("lm_head",)),
+    "bamba": (("embed_tokens", "layers", "final_layernorm"), ("lm_head",)),
 }
 """Model type -> (base-model plan names, head plan names), as transformers' plans would list them."""
 
-TUPLE_LAYER_OUTPUT: frozenset[str] = frozenset({"falcon", "bloom", "gptj", "codegen", "mpt"})
+TUPLE_LAYER_OUTPUT: frozenset[str] = frozenset({"falcon", "bloom", "gptj", "codegen", "mpt", "falcon_h1"})
 """Model types whose decoder layer returns a tuple (the base model reads ``outputs[0]``), not a tensor."""
+
+
+TUPLE_LAYER_OUTPUT_WIDTH: dict[str, int] = {"bamba": 2}
+"""Model types whose base model unpacks a wider tuple (``hidden_states, attn_weights = layer(...)``); a stand-in
+pads the received states with ``None`` to this width. Types only in ``TUPLE_LAYER_OUTPUT`` have width 1."""
+
+
+def layer_output_width(config) -> int:
+    """0 when the decoder layers of ``config`` return a tensor, else the length of the tuple they return."""
+    model_type = getattr(config, "model_type", None)
+    return TUPLE_LAYER_OUTPUT_WIDTH.get(model_type, 1 if model_type in TUPLE_LAYER_OUTPUT else 0)
 
 
 def layer_returns_tuple(config) -> bool:

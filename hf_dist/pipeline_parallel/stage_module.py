@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dist.models.peft_utils import unwrap_peft
-from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names, layer_returns_tuple
+from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names, layer_output_width
 
 IGNORE_INDEX = -100
 
@@ -150,25 +150,28 @@ class _StandIn(nn.Module):
     """Takes the place of a decoder layer another stage owns; holds no parameters.
 
     Plain attributes of the real layer (``attention_type``, ``layer_idx``, ...) are copied, because base
-    models read them in their layer loop to pick masks and rotary embeddings. ``as_tuple``: the base model
-    reads ``outputs[0]`` of its layers (Falcon, BLOOM, ...), so the received states are handed back in a tuple.
+    models read them in their layer loop to pick masks and rotary embeddings. ``tuple_width``: the base model
+    reads ``outputs[0]`` of its layers (Falcon, BLOOM, ...) or unpacks them (Bamba), so the received states are
+    handed back in a tuple of that length, padded with ``None``.
     """
 
-    def __init__(self, layer: nn.Module, role: str, inbox: _Inbox, as_tuple: bool = False) -> None:
+    def __init__(self, layer: nn.Module, role: str, inbox: _Inbox, tuple_width: int = 0) -> None:
         super().__init__()
         for key, value in vars(layer).items():
             if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
                 setattr(self, key, value)
         self.role = role
         self.inbox = inbox
-        self.as_tuple = as_tuple
+        self.tuple_width = tuple_width
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.role == "after":
             raise _StageExit(hidden_states)
         if self.inbox.received is None:
             raise RuntimeError("a pipeline stage stand-in ran outside its stage's forward")
-        return (self.inbox.received,) if self.as_tuple else self.inbox.received
+        if self.tuple_width:
+            return (self.inbox.received, *[None] * (self.tuple_width - 1))
+        return self.inbox.received
 
 
 class _Unowned(nn.Module):
@@ -231,9 +234,9 @@ class CausalLMStage(nn.Module):
 
     def _build_view(self, lm: nn.Module, parts: ModelParts, owned: list[int]) -> nn.Module:
         real = lm.get_submodule(parts.layer_list)
-        as_tuple = layer_returns_tuple(lm.config)
+        width = layer_output_width(lm.config)
         layers = nn.ModuleList(
-            real[i] if i in owned else _StandIn(real[i], "before" if i < owned[0] else "after", self._inbox, as_tuple)
+            real[i] if i in owned else _StandIn(real[i], "before" if i < owned[0] else "after", self._inbox, width)
             for i in range(len(real))
         )
         replace: dict[str, nn.Module] = {parts.layer_list: layers}

@@ -5,8 +5,11 @@
 
 - its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head), or
   hf_dist writes one for it (``plans.PP_PLANS``, the classic types transformers ships none for);
-- it is dense: mixture-of-experts routers and linear-attention / state-space layers are refused for now
-  (their auxiliary losses and recurrent state cross stage boundaries in ways the stages do not carry);
+- it is dense: mixture-of-experts routers are refused for now (their auxiliary losses cross stage boundaries
+  in ways the stages do not carry); linear-attention / short-conv / state-space layers are fine once proven
+  (``PIPELINE_PROVEN_HYBRID_TYPES``): the model's own forward builds their per-layer-type masks on every stage,
+  and without a cache their recurrent state lives inside one layer's forward, never across a stage boundary;
+- it adds nothing to the loss outside the logits (Bamba's ``z_loss_coefficient`` is refused while non-zero);
 - and PP=2 training of a tiny config with non-default values of every field read outside the decoder layers
   is proven equal to one process by ``tests/test_pp_sweep.py`` (``PIPELINE_PROVEN_MODEL_TYPES``).
 
@@ -32,6 +35,19 @@ PIPELINE_PROVEN_MODEL_TYPES = frozenset({
     "gpt2", "gpt_bigcode", "falcon", "opt", "bloom", "gptj", "codegen", "stablelm", "persimmon", "mpt", "nemotron",
 })
 
+# Hybrid (linear-attention / short-conv / state-space) types proven the same way, on the written-out configs of
+# tests/pp_sweep_cases.py HYBRID (layer pattern, conv kernel, heads, state and chunk size all non-default).
+PIPELINE_PROVEN_HYBRID_TYPES = frozenset({"bamba", "falcon_h1", "lfm2", "olmo_hybrid", "qwen3_5_text", "qwen3_next"})
+PIPELINE_PROVEN_MODEL_TYPES = PIPELINE_PROVEN_MODEL_TYPES | PIPELINE_PROVEN_HYBRID_TYPES
+
+# Hybrid types refused by name: why their stages would not reproduce one process.
+_REFUSED_HYBRIDS = {
+    "zamba": "its decoder layers call one shared attention block whose weights would be copied onto every stage",
+    "zamba2": "its decoder layers call shared attention blocks whose weights would be copied onto every stage",
+}
+# Config fields that add a loss term the pipeline's token-weighted cross entropy does not compute.
+_EXTRA_LOSS_FIELDS = ("z_loss_coefficient",)
+
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
 
@@ -54,14 +70,23 @@ def _other_layer_kinds(config) -> list[str]:
 def pipeline_refusal(config) -> str | None:
     """Why pipeline stages would not reproduce ``config``'s model, or ``None`` when they do."""
     model_type = getattr(config, "model_type", None)
+    if model_type in _REFUSED_HYBRIDS:
+        return f"model_type={model_type!r}: {_REFUSED_HYBRIDS[model_type]}"
     if not base_plan_names(config):
         return f"model_type={model_type!r} declares no base_model_pp_plan"
     moe = _moe_field(config)
     if moe is not None:
-        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet"
+        proven = model_type in PIPELINE_PROVEN_MODEL_TYPES
+        dense = " (its dense configs, without experts, are pipeline-proven)" if proven else ""
+        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet{dense}"
+    extra = [f"{f}={getattr(config, f)}" for f in _EXTRA_LOSS_FIELDS if getattr(config, f, None)]
+    if extra:
+        return (f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not "
+                f"compute; set it to 0")
     other = _other_layer_kinds(config)
-    if other:
-        return f"model_type={model_type!r} has non-attention layers {other}; hybrid models are not pipelined yet"
+    if other and model_type not in PIPELINE_PROVEN_HYBRID_TYPES:
+        return (f"model_type={model_type!r} has non-attention layers {other} with no PP parity case in "
+                f"tests/test_pp_sweep.py")
     if model_type not in PIPELINE_PROVEN_MODEL_TYPES:
         return f"model_type={model_type!r} has no PP parity case in tests/test_pp_sweep.py"
     return None

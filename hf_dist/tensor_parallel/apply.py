@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.tensor_parallel.checks import check_tp_sizes
+from hf_dist.tensor_parallel.hybrid import layer_kind_patterns
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_dist.tensor_parallel.match import match_plan
@@ -111,6 +112,7 @@ def apply_tensor_parallel(
         if tp == 1:
             return model
         names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
+        optional = optional | layer_kind_patterns(config, names)
         plan = resolve_styles(names, config)
     elif sequence_parallel or vocab_parallel:
         raise ValueError(

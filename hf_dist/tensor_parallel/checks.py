@@ -12,6 +12,7 @@ from __future__ import annotations
 from math import gcd
 
 from hf_dist.tensor_parallel.classic import classic_plan
+from hf_dist.tensor_parallel.hybrid import hybrid_sizes
 from hf_dist.tensor_parallel.plans import REPLICATED_KV_FAMILIES
 from hf_dist.tensor_parallel.support import check_tp_support, model_plan, tp_refusal
 
@@ -59,6 +60,7 @@ def sharded_sizes(config, *, vocab_parallel: bool) -> dict[str, int | list[int]]
     if parents & _MLP_PARENTS:
         field, value = _mlp_width(config)
         sizes[field] = list(value) if isinstance(value, (list, tuple)) else value
+    sizes.update(hybrid_sizes(config))  # linear-attention heads, short-conv channels (hybrid.py)
     if vocab_parallel:
         sizes["vocab_size"] = config.vocab_size
     return sizes

@@ -46,6 +46,7 @@ from hf_dist.tensor_parallel.classic_styles import (
     LocalAttributes,
     RowwiseParallelWritableOutput,
 )
+from hf_dist.tensor_parallel.hybrid import HYBRID_STYLE_BUILDERS
 from hf_dist.tensor_parallel.styles import (
     ColwiseParallelWritableOutput,
     CombinedStyle,
@@ -280,6 +281,7 @@ STYLE_BUILDERS = {
     ),
 }
 """Style name -> ``config -> ParallelStyle``: transformers' plan names first, then hf_dist's own."""
+STYLE_BUILDERS.update(HYBRID_STYLE_BUILDERS)  # the hybrid overlays' styles (hybrid.py)
 
 
 def resolve_styles(names: dict[str, str], config) -> dict[str, ParallelStyle]:

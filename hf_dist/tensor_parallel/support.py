@@ -15,6 +15,7 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 from __future__ import annotations
 
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
+from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, hybrid_overlay, hybrid_tp_refusal
 
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "gpt2", "falcon", "opt", "bloom", "gpt_bigcode", "gptj", "stablelm", "persimmon", "mpt",
@@ -23,6 +24,8 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
     "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
     "youtu", "gemma3n_text", "phi4_multimodal",
+    # hybrids: their linear-attention / short-conv / Mamba2 layers sharded by hf_dist's overlays (hybrid.py)
+    "qwen3_5_text", "lfm2", "falcon_h1", "bamba",
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
@@ -62,10 +65,11 @@ def model_plan(config) -> dict[str, str]:
     base = getattr(config, "base_model_tp_plan", None) or {}
     if not base:
         classic = classic_plan(config)
-        return classic.plan_for(config) if classic is not None else {}
+        return classic.plan_for(config) if classic is not None else hybrid_overlay(config)
     cls = causal_lm_class(config)
     plan = {f"{cls.base_model_prefix}.{pattern}": style for pattern, style in base.items()}
     plan.update(getattr(cls, "_tp_plan", None) or {})
+    plan.update(hybrid_overlay(config))
     return plan
 
 
@@ -84,6 +88,11 @@ def _family_refusal(config) -> str | None:
     moe = [f"{name}={getattr(config, name)}" for name in _MOE_FIELDS if (getattr(config, name, None) or 0) > 1]
     if moe:
         return f"{_MOE}: {moe[0]}"
+    model_type = getattr(config, "model_type", None)
+    if hybrid := hybrid_tp_refusal(config):
+        return hybrid
+    if model_type in HYBRID_TP:
+        return None  # its non-attention layers are sharded by the overlay
     if kinds := _layer_kinds(config):
         return f"linear-attention, recurrent or state-space layers ({', '.join(sorted(kinds))}) that TP does not shard"
     ssm = [name for name in _STATE_SPACE_FIELDS if getattr(config, name, None) is not None]
@@ -109,7 +118,8 @@ def tp_refusal(config) -> str | None:
         return reason
     if not plan:
         return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
-    known = TRANSLATED_STYLES | CLASSIC_STYLES if classic_plan(config) is not None else TRANSLATED_STYLES
+    own = CLASSIC_STYLES if classic_plan(config) is not None else HYBRID_STYLES
+    known = TRANSLATED_STYLES | own
     unknown = sorted({name for s in plan.values() for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
