@@ -84,6 +84,9 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                   why="under TP/PP the ranks of one model replica must read the same batch: shard by dp rank"),
     PrivateMember(owner=_A, name="gather_for_metrics", kind="patch", where="trainer.data",
                   why="gather eval results over dp only (TP/PP ranks hold copies); trimmed as accelerate trims"),
+    PrivateMember(owner=_T, name="_loss_shifts_labels", kind="set", where="trainer.loss",
+                  why="a causal LM with loss_type=None still shifts its labels (ForCausalLMLoss): num_items_in_batch "
+                      "must count labels[..., 1:] as under PP, or the loss differs by layout"),
     PrivateMember(owner=_T, name="gather_function", kind="set", where="trainer.data",
                   why="the Trainer gathers eval results through it: over dp only under TP/PP, as gather_for_metrics"),
     PrivateMember(owner=_A, name="_dataloaders", kind="set", where="trainer.data",

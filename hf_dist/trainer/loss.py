@@ -47,3 +47,22 @@ def chunked_loss_for(trainer, model: nn.Module, inputs: dict) -> ChunkedCausalLM
         if cached.refusal is not None and trainer.args.should_log:
             logger.warning("chunked loss off, the model's own loss is used: %s", cached.refusal)
     return cached if cached.refusal is None else None
+
+
+def count_shifted_labels(trainer) -> None:
+    """Count a causal LM's loss tokens as its loss uses them: ``labels[..., 1:]``.
+
+    The Trainer decides the count of ``num_items_in_batch`` from ``model.loss_type``; a model whose ``loss_type`` is
+    None (GPT-2, BLOOM, OPT, ...) still uses ``ForCausalLMLoss`` (transformers' default), so the Trainer counts one
+    token too many per row and the loss comes out smaller than the token mean. Under PP hf_dist's last stage counts
+    the shifted labels, so without this a GPT-2 run trained differently by layout.
+    """
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from hf_dist.models.peft_utils import unwrap_peft
+
+    model = unwrap_peft(trainer.model)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return
+    if getattr(model, "loss_function", None) is ForCausalLMLoss:
+        trainer._loss_shifts_labels = True

@@ -39,7 +39,7 @@ from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
 from hf_dist.trainer import checkpoint_glue, compile_glue, data, launch_env, preemption, resume, step, teardown
-from hf_dist.trainer.loss import chunked_loss_for
+from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
@@ -104,6 +104,7 @@ class DistTrainer(Trainer):
         with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
+        count_shifted_labels(self)  # GPT-2 and other loss_type=None causal LMs: the count their loss uses
         if compile_glue.compile_request(args) is not None:
             self.add_callback(compile_glue.CompileReport())
         if args.dist_logging:
