@@ -131,11 +131,18 @@ def test_sweep_configs_are_non_default():
 def test_support_claims_only_what_the_sweep_proves():
     from transformers import AutoConfig
 
-    from hf_dist.pipeline_parallel.support import PIPELINE_PROVEN_MODEL_TYPES, pipeline_coverage, pipeline_refusal
+    from hf_dist.pipeline_parallel.support import (
+        PIPELINE_PROVEN_MODEL_TYPES, PIPELINE_PROVEN_MOE_TYPES, pipeline_coverage, pipeline_refusal,
+    )
+    from pp_sweep_cases import MOE
 
     for model_type in PIPELINE_PROVEN_MODEL_TYPES:
         assert pipeline_refusal(AutoConfig.for_model(model_type)) is None, model_type
     for _, (model_type, _) in NAMED.items():
         assert model_type in PIPELINE_PROVEN_MODEL_TYPES, model_type
     table = pipeline_coverage()
-    assert {t for t, status in table.items() if status == "yes"} == set(PIPELINE_PROVEN_MODEL_TYPES)
+    assert set(MOE) == set(PIPELINE_PROVEN_MOE_TYPES)  # each trained by tests/test_pp_moe.py
+    for model_type in PIPELINE_PROVEN_MOE_TYPES:
+        assert pipeline_refusal(AutoConfig.for_model(model_type)) is None, model_type
+    proven = PIPELINE_PROVEN_MODEL_TYPES | PIPELINE_PROVEN_MOE_TYPES
+    assert {t for t, status in table.items() if status == "yes"} == set(proven)

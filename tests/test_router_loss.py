@@ -110,3 +110,10 @@ def test_unknown_scope_is_refused():
 
     with pytest.raises(ValueError, match="router_aux_loss_scope='tokens' is not a scope"):
         DistTrainingArguments(output_dir="unused", router_aux_loss_scope="tokens", use_cpu=True)
+
+
+def test_global_scope_with_pipeline_is_refused():
+    from hf_dist import DistTrainingArguments
+
+    with pytest.raises(ValueError, match="router_aux_loss_scope='global_batch' with pp_size=2"):
+        DistTrainingArguments(output_dir="unused", router_aux_loss_scope="global_batch", pp_size=2, use_cpu=True)

@@ -4,8 +4,9 @@
 ``CausalLMStage`` runs each stage through the model's own forward, so a model type is supported when
 
 - its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head);
-- it is dense: mixture-of-experts routers and linear-attention / state-space layers are refused for now
-  (their auxiliary losses and recurrent state cross stage boundaries in ways the stages do not carry);
+- it is dense, or a mixture-of-experts type proven by ``tests/test_pp_moe.py`` (``PIPELINE_PROVEN_MOE_TYPES``:
+  the stages pass the router statistics of the model's aux loss on with the hidden states); linear-attention /
+  state-space layers are refused for now (their recurrent state crosses stage boundaries);
 - and PP=2 training of a tiny config with non-default values of every field read outside the decoder layers
   is proven equal to one process by ``tests/test_pp_sweep.py`` (``PIPELINE_PROVEN_MODEL_TYPES``).
 
@@ -26,6 +27,10 @@ PIPELINE_PROVEN_MODEL_TYPES = frozenset({
     "jais2", "llama", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
     "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma", "youtu",
 })
+
+# Mixture-of-experts types whose PP=2 training (router aux loss of every stage included) equals one process in
+# tests/test_pp_moe.py (fp32, 1e-5, non-default router values; cases in tests/pp_sweep_cases.MOE).
+PIPELINE_PROVEN_MOE_TYPES = frozenset({"deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe"})
 
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -52,12 +57,12 @@ def pipeline_refusal(config) -> str | None:
     if not getattr(config, "base_model_pp_plan", None):
         return f"model_type={model_type!r} declares no base_model_pp_plan"
     moe = _moe_field(config)
-    if moe is not None:
-        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet"
+    if moe is not None and model_type not in PIPELINE_PROVEN_MOE_TYPES:
+        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE types without a PP parity case are not pipelined (proven: {', '.join(sorted(PIPELINE_PROVEN_MOE_TYPES))})"
     other = _other_layer_kinds(config)
     if other:
         return f"model_type={model_type!r} has non-attention layers {other}; hybrid models are not pipelined yet"
-    if model_type not in PIPELINE_PROVEN_MODEL_TYPES:
+    if model_type not in PIPELINE_PROVEN_MODEL_TYPES | PIPELINE_PROVEN_MOE_TYPES:
         return f"model_type={model_type!r} has no PP parity case in tests/test_pp_sweep.py"
     return None
 

@@ -41,6 +41,10 @@ def check_values(args) -> None:
                          f"pipeline step); leave it unset to use the accumulation the global batch gives")
     preemption.parse_signals(args.preemption_signals)
     router_loss.check_scope(args.router_aux_loss_scope)
+    if args.router_aux_loss_scope == "global_batch" and args.pp_size > 1:
+        raise ValueError(f"router_aux_loss_scope='global_batch' with pp_size={args.pp_size}: pipeline stages compute "
+                         f"the aux loss per micro-batch (statistics passed between stages, not over dp ranks); use "
+                         f"router_aux_loss_scope='micro_batch' or pp_size=1")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -28,10 +28,10 @@ Not for: the loss's language-model part (the model's, normalised by the Trainer)
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
+
+from hf_dist.models.router import load_balancing_fn
 
 SCOPES = ("micro_batch", "global_batch")
 
@@ -50,16 +50,6 @@ def router_aux_parts(model, outputs) -> tuple[float, torch.Tensor] | None:
     if aux is None or not torch.is_tensor(aux) or not coef:
         return None
     return float(coef), aux
-
-
-def load_balancing_fn(model):
-    """The model's own ``load_balancing_loss_func`` (from its modeling module; FSDP2 subclasses the model's class)."""
-    modules = (sys.modules.get(cls.__module__) for cls in type(model).__mro__)
-    fn = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
-    if fn is None:
-        raise ValueError(f"router_aux_loss_scope='global_batch': {type(model).__name__} has no "
-                         f"load_balancing_loss_func in its modeling module; use router_aux_loss_scope='micro_batch'")
-    return fn
 
 
 def _gather_rows(per_layer: tuple[torch.Tensor, ...], mask: torch.Tensor, group) -> tuple[tuple, torch.Tensor]:
@@ -94,7 +84,11 @@ def global_batch_aux(model, outputs, inputs, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         per_layer, mask = _gather_rows(per_layer, mask, group)
     num_experts = getattr(model, "num_experts", None) or model.config.num_local_experts
-    return load_balancing_fn(model)(per_layer, num_experts, model.num_experts_per_tok, mask)
+    fn = load_balancing_fn(model)
+    if fn is None:
+        raise ValueError(f"router_aux_loss_scope='global_batch': {type(model).__name__} has no "
+                         f"load_balancing_loss_func in its modeling module; use router_aux_loss_scope='micro_batch'")
+    return fn(per_layer, num_experts, model.num_experts_per_tok, mask)
 
 
 def reweigh_router_loss(trainer, model, loss, outputs, inputs, num_items_in_batch) -> torch.Tensor:
