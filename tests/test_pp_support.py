@@ -30,7 +30,7 @@ def test_proven_model_types_are_accepted_with_their_own_fields(model_type, overr
 @pytest.mark.parametrize(
     "model_type, reason",
     [
-        ("qwen2_moe", "mixture-of-experts model .num_experts=60.; MoE types without a PP parity case"),
+        ("qwen2_moe", "mixture-of-experts model .num_experts=60.; no MoE PP parity case"),
         ("olmo_hybrid", r"non-attention layers \['linear_attention'\]"),
         ("gpt2", "declares no base_model_pp_plan"),
         ("bloom", "declares no base_model_pp_plan"),
