@@ -132,3 +132,29 @@ def named_config(name: str):
 
     model_type, values = NAMED[name]
     return tiny_twin(AutoConfig.for_model(model_type, **values))
+
+
+# Mixture-of-experts cases (tests/test_pp_moe.py): router values away from the defaults, a large aux coefficient.
+MOE = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 16,
+                  "decoder_sparse_step": 1, "output_router_logits": True, "router_aux_loss_coef": 5.0},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 1, "output_router_logits": True,
+                "router_aux_loss_coef": 5.0, "router_jitter_noise": 0.0},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+                "router_aux_loss_coef": 5.0},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                    "first_k_dense_replace": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.5,
+                    "moe_intermediate_size": 16, "norm_topk_prob": False},
+}
+
+
+def moe_config(model_type: str):
+    """A tiny ``model_type`` MoE config with the ``MOE`` router values (4 layers: 2 per stage)."""
+    from transformers import AutoConfig
+
+    from hf_dist.models.twin import tiny_twin
+
+    config = tiny_twin(AutoConfig.for_model(model_type, **MOE[model_type]))
+    for key, value in MOE[model_type].items():  # tiny_twin must not undo them
+        setattr(config, key, value)
+    return config

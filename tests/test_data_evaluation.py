@@ -97,3 +97,39 @@ def test_trainer_evaluate_reports_the_token_weighted_nll(tmp_path):
     assert len(eval_) > 3  # several eval batches of different widths: a mean of batch means would differ
     torch.testing.assert_close(metrics["eval_nll"], reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(metrics["eval_perplexity"], math.exp(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_evaluate_with_moe_router_outputs(tmp_path):
+    """A MoE model with ``output_router_logits=True`` hands the Trainer ``(aux_loss, logits, router_logits)``:
+    the metric must score the logits (it once took the scalar aux loss and raised)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    jsonl, tok = prepare_demo_data(tmp_path / "demo", n=16, seed=0, vocab_size=1024)
+    _, eval_ = build_datasets(jsonl, tok, max_seq_len=128, loss_on="assistant", eval_fraction=0.5, seed=0)
+    config = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.3, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=3, report_to=[], use_cpu=True)
+    trainer = Trainer(
+        model=model, args=args, eval_dataset=eval_, data_collator=data_collator(tok),
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics, compute_metrics=compute_metrics,
+    )
+    metrics = trainer.evaluate()
+    batch = data_collator(tok)([eval_[i] for i in range(len(eval_))])
+    with torch.no_grad():  # the language-model loss alone: the aux term is not a token NLL
+        reference = model.eval()(**batch, use_cache=False, output_router_logits=False).loss.item()
+    torch.testing.assert_close(metrics["eval_nll"], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_lm_logits_refuses_outputs_without_logits():
+    from hf_dist.data.evaluation import lm_logits
+
+    labels = torch.zeros(2, 5, dtype=torch.long)
+    logits = torch.randn(2, 5, 7)
+    assert lm_logits((torch.tensor(1.0), logits, (torch.randn(10, 4),)), labels) is logits
+    with pytest.raises(ValueError, match=r"no model output has the shape \(batch, seq, vocab\)"):
+        lm_logits((torch.tensor(1.0), torch.randn(10, 4)), labels)

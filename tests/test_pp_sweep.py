@@ -138,9 +138,11 @@ def test_support_claims_only_what_the_sweep_proves():
     from hf_dist.pipeline_parallel.support import (
         PIPELINE_PROVEN_HYBRID_TYPES,
         PIPELINE_PROVEN_MODEL_TYPES,
+        PIPELINE_PROVEN_MOE_TYPES,
         pipeline_coverage,
         pipeline_refusal,
     )
+    from pp_sweep_cases import MOE
 
     moe_by_default = {"qwen3_next"}  # proven dense (num_experts=0); its default config is MoE and refused as such
     for model_type in PIPELINE_PROVEN_MODEL_TYPES - moe_by_default:
@@ -153,9 +155,12 @@ def test_support_claims_only_what_the_sweep_proves():
     for name in HYBRID:
         assert pipeline_refusal(hybrid_config(name)) is None, name
     table = pipeline_coverage()
+    assert set(MOE) == set(PIPELINE_PROVEN_MOE_TYPES)  # each trained by tests/test_pp_moe.py
+    for model_type in PIPELINE_PROVEN_MOE_TYPES:
+        assert pipeline_refusal(AutoConfig.for_model(model_type)) is None, model_type
     # an alias type builds its proven type's config (gpt-sw3 is a GPT-2): judged as that type
     yes = {AutoConfig.for_model(t).model_type for t, status in table.items() if status == "yes"}
-    assert yes == set(PIPELINE_PROVEN_MODEL_TYPES) - moe_by_default
+    assert yes == (set(PIPELINE_PROVEN_MODEL_TYPES) - moe_by_default) | set(PIPELINE_PROVEN_MOE_TYPES)
 
 
 def test_hybrid_refusals_name_the_reason():

@@ -37,8 +37,9 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
-def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, **overrides):
-    """Train for ``max_steps`` optimizer steps; return ``(losses, params)``. Overrides go to DistTrainingArguments."""
+def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None, **overrides):
+    """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
+    DistTrainingArguments; ``model`` (built the same on every rank) replaces the tiny Llama."""
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -59,7 +60,8 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
         use_cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1,
     )
     args.update(overrides)
-    model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, **(model_kwargs or {}))
+    if model is None:
+        model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, **(model_kwargs or {}))
     trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=token_dataset())
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]

@@ -46,13 +46,31 @@ def token_nll(logits, labels):
     return nll.sum(dim=-1), counts.float()
 
 
+def lm_logits(outputs, labels):
+    """The ``(batch, seq, vocab)`` logits among what the Trainer hands ``preprocess_logits_for_metrics``.
+
+    The Trainer passes every model output but the loss, as a tuple when there are several. A mixture-of-experts
+    model with ``output_router_logits=True`` puts its ``aux_loss`` (a scalar) first and its ``router_logits``
+    (``(tokens, experts)`` per layer) after the logits, so the first element is not the logits: take the first
+    tensor shaped ``(*labels.shape, vocab)``.
+    """
+    if not isinstance(outputs, (tuple, list)):
+        return outputs
+    for value in outputs:
+        if hasattr(value, "dim") and value.dim() == 3 and tuple(value.shape[:2]) == tuple(labels.shape):
+            return value
+    shapes = [tuple(v.shape) if hasattr(v, "shape") else type(v).__name__ for v in outputs]
+    raise ValueError(
+        f"no model output has the shape (batch, seq, vocab) of logits for labels {tuple(labels.shape)} "
+        f"(outputs: {shapes}); the model must return its logits (not only a loss) for evaluation"
+    )
+
+
 def preprocess_logits_for_metrics(logits, labels):
     """For ``Trainer(preprocess_logits_for_metrics=...)``: a ``(batch, 2)`` tensor ``[nll_sum, token_count]``."""
     import torch
 
-    if isinstance(logits, (tuple, list)):
-        logits = logits[0]
-    nll_sums, counts = token_nll(logits, labels)
+    nll_sums, counts = token_nll(lm_logits(logits, labels), labels)
     return torch.stack([nll_sums, counts], dim=-1)
 
 

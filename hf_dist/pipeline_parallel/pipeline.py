@@ -131,7 +131,9 @@ class PipelinedCausalLM:
         self.hidden_size = causal_lm_of(model).config.hidden_size
         self.compile_request = compile_request
         self._parallelize_stages(reshard_after_forward)
-        self.loss_fn = TokenWeightedLoss()
+        router = self.modules[0].router_stats
+        self.loss_fn = TokenWeightedLoss(experts=router.experts if router is not None else 0)
+        self.router_aux_coef = float(causal_lm_of(model).config.router_aux_loss_coef) if router is not None else 0.0
         self._build_schedule()
 
     # -- construction ------------------------------------------------------------------------------
@@ -228,6 +230,7 @@ class PipelinedCausalLM:
         self.schedule = schedule
         tokens = self._dp_sum(count_loss_tokens(labels).to(torch.float32))
         self.loss_fn.denominator = tokens.clamp(min=1.0)
+        self.loss_fn.aux_weight = self.router_aux_coef / (microbatches * self.dims.dp)  # coef x mean over micro-batches
         kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dist.models.peft_utils import unwrap_peft
+from hf_dist.models.router import RouterStats, adds_router_aux_loss, aux_from_stats, num_experts, router_recorder
 from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names, layer_output_width
 
 IGNORE_INDEX = -100
@@ -231,6 +232,19 @@ class CausalLMStage(nn.Module):
         for name, child in view._modules.items():
             self.add_module(name, child)
         object.__setattr__(self, "_lm", view)  # not a submodule: its children are registered above
+        self.router_stats = self._record_routers(lm) if adds_router_aux_loss(lm) else None
+
+    def _record_routers(self, lm: nn.Module) -> RouterStats:
+        """Hooks on this stage's routers (the class the model's ``_can_record_outputs`` names) that add each
+        layer's load-balancing statistics to the ones received from the previous stage (``hf_dist.models.router``).
+        """
+        router_class, index = router_recorder(lm)
+        stats = RouterStats(num_experts(lm.config), lm.config.num_experts_per_tok)
+        for layer in self.owned_layers():
+            for module in layer.modules():
+                if isinstance(module, router_class):
+                    module.register_forward_hook(stats.hook(index))
+        return stats
 
     def _build_view(self, lm: nn.Module, parts: ModelParts, owned: list[int]) -> nn.Module:
         real = lm.get_submodule(parts.layer_list)
@@ -277,25 +291,38 @@ class CausalLMStage(nn.Module):
     def forward(
         self,
         inputs: torch.Tensor,
+        router_stats: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token ids (first stage) or hidden states (others) in; hidden states or logits (last stage) out."""
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (first stage) or hidden states (others) in; hidden states or logits (last stage) out.
+
+        In training, a model whose loss adds a router aux term also passes its router statistics on: the stage
+        takes the previous stage's (``router_stats``) and returns ``(hidden states or logits, statistics)``.
+        """
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+        if hasattr(self.config, "output_router_logits"):
+            kwargs["output_router_logits"] = False  # the stage's hooks collect what the model's aux loss needs
         if self.is_first:
             kwargs["input_ids"] = inputs
         else:
             kwargs["inputs_embeds"] = inputs
             self._inbox.received = inputs
+        collect = self.router_stats is not None and self.training
+        if collect:
+            self.router_stats.begin(router_stats, attention_mask, inputs.shape[0] * inputs.shape[1], inputs.device)
         try:
-            output = self._lm(**kwargs)
+            out = self._lm(**kwargs)
         except _StageExit as done:
-            return done.hidden
+            out = done.hidden
+        else:
+            if not self.is_last:
+                raise RuntimeError(f"stage of {type(self._lm).__name__} ran past its last layer without stopping")
+            out = out.logits
         finally:
             self._inbox.received = None
-        if not self.is_last:
-            raise RuntimeError(f"stage of {type(self._lm).__name__} ran past its last layer without stopping")
-        return output.logits
+            stats = self.router_stats.end() if collect else None
+        return (out, stats) if collect else out
 
 
 def count_loss_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -309,12 +336,27 @@ class TokenWeightedLoss:
     Summing these over micro-batches (and data-parallel ranks) gives exactly the mean over every loss token of
     the global batch, as one process would compute it: micro-batches with more padding weigh less.
     ``denominator`` must be set before each step (``count_loss_tokens`` over the whole global batch).
+
+    A MoE stage's output ``(logits, router statistics)`` adds ``aux_weight x`` the model's load-balancing loss of
+    the micro-batch; ``aux_weight`` is ``router_aux_loss_coef / (micro-batches x dp)`` so the step weighs the aux
+    ``coef x mean over the global batch's micro-batches``, as ``hf_dist.trainer.router_loss`` does without PP.
+    Its gradient reaches every stage's routers through the statistics each stage passed on.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, experts: int = 0) -> None:
         self.denominator: float | torch.Tensor = 1.0
+        self.experts = experts
+        self.aux_weight = 0.0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        aux = None
+        if isinstance(output, tuple):
+            output, stats = output
+            aux = aux_from_stats(stats, self.experts)
+        loss = self._token_loss(output, labels)
+        return loss if aux is None else loss + self.aux_weight * aux.to(loss.device)
+
+    def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         vocab = logits.shape[-1]
         total = F.cross_entropy(
             logits[:, :-1].float().reshape(-1, vocab),

@@ -5,11 +5,13 @@
 
 - its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head), or
   hf_dist writes one for it (``plans.PP_PLANS``, the classic types transformers ships none for);
-- it is dense: mixture-of-experts routers are refused for now (their auxiliary losses cross stage boundaries
-  in ways the stages do not carry); linear-attention / short-conv / state-space layers are fine once proven
-  (``PIPELINE_PROVEN_HYBRID_TYPES``): the model's own forward builds their per-layer-type masks on every stage,
-  and without a cache their recurrent state lives inside one layer's forward, never across a stage boundary;
-- it adds nothing to the loss outside the logits (Bamba's ``z_loss_coefficient`` is refused while non-zero);
+- it is dense, or a mixture-of-experts type proven by ``tests/test_pp_moe.py`` (``PIPELINE_PROVEN_MOE_TYPES``:
+  the stages pass the router statistics of the model's aux loss on with the hidden states); linear-attention /
+  short-conv / state-space layers are fine once proven (``PIPELINE_PROVEN_HYBRID_TYPES``): the model's own forward
+  builds their per-layer-type masks on every stage, and without a cache their recurrent state lives inside one
+  layer's forward, never across a stage boundary;
+- it adds nothing to the loss outside the logits and the router aux loss (Bamba's ``z_loss_coefficient`` is refused
+  while non-zero);
 - and PP=2 training of a tiny config with non-default values of every field read outside the decoder layers
   is proven equal to one process by ``tests/test_pp_sweep.py`` (``PIPELINE_PROVEN_MODEL_TYPES``).
 
@@ -47,6 +49,9 @@ _REFUSED_HYBRIDS = {
 }
 # Config fields that add a loss term the pipeline's token-weighted cross entropy does not compute.
 _EXTRA_LOSS_FIELDS = ("z_loss_coefficient",)
+# Mixture-of-experts types whose PP=2 training (router aux loss of every stage included) equals one process in
+# tests/test_pp_moe.py (fp32, 1e-5, non-default router values; cases in tests/pp_sweep_cases.MOE).
+PIPELINE_PROVEN_MOE_TYPES = frozenset({"deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe"})
 
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -75,10 +80,11 @@ def pipeline_refusal(config) -> str | None:
     if not base_plan_names(config):
         return f"model_type={model_type!r} declares no base_model_pp_plan"
     moe = _moe_field(config)
-    if moe is not None:
+    if moe is not None and model_type not in PIPELINE_PROVEN_MOE_TYPES:
         proven = model_type in PIPELINE_PROVEN_MODEL_TYPES
         dense = " (its dense configs, without experts, are pipeline-proven)" if proven else ""
-        return f"model_type={model_type!r} is a mixture-of-experts model ({moe}); MoE is not pipelined yet{dense}"
+        return (f"model_type={model_type!r} is a mixture-of-experts model ({moe}); no MoE PP parity case in "
+                f"tests/test_pp_moe.py{dense}")
     extra = [f"{f}={getattr(config, f)}" for f in _EXTRA_LOSS_FIELDS if getattr(config, f, None)]
     if extra:
         return (f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not "
@@ -87,7 +93,7 @@ def pipeline_refusal(config) -> str | None:
     if other and model_type not in PIPELINE_PROVEN_HYBRID_TYPES:
         return (f"model_type={model_type!r} has non-attention layers {other} with no PP parity case in "
                 f"tests/test_pp_sweep.py")
-    if model_type not in PIPELINE_PROVEN_MODEL_TYPES:
+    if model_type not in PIPELINE_PROVEN_MODEL_TYPES | PIPELINE_PROVEN_MOE_TYPES:
         return f"model_type={model_type!r} has no PP parity case in tests/test_pp_sweep.py"
     return None
 

@@ -20,7 +20,7 @@ from transformers import TrainingArguments
 from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
 from hf_dist.strategy import Layout
-from hf_dist.trainer import launch_env, preemption
+from hf_dist.trainer import launch_env, preemption, router_loss
 from hf_dist.trainer.layout import resolve_layout
 
 
@@ -40,6 +40,11 @@ def check_values(args) -> None:
         raise ValueError(f"pp_microbatches={args.pp_microbatches} must be a positive integer (micro-batches per "
                          f"pipeline step); leave it unset to use the accumulation the global batch gives")
     preemption.parse_signals(args.preemption_signals)
+    router_loss.check_scope(args.router_aux_loss_scope)
+    if args.router_aux_loss_scope == "global_batch" and args.pp_size > 1:
+        raise ValueError(f"router_aux_loss_scope='global_batch' with pp_size={args.pp_size}: pipeline stages compute "
+                         f"the aux loss per micro-batch (statistics passed between stages, not over dp ranks); use "
+                         f"router_aux_loss_scope='micro_batch' or pp_size=1")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -208,6 +213,15 @@ class DistTrainingArguments(TrainingArguments):
         metadata={
             "help": "Add tokens/s, MFU, per-rank peak memory and step times to each training log and append every "
             "log to OUTPUT_DIR/log_history.jsonl (what `hf-dist report` draws). Off: logs and files are the Trainer's."
+        },
+    )
+    router_aux_loss_scope: str = field(
+        default="micro_batch",
+        metadata={
+            "help": "MoE router load-balancing loss: micro_batch (each forward's own tokens, as the models define it) "
+            "or global_batch (router statistics pooled over the data-parallel ranks before the loss). Either way its "
+            "weight is router_aux_loss_coef whatever the micro batch, accumulation and dp (hf_dist.trainer.router_loss).",
+            "choices": ("micro_batch", "global_batch"),
         },
     )
     peak_tflops: float | None = field(

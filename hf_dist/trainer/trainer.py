@@ -38,7 +38,9 @@ from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
-from hf_dist.trainer import checkpoint_glue, compile_glue, data, launch_env, preemption, resume, step, teardown
+from hf_dist.trainer import (
+    checkpoint_glue, compile_glue, data, launch_env, preemption, resume, router_loss, step, teardown,
+)
 from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
@@ -97,6 +99,7 @@ class DistTrainer(Trainer):
         teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
         self.pending_save = None  # the last asynchronous checkpoint, until committed (checkpoint_glue)
         self.async_checkpointer = None  # reused across --async_save checkpoints (checkpoint_glue)
+        self.expert_load = router_loss.ExpertLoad()  # MoE routing counts for --dist_logging
         self.dims = args.layout.dims  # the run's one Layout (DistTrainingArguments), its mesh built when applied
         self.owns_layout = args.layout.owned_by_hf_dist
         if model is not None:  # with model_init, the Trainer calls call_model_init (below) instead
@@ -240,9 +243,16 @@ class DistTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The Trainer's own, with the model's loss made chunk by chunk where exact (``hf_dist.trainer.loss``)."""
+        """The Trainer's own, with the model's loss made chunk by chunk where exact (``hf_dist.trainer.loss``) and,
+        in training, a MoE router aux term weighted the same for any batch split (``hf_dist.trainer.router_loss``)."""
         chunked = chunked_loss_for(self, model, inputs)
-        return super().compute_loss(chunked or model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = super().compute_loss(chunked or model, inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        if model.training:
+            loss = router_loss.reweigh_router_loss(self, model, loss, outputs, inputs, num_items_in_batch)
+            if self.args.dist_logging:
+                self.expert_load.add(self.accelerator.unwrap_model(model), outputs)
+        return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
@@ -276,6 +286,7 @@ class DistTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dist_logging and "loss" in logs:  # a training log: every rank is here (loss just gathered)
             logs.update(self.throughput.report())
+            logs.update(self.expert_load.report(router_loss.dp_group(self)))  # MoE: tokens per expert, max/mean
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------

@@ -161,6 +161,12 @@ def export_peft(
     metas = tensor_metadata(ckpt)
     pairs, base = _split_keys(metas, adapter_dir.name)
     _check_adapter(metas, pairs, config)
+    if mode == "merged" and config.get("target_parameters"):
+        raise ValueError(
+            f"adapter='merged' with target_parameters={config['target_parameters']}: merging LoRA on parameters "
+            f"(3-D MoE expert weights, PEFT's ParamWrapper) is not in hf_dist's export; export adapter='adapter' and "
+            f"merge with PEFT (AutoPeftModelForCausalLM.from_pretrained(...).merge_and_unload())"
+        )
     checked = verify_checksums(ckpt, manifest)  # before the output folder is touched
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)
