@@ -2,15 +2,21 @@
 
 ``ParallelDims`` says how the world is factored into data-parallel replicas
 (``dp_replicate``), data-parallel shards (``dp_shard``, what FSDP/ZeRO shards
-over), tensor-parallel ranks (``tp``) and pipeline stages (``pp``). It builds a
-named ``DeviceMesh`` and answers "which group do I talk to for X" questions.
+over), context-parallel ranks (``cp``, which split one sequence), tensor-parallel
+ranks (``tp``) and pipeline stages (``pp``). It builds a named ``DeviceMesh`` and
+answers "which group do I talk to for X" questions.
 
 It is not a process-group manager: nothing here is global, two layouts can live
 in one process (tests do that), and building the mesh is explicit.
 
-Mesh axis order, outermost first: ``pp, dp_replicate, dp_shard, tp``. Tensor
+Mesh axis order, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor
 parallelism is innermost so that its ranks are neighbours (one node, fast
-links); pipeline stages are outermost so that they cross nodes.
+links); pipeline stages are outermost so that they cross nodes. Context
+parallelism sits next to TP: its all-to-all runs twice per layer. The ranks of
+one ``cp`` group read the same batch (``dp`` excludes ``cp``), but hold different
+tokens, so parameters are sharded -- and gradients reduced -- over ``dp_shard x
+cp`` together (the flattened ``dp_shard_cp`` axis, as torchtitan does): CP ranks
+are data-parallel ranks for the parameters and one rank for the data.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-_FACTORS = ("pp", "dp_replicate", "dp_shard", "tp")
+_FACTORS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
 
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """A factorisation of ``world_size`` into ``pp x dp_replicate x dp_shard x tp``."""
+    """A factorisation of ``world_size`` into ``pp x dp_replicate x dp_shard x cp x tp``."""
 
     world_size: int
     """Number of processes in the job."""
@@ -32,12 +39,14 @@ class ParallelDims:
     """Data-parallel replicas that hold full copies (DDP, or HSDP's outer axis)."""
     dp_shard: int = -1
     """Data-parallel ranks that shard parameters/states (FSDP/ZeRO). -1: the ranks left over."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (and read the same batch)."""
     tp: int = 1
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (number of physical stages)."""
     _mesh: object | None = field(default=None, init=False, repr=False, compare=False)
-    _dp_mesh: object | None = field(default=None, init=False, repr=False, compare=False)
+    _flat_meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -63,11 +72,11 @@ class ParallelDims:
                     f"{known}, which does not divide {self.world_size}; use a world size that is a multiple of {known}"
                 )
             setattr(self, left_over[0], self.world_size // known)
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
                 f"{self._describe()} multiply to {product}, but world_size={self.world_size}; "
-                f"the four factors must multiply to the world size (set one of them to -1 to take the ranks left over)"
+                f"the five factors must multiply to the world size (set one of them to -1 to take the ranks left over)"
             )
 
     def _describe(self) -> str:
@@ -78,6 +87,16 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel degree: the number of different batches seen per micro step."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold different tokens of one step (data-parallel x context-parallel): gradients average
+        over them."""
+        return self.dp * self.cp
 
     @property
     def tp_enabled(self) -> bool:
@@ -97,7 +116,7 @@ class ParallelDims:
 
     # -- coordinates (pure: no process group needed) ---------------------------------------------
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank``: ``{"pp", "dp_replicate", "dp_shard", "tp", "dp"}``."""
+        """Mesh coordinates of ``rank``: ``{"pp", "dp_replicate", "dp_shard", "cp", "tp", "dp"}``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
         coords: dict[str, int] = {}
@@ -117,8 +136,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str | None = None):
         """Build (once) and return the named ``DeviceMesh``; needs an initialised process group.
 
-        Axis names: ``pp, dp_replicate, dp_shard, tp`` plus the flattened ``dp`` (replicate x shard),
-        which is the axis FSDP2/HSDP and the data sampler use.
+        Axis names: ``pp, dp_replicate, dp_shard, cp, tp`` plus the flattened ``dp`` (replicate x shard: the data
+        sampler's axis), ``dp_shard_cp`` (what FSDP2 shards over) and ``dp_cp`` (what gradients average over).
         """
         if self._mesh is not None:
             return self._mesh
@@ -131,19 +150,26 @@ class ParallelDims:
             tuple(getattr(self, name) for name in _FACTORS),
             mesh_dim_names=_FACTORS,
         )
-        # keep the flattened axis itself: slicing a flattened dim from the root mesh is deprecated
-        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        # keep the flattened axes themselves: slicing a flattened dim from the root mesh is deprecated
+        self._flat_meshes = {"dp": mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")}
+        if self.cp_enabled:
+            self._flat_meshes["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            self._flat_meshes["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        else:  # without CP the same ranks: one group each
+            self._flat_meshes["dp_shard_cp"] = mesh["dp_shard"]
+            self._flat_meshes["dp_cp"] = self._flat_meshes["dp"]
         self._mesh = mesh
         return mesh
 
     def get_mesh(self, name: str):
-        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` or ``dp``)."""
+        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, or the flattened
+        ``dp``, ``dp_shard_cp``, ``dp_cp``)."""
         if self._mesh is None:
             raise RuntimeError("call build_mesh() before get_mesh()")
-        if name not in (*_FACTORS, "dp"):
-            raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, 'dp'))}")
-        if name == "dp":
-            return self._dp_mesh
+        if name not in (*_FACTORS, *_FLATTENED):
+            raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, *_FLATTENED))}")
+        if name in _FLATTENED:
+            return self._flat_meshes[name]
         return self._mesh[name]
 
     @property
@@ -153,6 +179,7 @@ class ParallelDims:
         return self._mesh
 
     @classmethod
-    def from_sizes(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
-        """The common case: TP and PP fixed, every rank left over shards data."""
-        return cls(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=-1)
+    def from_sizes(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
+                   cp: int = 1) -> "ParallelDims":
+        """The common case: TP, PP and CP fixed, every rank left over shards data."""
+        return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, dp_shard=-1)

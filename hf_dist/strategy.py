@@ -89,6 +89,10 @@ class Layout:
     """Tensor-parallel degree, inside a node (``--tp_size``)."""
     pp: int = 1
     """Pipeline-parallel degree (``--pp_size``)."""
+    cp: int = 1
+    """Context-parallel degree (``--cp_size``): ranks that split each sequence (all-to-all attention,
+    ``hf_dist.context_parallel``). They read the same batch; parameters shard and gradients average over
+    ``dp x cp`` together."""
     offload: Offload = "none"
     """What leaves the GPU (see ``OFFLOADS``)."""
     sequence_parallel: bool = False
@@ -106,7 +110,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
-        for name in ("num_gpus", "num_nodes", "tp", "pp"):
+        for name in ("num_gpus", "num_nodes", "tp", "pp", "cp"):
             _check_positive(name, getattr(self, name))
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) is not None:
@@ -123,6 +127,7 @@ class Layout:
                              f"parameters on the device; drop the offload (fsdp cpu_offload / offload_params) or set "
                              f"pp_size=1")
         self._check_model_parallel()
+        self._check_context_parallel()
         check_tp_options(tp=self.tp, pp=self.pp, sequence_parallel=self.sequence_parallel,
                          vocab_parallel=self.vocab_parallel)
         self._check_data_parallel()
@@ -145,8 +150,36 @@ class Layout:
                 f"tp_size={self.tp} x pp_size={self.pp} = {self.tp * self.pp} does not divide the world size "
                 f"{self.world_size}; launch a multiple of {self.tp * self.pp} processes or lower tp_size/pp_size")
 
+    def _check_context_parallel(self) -> None:
+        """CP runs with DDP-style replication or FSDP2 FULL_SHARD / SHARD_GRAD_OP (each tested against one process);
+        the other products are refused with their reason. Model rules (heads divisible by cp, supported model types)
+        are ``hf_dist.context_parallel.support``."""
+        if self.cp == 1:
+            return
+        if self.is_deepspeed:
+            raise ValueError(f"cp_size={self.cp} with DeepSpeed {self.strategy}: the DeepSpeed engine reduces gradients "
+                             f"over the whole world and reads a different batch on every rank, while context-parallel "
+                             f"ranks share one batch; use FSDP2 (accelerate_configs/fsdp.yaml) or DDP with cp_size")
+        reasons = {
+            "pp_size": (self.pp > 1, "pipeline stages pass whole-sequence activations between ranks and compute the "
+                                     "loss on the last stage only, where the sequence split and its shifted labels "
+                                     "are not wired; use cp_size without pp_size (CP cuts activations per rank too)"),
+            "tp_size": (self.tp > 1, "CP x TP has no parity test in hf_dist yet; use cp_size with FSDP2 or DDP"),
+            "fsdp_hybrid_shard": (self.strategy == "fsdp_hybrid_shard",
+                                  "HSDP x CP has no parity test in hf_dist yet; use fsdp_full_shard (dp_replicate=1)"),
+            "lora_rank": (self.lora_rank > 0, "LoRA x CP has no parity test in hf_dist yet; fine-tune fully or "
+                                              "drop cp_size"),
+        }
+        for name, (refused, why) in reasons.items():
+            if refused:
+                value = self.strategy if name == "fsdp_hybrid_shard" else getattr(self, name.removesuffix("_size"))
+                raise ValueError(f"cp_size={self.cp} with {name}={value}: {why}")
+        if self.world_size % (self.cp * self.tp * self.pp):
+            raise ValueError(f"cp_size={self.cp} does not divide the world size {self.world_size}; launch a multiple of "
+                             f"{self.cp} processes or choose cp_size among the divisors of {self.world_size}")
+
     def _check_data_parallel(self) -> None:
-        dp = self.world_size // (self.tp * self.pp)
+        dp = self.dp
         if self.dp_replicate is not None and self.dp_replicate > 1 and self.strategy != "fsdp_hybrid_shard":
             raise ValueError(f"dp_replicate={self.dp_replicate} with strategy={self.strategy}: replica groups are "
                              f"HYBRID_SHARD's (FSDP2); drop dp_replicate or use FSDP2 with it")
@@ -157,13 +190,15 @@ class Layout:
         if dp % self.replicas:
             valid = [d for d in range(1, dp + 1) if dp % d == 0]
             raise ValueError(f"dp_replicate={self.replicas} does not divide the {dp} data-parallel ranks (world "
-                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp}); use dp_replicate in {valid}")
+                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp} / cp_size {self.cp}); use "
+                             f"dp_replicate in {valid}")
         if self.dp_shard is not None and self.replicas * self.dp_shard != dp:
             raise ValueError(
                 f"dp_replicate={self.replicas} x dp_shard={self.dp_shard} = {self.replicas * self.dp_shard} but the "
                 f"launch has {dp} data-parallel ranks (world {self.world_size} / tp_size {self.tp} / pp_size "
-                f"{self.pp}): the request would silently run as {self.replicas} x {dp // self.replicas}; launch "
-                f"{self.replicas * self.dp_shard * self.tp * self.pp} processes or set dp_shard={dp // self.replicas}")
+                f"{self.pp} / cp_size {self.cp}): the request would silently run as {self.replicas} x "
+                f"{dp // self.replicas}; launch {self.replicas * self.dp_shard * self.tp * self.pp * self.cp} processes "
+                f"or set dp_shard={dp // self.replicas}")
 
     @property
     def world_size(self) -> int:
@@ -181,20 +216,22 @@ class Layout:
         """A new ``ParallelDims`` (mesh not built): DDP replicates over the data-parallel ranks; ZeRO, FULL_SHARD and
         SHARD_GRAD_OP shard over all of them; HYBRID_SHARD replicates over ``replicas`` groups, sharding inside."""
         if self.strategy == "ddp":
-            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, dp_replicate=-1, dp_shard=1)
-        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, dp_replicate=self.replicas,
-                            dp_shard=-1)
+            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=-1,
+                                dp_shard=1)
+        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, cp=self.cp,
+                            dp_replicate=self.replicas, dp_shard=-1)
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel degree: different batches per micro step (context-parallel ranks share one)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def shard_degree(self) -> int:
         """Ranks that model states are sharded over (1: replicated)."""
         if self.is_deepspeed:
             return self.dp
-        return self.dp // self.replicas if self.is_fsdp else 1
+        return self.dp * self.cp // self.replicas if self.is_fsdp else 1
 
     @property
     def streaming_load(self) -> bool:
@@ -203,8 +240,9 @@ class Layout:
 
     @property
     def owned_by_hf_dist(self) -> bool:
-        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP); else accelerate (DDP, DeepSpeed)."""
-        return self.is_fsdp or self.tp > 1 or self.pp > 1
+        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP, CP); else accelerate (DDP,
+        DeepSpeed)."""
+        return self.is_fsdp or self.tp > 1 or self.pp > 1 or self.cp > 1
 
     @property
     def is_deepspeed(self) -> bool:
@@ -223,6 +261,8 @@ class Layout:
                                                                                     else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.offload != "none":
             parts.append(f"offload_{self.offload}")
         if self.lora_rank:
@@ -239,8 +279,9 @@ class Layout:
                 kind += f" ({self.replicas} replicas x {self.shard_degree} shards)"
         elif self.is_deepspeed:
             kind = f"DeepSpeed ZeRO-{self.strategy[-1]}"
-        elif self.dp > 1:
-            kind = "DDP" if not (self.tp > 1 or self.pp > 1) else f"DP{self.dp} (hf_dist gradient averaging)"
+        elif self.dp > 1 or self.cp > 1:
+            kind = ("DDP" if not (self.tp > 1 or self.pp > 1 or self.cp > 1)
+                    else f"DP{self.dp} (hf_dist gradient averaging)")
         else:
             kind = "single process" if self.world_size == 1 else "no data parallelism"
         if backend:
@@ -250,6 +291,8 @@ class Layout:
             kind += f" x TP{self.tp}" + (f" ({' + '.join(options)} parallel)" if options else "")
         if self.pp > 1:
             kind += f" x PP{self.pp}"
+        if self.cp > 1:
+            kind += f" x CP{self.cp} (all-to-all attention)"
         if self.offload != "none":
             kind = f"{kind}, offload {self.offload}"
         if self.lora_rank:
