@@ -1,9 +1,11 @@
 """Apply a parallel layout to a model: the one place hf_dist changes a model for a layout, in one visible order.
 
-``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, activation
-checkpointing, then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel axes (HSDP when
-``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over dp in
-buckets, once per optimizer step (``hf_dist.data_parallel.replicate``). ``DistTrainer``, the public API and every
+``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, context
+parallelism over the ``cp`` axis (``hf_dist.context_parallel``), activation checkpointing, then data parallelism --
+FSDP2 ``fully_shard`` over the data-parallel and context-parallel axes together (``dp_shard_cp``; HSDP when
+``dp_replicate > 1``), or, without FSDP, whole parameters on every rank with gradients averaged over ``dp x cp`` in
+buckets, once per optimizer step (``hf_dist.data_parallel.replicate``). Context-parallel ranks hold different tokens
+of the same batch, so for the parameters they are data-parallel ranks. ``DistTrainer``, the public API and every
 pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist wraps a model. There is no compile step:
 nothing in hf_dist compiles.
 
@@ -31,6 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from hf_dist.context_parallel import apply_context_parallel
 from hf_dist.data_parallel import replicate
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.parallel_dims import ParallelDims
@@ -123,17 +126,19 @@ def parallelize(
             model, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=sequence_parallel,
             vocab_parallel=vocab_parallel,
         )
+    if dims.cp_enabled:
+        apply_context_parallel(model, dims.get_mesh("cp").get_group(), find_blocks(model))
     if activation_checkpointing or (request is not None and request.activation_checkpointing):
         apply_activation_checkpointing(model)
     if request is not None:
         model = apply_fsdp(
             model, dims, request, units=fsdp_units, param_dtype=param_dtype, grad_reduction=grad_reduction
         )
-    elif dims.dp_enabled and replicate_gradients:
+    elif dims.dp_cp > 1 and replicate_gradients:
         if grad_reduction != "mean":
             raise ValueError("grad_reduction='sum' with replicated data parallelism: reduce the gradients yourself "
                              "(replicate_gradients=False) or use FSDP")
-        model = replicate(model, dims.get_mesh("dp"))
+        model = replicate(model, dims.get_mesh("dp_cp"))
     return model
 
 
@@ -153,8 +158,9 @@ def find_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) ->
 
 
 def fsdp_mesh(dims: ParallelDims):
-    """The mesh FSDP2 shards over: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP."""
-    return dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.get_mesh("dp_shard")
+    """The mesh FSDP2 shards over: ``dp_shard`` (x ``cp``: ``dp_shard_cp``), or the 2-D ``(dp_replicate, dp_shard)``
+    mesh for HSDP (not with CP: ``Layout`` refuses HSDP x CP)."""
+    return dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.get_mesh("dp_shard_cp")
 
 
 def apply_fsdp(
