@@ -266,3 +266,22 @@ def test_accelerate_cp_request_is_honoured_and_sp_refused(monkeypatch):
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
     with pytest.raises(ValueError, match="parallelism_config_sp_size=2"):
         prepare_environment(_launch_args())
+
+
+def test_planner_chooses_cp_at_131k_and_divides_activations():
+    """llama-2-13b on 8 x A100-80GB at 131,072 tokens: nothing without CP fits; a CP layout is chosen. Per-rank
+    activations and logits at cp=2 are those of cp=1 over 2 (the mask-free sdpa path)."""
+    from hf_dist.planner.activations import activation_model
+    from hf_dist.planner.catalogue import GPU_CATALOGUE, MODEL_CATALOGUE
+    from hf_dist.planner.chooser import PlanRequest, choose_layout
+    from hf_dist.planner.workload import Workload, make_layout
+
+    model = MODEL_CATALOGUE["llama-2-13b"]
+    plan = choose_layout(PlanRequest(model=model, gpu=GPU_CATALOGUE["a100-80gb"], num_gpus=8, seq_len=131072,
+                                     global_batch=8))
+    assert plan.chosen is not None and plan.chosen.layout.cp > 1
+    assert all(not c.fits for c in plan.candidates if c.layout.cp == 1)
+    workload = Workload(seq_len=8192, precision="bf16_mixed")
+    one, two = (activation_model(model, workload, make_layout("fsdp_full_shard", 8, cp=cp)) for cp in (1, 2))
+    assert two.checkpoint_input * 2 == one.checkpoint_input and two.loss * 2 == one.loss
+    assert two.layer.total * 2 == one.layer.total
