@@ -151,7 +151,8 @@ class Layout:
                 f"{self.world_size}; launch a multiple of {self.tp * self.pp} processes or lower tp_size/pp_size")
 
     def _check_context_parallel(self) -> None:
-        """CP runs with DDP-style replication or FSDP2 FULL_SHARD / SHARD_GRAD_OP (each tested against one process);
+        """CP runs with DDP-style replication or FSDP2 FULL_SHARD / SHARD_GRAD_OP, and with TP (each tested against one
+        process);
         the other products are refused with their reason. Model rules (heads divisible by cp, supported model types)
         are ``hf_dist.context_parallel.support``."""
         if self.cp == 1:
@@ -164,7 +165,11 @@ class Layout:
             "pp_size": (self.pp > 1, "pipeline stages pass whole-sequence activations between ranks and compute the "
                                      "loss on the last stage only, where the sequence split and its shifted labels "
                                      "are not wired; use cp_size without pp_size (CP cuts activations per rank too)"),
-            "tp_size": (self.tp > 1, "CP x TP has no parity test in hf_dist yet; use cp_size with FSDP2 or DDP"),
+            "tp_sequence_parallel": (self.sequence_parallel, "the sequence split takes whole hidden states between "
+                                                             "layers, which TP's sequence parallelism shards; drop "
+                                                             "tp_sequence_parallel (CP already splits the sequence)"),
+            "tp_vocab_parallel": (self.vocab_parallel, "CP x vocabulary-parallel logits has no parity test in hf_dist "
+                                                       "yet; drop tp_vocab_parallel"),
             "fsdp_hybrid_shard": (self.strategy == "fsdp_hybrid_shard",
                                   "HSDP x CP has no parity test in hf_dist yet; use fsdp_full_shard (dp_replicate=1)"),
             "lora_rank": (self.lora_rank > 0, "LoRA x CP has no parity test in hf_dist yet; fine-tune fully or "
@@ -172,7 +177,9 @@ class Layout:
         }
         for name, (refused, why) in reasons.items():
             if refused:
-                value = self.strategy if name == "fsdp_hybrid_shard" else getattr(self, name.removesuffix("_size"))
+                value = self.strategy if name == "fsdp_hybrid_shard" else getattr(
+                    self, {"tp_sequence_parallel": "sequence_parallel", "tp_vocab_parallel": "vocab_parallel"}.get(
+                        name, name.removesuffix("_size")))
                 raise ValueError(f"cp_size={self.cp} with {name}={value}: {why}")
         if self.world_size % (self.cp * self.tp * self.pp):
             raise ValueError(f"cp_size={self.cp} does not divide the world size {self.world_size}; launch a multiple of "

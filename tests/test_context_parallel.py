@@ -9,7 +9,9 @@ One spawn runs every case:
 - packed rows (several documents per row, ``position_ids`` restarting, first label of each document -100) under
   CP against the same documents trained unpacked, one by one, in one process.
 
-Plus the pure rules: ``Layout`` refusals, the model support decision, the accelerate request mapping.
+Also: dp=2 x cp=2 x FSDP2 on 4 ranks (one case), ``DistTrainer`` with ``--cp_size 2`` (alone and x FSDP2, with an
+evaluation) against the one-process Trainer, and the pure rules: ``Layout`` refusals, the model support decision,
+the accelerate request mapping, the planner.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ PACKED_DOCS = ((700, 500, 848), (1000, 1048))
 """Document lengths of the two packed rows (each sums to SEQ)."""
 
 
-def tiny_model(model_type: str, seed: int = 0):
+def tiny_model(model_type: str, seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=2 * SEQ, attention_dropout=0.0,
-                  use_cache=False, tie_word_embeddings=False)
+                  use_cache=False, tie_word_embeddings=False) | overrides
     extra = {"mistral": dict(sliding_window=64),
              "gemma2": dict(sliding_window=64, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
                             query_pre_attn_scalar=12)}.get(model_type, {})
@@ -90,16 +92,19 @@ def _train_reference(model, step_batches: list[list[dict]]) -> dict:
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _train_cp(model_type: str, fsdp: bool, step_batches: list[dict], state: dict) -> dict:
+def _train_cp(model_type: str, fsdp: bool, step_batches: list[dict], state: dict, world: int = 2, tp: int = 1,
+              **overrides) -> dict:
     from hf_dist import FsdpRequest, parallelize
     from hf_dist.context_parallel import context_parallel_state, token_weighted_loss
     from hf_dist.state_dict import full_state_dict
     from hf_dist.strategy import Layout
 
-    layout = Layout(strategy="fsdp_full_shard" if fsdp else "ddp", num_gpus=2, cp=2)
+    layout = Layout(strategy="fsdp_full_shard" if fsdp else "ddp", num_gpus=world, cp=2, tp=tp)
     dims = layout.dims
     dims.build_mesh("cpu")
-    model = tiny_model(model_type)
+    share, dp_rank = ROWS // dims.dp, dims.dp_rank(dist.get_rank())  # the cp ranks of a dp rank share its rows
+    step_batches = [{k: v[dp_rank * share:(dp_rank + 1) * share] for k, v in b.items()} for b in step_batches]
+    model = tiny_model(model_type, **overrides)
     model.load_state_dict(state)
     model = parallelize(model, dims, fsdp=FsdpRequest() if fsdp else None)
     cp = context_parallel_state(model)
@@ -138,6 +143,40 @@ def runs():
     return reference, results
 
 
+EIGHT_HEADS = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=4)
+"""TP x CP: heads / (tp x cp) = 2 query and 1 KV head per rank."""
+FOUR_RANK_CASES = {"dp2_cp2_fsdp2": dict(fsdp=True), "tp2_cp2": dict(fsdp=False, tp=2, **EIGHT_HEADS),
+                   "tp2_cp2_fsdp2": dict(fsdp=True, tp=2, **EIGHT_HEADS)}
+"""One 4-rank spawn: dp=2 x cp=2 (each dp rank reads one row, the cp ranks the same row; FSDP2 over all 4), and
+tp=2 x cp=2 (the all-to-all over each TP rank's heads), replicated and x FSDP2 (over the 2 cp ranks)."""
+
+
+def _four_ranks(rank, world_size, states):
+    return {name: _train_cp("llama", case["fsdp"], batches(), states[name], world=world_size,
+                            **{k: v for k, v in case.items() if k != "fsdp"})
+            for name, case in FOUR_RANK_CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs():
+    overrides = {name: {k: v for k, v in case.items() if k not in ("fsdp", "tp")}
+                 for name, case in FOUR_RANK_CASES.items()}
+    states = {name: {k: v.clone() for k, v in tiny_model("llama", **o).state_dict().items()}
+              for name, o in overrides.items()}
+    reference = {name: _train_reference(tiny_model("llama", **o), [[b] for b in batches()])
+                 for name, o in overrides.items()}
+    return reference, run_distributed(_four_ranks, 4, states)
+
+
+@pytest.mark.parametrize("case", list(FOUR_RANK_CASES))
+def test_four_rank_cp_products_equal_one_process(four_rank_runs, case):
+    reference, results = four_rank_runs
+    for got in (r[case] for r in results):
+        assert_close(torch.tensor(got["losses"]), torch.tensor(reference[case]["losses"]), atol=1e-5, rtol=1e-5)
+        for name, value in reference[case]["state"].items():
+            assert_close(got["state"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("model_type", MODELS)
 @pytest.mark.parametrize("fsdp", [False, True], ids=["cp2", "cp2_fsdp2"])
 def test_cp_equals_one_process(runs, model_type, fsdp):
@@ -169,7 +208,14 @@ def test_sliding_window_bites_at_this_length():
 
 
 # -- DistTrainer: --cp_size 2 (alone and x FSDP2) against the one-process Trainer run --------------------------------
-TRAINER_CASES = {"trainer_cp2": {}, "trainer_cp2_fsdp2": {"fsdp2": True}}
+TRAINER_CASES = {"trainer_cp2": {}, "trainer_cp2_fsdp2_ac": {"fsdp2": True, "fsdp2_activation_checkpointing": True}}
+"""name -> extra arguments; activation checkpointing recomputes the split forward inside backward"""
+
+
+def _eval_loss(trainer) -> float:
+    from trainer_harness import token_dataset
+
+    return trainer.evaluate(eval_dataset=token_dataset(8, seed=1))["eval_loss"]
 
 
 def _trainer_ranks(rank, world_size, output_dir):
@@ -179,7 +225,7 @@ def _trainer_ranks(rank, world_size, output_dir):
     for name, extra in TRAINER_CASES.items():
         losses, params, trainer = train_tiny(f"{output_dir}/{name}", max_steps=STEPS, cp_size=2, **extra)
         out[name] = {"losses": losses, "params": params, "layout": trainer.args.layout.name,
-                     "dp": trainer.args.batch_contract.dp}
+                     "dp": trainer.args.batch_contract.dp, "eval_loss": _eval_loss(trainer)}
     return out
 
 
@@ -188,8 +234,9 @@ def trainer_runs(tmp_path_factory):
     from trainer_harness import train_tiny
 
     out = tmp_path_factory.mktemp("cp_trainer")
-    losses, params, _ = train_tiny(str(out / "reference"), max_steps=STEPS)
-    return {"losses": losses, "params": params}, run_distributed(_trainer_ranks, 2, str(out))
+    losses, params, trainer = train_tiny(str(out / "reference"), max_steps=STEPS)
+    reference = {"losses": losses, "params": params, "eval_loss": _eval_loss(trainer)}
+    return reference, run_distributed(_trainer_ranks, 2, str(out))
 
 
 @pytest.mark.parametrize("case", list(TRAINER_CASES))
@@ -199,6 +246,7 @@ def test_dist_trainer_cp_equals_one_process(trainer_runs, case):
         got = results[rank][case]
         assert "cp2" in got["layout"] and got["dp"] == 1  # the cp ranks share one batch
         assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5)
+        assert got["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)  # whole sequences, loss / cp
         for name, value in reference["params"].items():
             assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
@@ -207,7 +255,8 @@ def test_dist_trainer_cp_equals_one_process(trainer_runs, case):
 @pytest.mark.parametrize("fields, match", [
     (dict(strategy="zero3"), "cp_size=2 with DeepSpeed zero3"),
     (dict(strategy="fsdp_full_shard", pp=2, num_gpus=4), "cp_size=2 with pp_size=2"),
-    (dict(strategy="fsdp_full_shard", tp=2, num_gpus=4), "cp_size=2 with tp_size=2"),
+    (dict(strategy="fsdp_full_shard", tp=2, num_gpus=4, sequence_parallel=True),
+     "cp_size=2 with tp_sequence_parallel=True"),
     (dict(strategy="fsdp_hybrid_shard", num_gpus=2, num_nodes=2), "cp_size=2 with fsdp_hybrid_shard"),
     (dict(strategy="ddp", lora_rank=8), "cp_size=2 with lora_rank=8"),
     (dict(strategy="ddp", num_gpus=3), "cp_size=2 does not divide the world size 3"),

@@ -6,8 +6,8 @@ One decision, used by ``DistTrainer`` (``check_cp_support``) and by ``docs/cover
   ``position_embeddings`` from the model, its attention goes through transformers' attention registry, and no
   attention function reads a per-head parameter -- gpt-oss's sinks are one per head, and a rank holding a subset of
   heads would read the wrong ones);
-- ``num_attention_heads`` and ``num_key_value_heads`` divide by ``cp_size`` (the all-to-all hands each rank
-  ``heads / cp``). Ring attention (torch's ``context_parallel``), which needs no divisibility, is not run by hf_dist:
+- ``num_attention_heads`` and ``num_key_value_heads`` divide by ``tp_size x cp_size`` (TP leaves each rank
+  ``heads / tp``, the all-to-all hands each rank ``heads / (tp x cp)``). Ring attention (torch's ``context_parallel``), which needs no divisibility, is not run by hf_dist:
   on CPU/gloo it cannot run at all (it intercepts SDPA's flash / memory-efficient / cuDNN kernels only).
 """
 
@@ -26,8 +26,8 @@ def _heads(config) -> tuple[int, int]:
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
-def cp_refusal(config, cp_size: int) -> str | None:
-    """Why ``config``'s model cannot run with ``cp_size`` (None: it can). Pure."""
+def cp_refusal(config, cp_size: int, tp_size: int = 1) -> str | None:
+    """Why ``config``'s model cannot run with ``cp_size`` (and ``tp_size``) (None: it can). Pure."""
     if cp_size == 1:
         return None
     model_type = getattr(config, "model_type", None)
@@ -35,17 +35,21 @@ def cp_refusal(config, cp_size: int) -> str | None:
         return (f"model_type={model_type!r} has no context-parallel parity test in hf_dist; context parallelism runs "
                 f"{', '.join(CP_MODEL_TYPES)} (docs/coverage.md); drop cp_size")
     heads, kv_heads = _heads(config)
-    if heads % cp_size or kv_heads % cp_size:
-        valid = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and heads % d == 0]
-        return (f"cp_size={cp_size} does not divide num_attention_heads={heads} and num_key_value_heads={kv_heads}: "
-                f"the all-to-all gives each rank heads / cp_size heads. Ring attention (torch context_parallel), which "
-                f"would not need it, is not run by hf_dist (on CPU it cannot run at all); use cp_size in {valid}")
+    split = cp_size * tp_size
+    if heads % split or kv_heads % split:
+        valid = [d for d in range(1, kv_heads // tp_size + 1) if (kv_heads % (d * tp_size) == 0
+                                                                 and heads % (d * tp_size) == 0)]
+        by_tp = f" x tp_size={tp_size}" if tp_size > 1 else ""
+        return (f"cp_size={cp_size}{by_tp} does not divide num_attention_heads={heads} and num_key_value_heads="
+                f"{kv_heads}: the all-to-all gives each rank heads / (tp x cp) heads. Ring attention (torch "
+                f"context_parallel), which would not need it, is not run by hf_dist (on CPU it cannot run at all); "
+                f"use cp_size in {valid}")
     return None
 
 
-def check_cp_support(config, cp_size: int) -> None:
+def check_cp_support(config, cp_size: int, tp_size: int = 1) -> None:
     """``ValueError`` naming the model, the rule and the fix when ``cp_refusal`` refuses."""
-    why = cp_refusal(config, cp_size)
+    why = cp_refusal(config, cp_size, tp_size)
     if why is not None:
         raise ValueError(why)
 

@@ -175,7 +175,9 @@ def check_model_for_packing(model, collator: PackedCollator) -> None:
         )
     # under context parallelism the model's own implementation runs inside hf_dist's all-to-all, on the whole
     # sequence and with the mask the model built for it (hf_dist.context_parallel.attention)
-    attn = (getattr(config, "_attn_implementation", None) or "eager").removeprefix("hf_dist_cp_")
+    from hf_dist.context_parallel.attention import CP_PREFIX
+
+    attn = (getattr(config, "_attn_implementation", None) or "eager").removeprefix(CP_PREFIX)
     if "flash" in attn and not collator.flash_attn_kwargs:
         raise ValueError(
             f"attn_implementation={attn!r} needs varlen boundaries for multi-row packed batches; build the "

@@ -190,7 +190,7 @@ def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
     if layout.cp > 1:
         from hf_dist.context_parallel.support import cp_refusal  # the one CP support decision
 
-        refusal = cp_refusal(spec_config(model), layout.cp)
+        refusal = cp_refusal(spec_config(model), layout.cp, layout.tp)
         if refusal:
             return f"rule: {refusal}"
     if tp > 1:

@@ -123,7 +123,7 @@ class DistTrainer(Trainer):
         if args.tp_size > 1:  # the model's own plan must be supported and fit
             check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
         if args.layout.cp > 1:  # supported model type, heads divisible by cp
-            check_cp_support(model.config, args.layout.cp)
+            check_cp_support(model.config, args.layout.cp, args.layout.tp)
 
     def _prepare_model(self, model, args: DistTrainingArguments):
         """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
