@@ -118,7 +118,8 @@ def _train_cp(model_type: str, fsdp: bool, step_batches: list[dict], state: dict
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach() / dims.dp_cp
-        dist.all_reduce(total)  # this rank's share of the token mean, summed
+        dist.all_reduce(total, group=dims.get_mesh("dp_cp").get_group())  # the shares of the token mean (tp ranks
+        # hold the same share: summed over dp x cp only)
         losses.append(float(total))
     return {"losses": losses, "state": full_state_dict(model)}
 
