@@ -1,5 +1,7 @@
 """Coverage table: for every causal-LM model type of the installed transformers, whether hf_dist runs it with
-tensor parallelism, pipeline parallelism and (MoE types) expert parallelism, and why not where it does not.
+tensor parallelism, pipeline parallelism and (MoE types) expert parallelism, and why not where it does not; then the
+model types that run with context parallelism (``hf_dist.context_parallel.support``, the check DistTrainer makes
+with ``cp_size > 1``).
 
 The statuses are the support decisions themselves (``hf_dist.tensor_parallel.support``,
 ``hf_dist.pipeline_parallel.support`` and ``hf_dist.expert_parallel.support``) on each type's default config; "yes"
@@ -113,6 +115,16 @@ def render(rows: list[tuple[str, str, str, str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_context_parallel() -> str:
+    """The context-parallel section: the types ``CP_MODEL_TYPES`` lists; every other type is refused by name."""
+    from hf_dist.context_parallel.support import cp_support_table
+
+    return ("\n## Context parallelism\n\n`cp_size > 1` runs these model types (all-to-all attention around the "
+            "model's own attention; heads and KV heads must divide by `cp_size`). Every other model type is refused "
+            "by name before launch (`hf_dist.context_parallel.support.check_cp_support`).\n\n"
+            + cp_support_table() + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", help="also write the table to this markdown file")
@@ -123,11 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.disable(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     table = render(coverage_rows())
-    sys.stdout.write(table)
+    sys.stdout.write(table + render_context_parallel())
     if args.write:
-        header = "# Model coverage: tensor, pipeline and expert parallelism per model type\n\n"
+        header = "# Model coverage: tensor, pipeline, expert and context parallelism per model type\n\n"
         with open(args.write, "w") as handle:
-            handle.write(header + table)
+            handle.write(header + table + render_context_parallel())
     if args.readme:
         write_between_markers(args.readme, table.splitlines()[0] + "\n")
 

@@ -56,6 +56,8 @@ class BatchContract:
     """Tensor-parallel degree (ranks that share a batch)."""
     pp: int = 1
     """Pipeline-parallel degree (ranks that share a batch)."""
+    cp: int = 1
+    """Context-parallel degree (ranks that share a batch, each holding a slice of every sequence)."""
     seq_len: int | None = None
     """Tokens per sequence, for the tokens-per-step figure (None: unknown)."""
     base_learning_rate: float | None = None
@@ -66,14 +68,15 @@ class BatchContract:
     """How the learning rate follows the global batch."""
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "global_batch_size", "micro_batch_size", "tp", "pp"):
+        for name in ("world_size", "global_batch_size", "micro_batch_size", "tp", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.world_size % (self.tp * self.pp) != 0:
+        shared = self.tp * self.pp * self.cp
+        if self.world_size % shared != 0:
             raise ValueError(
-                f"tp={self.tp} x pp={self.pp} = {self.tp * self.pp} does not divide world_size={self.world_size}; "
-                f"use a world size that is a multiple of {self.tp * self.pp}, or smaller tp/pp"
+                f"tp={self.tp} x pp={self.pp} x cp={self.cp} = {shared} does not divide world_size={self.world_size}; "
+                f"use a world size that is a multiple of {shared}, or smaller tp/pp/cp"
             )
         unit = self.micro_batch_size * self.dp
         if self.global_batch_size % unit != 0:
@@ -81,7 +84,7 @@ class BatchContract:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size="
                 f"{self.micro_batch_size} x data-parallel size={self.dp} (world_size={self.world_size}, "
-                f"tp={self.tp}, pp={self.pp}) = {unit}, so gradient accumulation would not be a whole number; "
+                f"tp={self.tp}, pp={self.pp}, cp={self.cp}) = {unit}, so gradient accumulation would not be a whole number; "
                 f"use global_batch_size in {near}, or change the micro batch"
             )
         if self.lr_scaling not in LR_SCALINGS:
@@ -99,7 +102,7 @@ class BatchContract:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -127,6 +130,7 @@ class BatchContract:
             "micro_batch_size": self.micro_batch_size,
             "tp": self.tp,
             "pp": self.pp,
+            "cp": self.cp,
             "seq_len": self.seq_len,
             "base_learning_rate": self.base_learning_rate,
             "base_batch_size": self.base_batch_size,
@@ -140,6 +144,7 @@ class BatchContract:
             ("data parallel (dp)", str(self.dp)),
             ("tensor parallel (tp)", str(self.tp)),
             ("pipeline parallel (pp)", str(self.pp)),
+            *([("context parallel (cp)", str(self.cp))] if self.cp > 1 else []),
             ("micro batch / dp rank", str(self.micro_batch_size)),
             ("gradient accumulation", str(self.gradient_accumulation_steps)),
             (

@@ -2,18 +2,24 @@
 
 ``ParallelDims`` says how the world is factored into data-parallel replicas
 (``dp_replicate``), data-parallel shards (``dp_shard``, what FSDP/ZeRO shards
-over), tensor-parallel ranks (``tp``) and pipeline stages (``pp``). It builds a
-named ``DeviceMesh`` and answers "which group do I talk to for X" questions.
+over), context-parallel ranks (``cp``, which split one sequence), tensor-parallel
+ranks (``tp``) and pipeline stages (``pp``). It builds a named ``DeviceMesh`` and
+answers "which group do I talk to for X" questions.
 
 It is not a process-group manager: nothing here is global, two layouts can live
 in one process (tests do that), and building the mesh is explicit.
 
-Mesh axis order, outermost first: ``pp, dp_replicate, dp_shard, tp``. Tensor
+Mesh axis order, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor
 parallelism is innermost so that its ranks are neighbours (one node, fast
-links); pipeline stages are outermost so that they cross nodes.
+links); pipeline stages are outermost so that they cross nodes. Context
+parallelism sits next to TP: its all-to-all runs twice per layer. The ranks of
+one ``cp`` group read the same batch (``dp`` excludes ``cp``), but hold different
+tokens, so parameters are sharded -- and gradients reduced -- over ``dp_shard x
+cp`` together (the flattened ``dp_shard_cp`` axis, as torchtitan does): CP ranks
+are data-parallel ranks for the parameters and one rank for the data.
 
 Experts (``ep > 1``) are laid out over the same ranks a second way, as transformers' ``DistributedConfig`` does:
-inside one pipeline stage the ``dp x tp`` ranks are factored into ``efsdp x ep`` (``efsdp = dp x tp / ep``). The
+inside one pipeline stage (``cp = 1``: EP with CP is refused) the ``dp x tp`` ranks are factored into ``efsdp x ep`` (``efsdp = dp x tp / ep``). The
 ``ep`` ranks of a group (neighbours, innermost) hold different experts and exchange tokens; the ``efsdp`` ranks
 hold the same experts and shard them with FSDP (or average their gradients without FSDP). The expert mesh is a
 second root mesh ``(pp, efsdp, ep)`` built next to the dense one.
@@ -25,13 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-_FACTORS = ("pp", "dp_replicate", "dp_shard", "tp")
+_FACTORS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
 _EXPERT_FACTORS = ("pp", "efsdp", "ep")
 
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """A factorisation of ``world_size`` into ``pp x dp_replicate x dp_shard x tp``."""
+    """A factorisation of ``world_size`` into ``pp x dp_replicate x dp_shard x cp x tp``."""
 
     world_size: int
     """Number of processes in the job."""
@@ -39,6 +46,8 @@ class ParallelDims:
     """Data-parallel replicas that hold full copies (DDP, or HSDP's outer axis)."""
     dp_shard: int = -1
     """Data-parallel ranks that shard parameters/states (FSDP/ZeRO). -1: the ranks left over."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (and read the same batch)."""
     tp: int = 1
     """Tensor-parallel degree."""
     pp: int = 1
@@ -47,7 +56,7 @@ class ParallelDims:
     """Expert-parallel degree: ranks of one stage that hold different experts (not a factor of the world: the
     experts' own factorisation of the ``dp x tp`` ranks, see the module docstring)."""
     _mesh: object | None = field(default=None, init=False, repr=False, compare=False)
-    _dp_mesh: object | None = field(default=None, init=False, repr=False, compare=False)
+    _flat_meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _expert_mesh: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,14 +83,17 @@ class ParallelDims:
                     f"{known}, which does not divide {self.world_size}; use a world size that is a multiple of {known}"
                 )
             setattr(self, left_over[0], self.world_size // known)
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
                 f"{self._describe()} multiply to {product}, but world_size={self.world_size}; "
-                f"the four factors must multiply to the world size (set one of them to -1 to take the ranks left over)"
+                f"the five factors must multiply to the world size (set one of them to -1 to take the ranks left over)"
             )
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise ValueError(f"ep={self.ep!r} must be a positive integer (1: no expert parallelism)")
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"ep={self.ep} with cp={self.cp}: the expert mesh factors the dp x tp ranks of a stage; "
+                             f"context-parallel ranks have no place in it; set cp=1 or ep=1")
         if (self.dp * self.tp) % self.ep:
             spread = self.dp * self.tp
             valid = [d for d in range(1, spread + 1) if spread % d == 0]
@@ -108,6 +120,16 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold different tokens of one step (data-parallel x context-parallel): gradients average
+        over them."""
+        return self.dp * self.cp
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -125,7 +147,7 @@ class ParallelDims:
 
     # -- coordinates (pure: no process group needed) ---------------------------------------------
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank``: ``{"pp", "dp_replicate", "dp_shard", "tp", "dp"}``."""
+        """Mesh coordinates of ``rank``: ``{"pp", "dp_replicate", "dp_shard", "cp", "tp", "dp"}``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
         coords: dict[str, int] = {}
@@ -145,8 +167,8 @@ class ParallelDims:
     def build_mesh(self, device_type: str | None = None):
         """Build (once) and return the named ``DeviceMesh``; needs an initialised process group.
 
-        Axis names: ``pp, dp_replicate, dp_shard, tp`` plus the flattened ``dp`` (replicate x shard),
-        which is the axis FSDP2/HSDP and the data sampler use.
+        Axis names: ``pp, dp_replicate, dp_shard, cp, tp`` plus the flattened ``dp`` (replicate x shard: the data
+        sampler's axis), ``dp_shard_cp`` (what FSDP2 shards over) and ``dp_cp`` (what gradients average over).
         """
         if self._mesh is not None:
             return self._mesh
@@ -159,8 +181,14 @@ class ParallelDims:
             tuple(getattr(self, name) for name in _FACTORS),
             mesh_dim_names=_FACTORS,
         )
-        # keep the flattened axis itself: slicing a flattened dim from the root mesh is deprecated
-        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        # keep the flattened axes themselves: slicing a flattened dim from the root mesh is deprecated
+        self._flat_meshes = {"dp": mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")}
+        if self.cp_enabled:
+            self._flat_meshes["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            self._flat_meshes["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        else:  # without CP the same ranks: one group each
+            self._flat_meshes["dp_shard_cp"] = mesh["dp_shard"]
+            self._flat_meshes["dp_cp"] = self._flat_meshes["dp"]
         if self.ep > 1:
             self._expert_mesh = init_device_mesh(
                 device_type, (self.pp, self.efsdp, self.ep), mesh_dim_names=_EXPERT_FACTORS
@@ -169,18 +197,18 @@ class ParallelDims:
         return mesh
 
     def get_mesh(self, name: str):
-        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` or ``dp``; with ``ep > 1``
-        also ``ep`` and ``efsdp``, from the expert mesh)."""
+        """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, or the flattened
+        ``dp``, ``dp_shard_cp``, ``dp_cp``; with ``ep > 1`` also ``ep`` and ``efsdp``, from the expert mesh)."""
         if self._mesh is None:
             raise RuntimeError("call build_mesh() before get_mesh()")
         if name in ("ep", "efsdp"):
             if self._expert_mesh is None:
                 raise ValueError(f"mesh axis {name!r} exists only with ep > 1 (this layout has ep={self.ep})")
             return self._expert_mesh[name]
-        if name not in (*_FACTORS, "dp"):
-            raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, 'dp'))}")
-        if name == "dp":
-            return self._dp_mesh
+        if name not in (*_FACTORS, *_FLATTENED):
+            raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, *_FLATTENED))}")
+        if name in _FLATTENED:
+            return self._flat_meshes[name]
         return self._mesh[name]
 
     @property
@@ -190,6 +218,7 @@ class ParallelDims:
         return self._mesh
 
     @classmethod
-    def from_sizes(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1) -> "ParallelDims":
-        """The common case: TP and PP fixed, every rank left over shards data."""
-        return cls(world_size=world_size, tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=-1)
+    def from_sizes(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
+                   cp: int = 1) -> "ParallelDims":
+        """The common case: TP, PP and CP fixed, every rank left over shards data."""
+        return cls(world_size=world_size, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, dp_shard=-1)

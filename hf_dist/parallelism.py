@@ -1,12 +1,14 @@
 """Apply a parallel layout to a model: the one place hf_dist changes a model for a layout, in one visible order.
 
 ``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, expert
-parallelism over the ``ep`` axis (``hf_dist.expert_parallel``), activation checkpointing, ``torch.compile`` per
-block when asked (``hf_dist.compile``), then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel axes
-(HSDP when ``dp_replicate > 1``), or, without FSDP, whole parameters on every dp rank with gradients averaged over
-dp in buckets, once per optimizer step (``hf_dist.data_parallel.replicate``). ``DistTrainer``, the public API and
-every pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist wraps a model (``DistTrainer``
-compiles the blocks of the layouts accelerate wraps with the same ``compile_blocks``).
+parallelism over the ``ep`` axis (``hf_dist.expert_parallel``), context parallelism over the ``cp`` axis
+(``hf_dist.context_parallel``), activation checkpointing, ``torch.compile`` per block when asked
+(``hf_dist.compile``), then data parallelism -- FSDP2 ``fully_shard`` over the data-parallel and context-parallel
+axes together (``dp_shard_cp``; HSDP when ``dp_replicate > 1``), or, without FSDP, whole parameters on every rank
+with gradients averaged over ``dp x cp`` in buckets, once per optimizer step (``hf_dist.data_parallel.replicate``).
+Context-parallel ranks hold different tokens of the same batch, so for the parameters they are data-parallel ranks.
+``DistTrainer``, the public API and every pipeline stage (``PipelinedCausalLM``) call it; nothing else in hf_dist
+wraps a model (``DistTrainer`` compiles the blocks of the layouts accelerate wraps with the same ``compile_blocks``).
 
 Expert parameters under EP are sharded (FSDP2) or reduced (replicated dp) over the ``efsdp`` ranks that hold the
 same experts, not over dp: each expert shard's gradient already sums the contributions of the ``ep`` ranks' batches
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from hf_dist.compile import CompileRequest, compile_blocks
+from hf_dist.context_parallel import apply_context_parallel
 from hf_dist.data_parallel import replicate
 from hf_dist.data_parallel.fsdp_prefetch import reshard_after_forward, set_explicit_prefetch
 from hf_dist.expert_parallel import apply_expert_parallel, expert_modules, expert_params
@@ -141,6 +144,8 @@ def parallelize(
         )
     if dims.ep_enabled:
         apply_expert_parallel(model, dims)
+    if dims.cp_enabled:
+        apply_context_parallel(model, dims.get_mesh("cp").get_group(), find_blocks(model))
     if activation_checkpointing or (request is not None and request.activation_checkpointing):
         apply_activation_checkpointing(model)
     if compile_request is not None:
@@ -150,12 +155,12 @@ def parallelize(
         model = apply_fsdp(
             model, dims, request, units=fsdp_units, param_dtype=param_dtype, grad_reduction=grad_reduction
         )
-    elif dims.dp_enabled and replicate_gradients:
+    elif dims.dp_cp > 1 and replicate_gradients:
         if grad_reduction != "mean":
             raise ValueError("grad_reduction='sum' with replicated data parallelism: reduce the gradients yourself "
                              "(replicate_gradients=False) or use FSDP")
         experts = (expert_params, dims.get_mesh("efsdp"), dims.dp) if dims.ep_enabled else None
-        model = replicate(model, dims.get_mesh("dp"), experts=experts)
+        model = replicate(model, dims.get_mesh("dp_cp"), experts=experts)
     return model
 
 
@@ -175,8 +180,9 @@ def find_blocks(model: nn.Module, class_names: tuple[str, ...] | None = None) ->
 
 
 def fsdp_mesh(dims: ParallelDims):
-    """The mesh FSDP2 shards over: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` mesh for HSDP."""
-    return dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.get_mesh("dp_shard")
+    """The mesh FSDP2 shards over: ``dp_shard`` (x ``cp``: ``dp_shard_cp``), or the 2-D ``(dp_replicate, dp_shard)``
+    mesh for HSDP (not with CP: ``Layout`` refuses HSDP x CP)."""
+    return dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.get_mesh("dp_shard_cp")
 
 
 def apply_fsdp(

@@ -93,6 +93,10 @@ class Layout:
     """Expert-parallel degree (``--ep_size``): MoE experts split over this many data-parallel ranks, tokens sent to
     their experts' ranks; experts are sharded (FSDP2) or replicated (DDP) over the ``efsdp = dp x tp / ep`` ranks
     that hold the same ones."""
+    cp: int = 1
+    """Context-parallel degree (``--cp_size``): ranks that split each sequence (all-to-all attention,
+    ``hf_dist.context_parallel``). They read the same batch; parameters shard and gradients average over
+    ``dp x cp`` together."""
     offload: Offload = "none"
     """What leaves the GPU (see ``OFFLOADS``)."""
     sequence_parallel: bool = False
@@ -110,7 +114,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is not known; use one of {', '.join(STRATEGIES)}")
-        for name in ("num_gpus", "num_nodes", "tp", "pp", "ep"):
+        for name in ("num_gpus", "num_nodes", "tp", "pp", "ep", "cp"):
             _check_positive(name, getattr(self, name))
         for name in ("dp_replicate", "dp_shard"):
             if getattr(self, name) is not None:
@@ -127,6 +131,7 @@ class Layout:
                              f"parameters on the device; drop the offload (fsdp cpu_offload / offload_params) or set "
                              f"pp_size=1")
         self._check_model_parallel()
+        self._check_context_parallel()
         check_tp_options(tp=self.tp, pp=self.pp, sequence_parallel=self.sequence_parallel,
                          vocab_parallel=self.vocab_parallel)
         self._check_data_parallel()
@@ -145,6 +150,10 @@ class Layout:
             raise ValueError(f"ep_size={self.ep} with pp_size={self.pp}: pipeline stages are built per stage and "
                              f"apply TP/FSDP inside, not the expert mesh; no parity test covers PP x EP; set "
                              f"pp_size=1 (EP x FSDP2 or EP x DDP), or ep_size=1")
+        if self.cp > 1:
+            raise ValueError(f"ep_size={self.ep} with cp_size={self.cp}: the expert mesh spreads experts over the "
+                             f"data-parallel ranks of a stage, not over context-parallel ranks, and no parity test "
+                             f"covers EP x CP; set cp_size=1 (EP x FSDP2 or EP x DDP), or ep_size=1")
         if self.tp > 1:
             raise ValueError(f"ep_size={self.ep} with tp_size={self.tp}: hf_dist's TP refuses MoE experts and does "
                              f"not slice the batch over TP ranks before the token exchange; use ep_size with FSDP2 "
@@ -179,8 +188,43 @@ class Layout:
                 f"tp_size={self.tp} x pp_size={self.pp} = {self.tp * self.pp} does not divide the world size "
                 f"{self.world_size}; launch a multiple of {self.tp * self.pp} processes or lower tp_size/pp_size")
 
+    def _check_context_parallel(self) -> None:
+        """CP runs with DDP-style replication or FSDP2 FULL_SHARD / SHARD_GRAD_OP, and with TP (each tested against one
+        process);
+        the other products are refused with their reason. Model rules (heads divisible by cp, supported model types)
+        are ``hf_dist.context_parallel.support``."""
+        if self.cp == 1:
+            return
+        if self.is_deepspeed:
+            raise ValueError(f"cp_size={self.cp} with DeepSpeed {self.strategy}: the DeepSpeed engine reduces gradients "
+                             f"over the whole world and reads a different batch on every rank, while context-parallel "
+                             f"ranks share one batch; use FSDP2 (accelerate_configs/fsdp.yaml) or DDP with cp_size")
+        reasons = {
+            "pp_size": (self.pp > 1, "pipeline stages pass whole-sequence activations between ranks and compute the "
+                                     "loss on the last stage only, where the sequence split and its shifted labels "
+                                     "are not wired; use cp_size without pp_size (CP cuts activations per rank too)"),
+            "tp_sequence_parallel": (self.sequence_parallel, "the sequence split takes whole hidden states between "
+                                                             "layers, which TP's sequence parallelism shards; drop "
+                                                             "tp_sequence_parallel (CP already splits the sequence)"),
+            "tp_vocab_parallel": (self.vocab_parallel, "CP x vocabulary-parallel logits has no parity test in hf_dist "
+                                                       "yet; drop tp_vocab_parallel"),
+            "fsdp_hybrid_shard": (self.strategy == "fsdp_hybrid_shard",
+                                  "HSDP x CP has no parity test in hf_dist yet; use fsdp_full_shard (dp_replicate=1)"),
+            "lora_rank": (self.lora_rank > 0, "LoRA x CP has no parity test in hf_dist yet; fine-tune fully or "
+                                              "drop cp_size"),
+        }
+        for name, (refused, why) in reasons.items():
+            if refused:
+                value = self.strategy if name == "fsdp_hybrid_shard" else getattr(
+                    self, {"tp_sequence_parallel": "sequence_parallel", "tp_vocab_parallel": "vocab_parallel"}.get(
+                        name, name.removesuffix("_size")))
+                raise ValueError(f"cp_size={self.cp} with {name}={value}: {why}")
+        if self.world_size % (self.cp * self.tp * self.pp):
+            raise ValueError(f"cp_size={self.cp} does not divide the world size {self.world_size}; launch a multiple of "
+                             f"{self.cp} processes or choose cp_size among the divisors of {self.world_size}")
+
     def _check_data_parallel(self) -> None:
-        dp = self.world_size // (self.tp * self.pp)
+        dp = self.dp
         if self.dp_replicate is not None and self.dp_replicate > 1 and self.strategy != "fsdp_hybrid_shard":
             raise ValueError(f"dp_replicate={self.dp_replicate} with strategy={self.strategy}: replica groups are "
                              f"HYBRID_SHARD's (FSDP2); drop dp_replicate or use FSDP2 with it")
@@ -191,13 +235,15 @@ class Layout:
         if dp % self.replicas:
             valid = [d for d in range(1, dp + 1) if dp % d == 0]
             raise ValueError(f"dp_replicate={self.replicas} does not divide the {dp} data-parallel ranks (world "
-                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp}); use dp_replicate in {valid}")
+                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp} / cp_size {self.cp}); use "
+                             f"dp_replicate in {valid}")
         if self.dp_shard is not None and self.replicas * self.dp_shard != dp:
             raise ValueError(
                 f"dp_replicate={self.replicas} x dp_shard={self.dp_shard} = {self.replicas * self.dp_shard} but the "
                 f"launch has {dp} data-parallel ranks (world {self.world_size} / tp_size {self.tp} / pp_size "
-                f"{self.pp}): the request would silently run as {self.replicas} x {dp // self.replicas}; launch "
-                f"{self.replicas * self.dp_shard * self.tp * self.pp} processes or set dp_shard={dp // self.replicas}")
+                f"{self.pp} / cp_size {self.cp}): the request would silently run as {self.replicas} x "
+                f"{dp // self.replicas}; launch {self.replicas * self.dp_shard * self.tp * self.pp * self.cp} processes "
+                f"or set dp_shard={dp // self.replicas}")
 
     @property
     def world_size(self) -> int:
@@ -215,9 +261,9 @@ class Layout:
         """A new ``ParallelDims`` (mesh not built): DDP replicates over the data-parallel ranks; ZeRO, FULL_SHARD and
         SHARD_GRAD_OP shard over all of them; HYBRID_SHARD replicates over ``replicas`` groups, sharding inside."""
         if self.strategy == "ddp":
-            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, dp_replicate=-1,
-                                dp_shard=1)
-        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, ep=self.ep,
+            return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp,
+                                dp_replicate=-1, dp_shard=1)
+        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp,
                             dp_replicate=self.replicas, dp_shard=-1)
 
     @property
@@ -227,14 +273,15 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel degree: different batches per micro step (context-parallel ranks share one)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def shard_degree(self) -> int:
         """Ranks that model states are sharded over (1: replicated)."""
         if self.is_deepspeed:
             return self.dp
-        return self.dp // self.replicas if self.is_fsdp else 1
+        return self.dp * self.cp // self.replicas if self.is_fsdp else 1
 
     @property
     def streaming_load(self) -> bool:
@@ -243,9 +290,9 @@ class Layout:
 
     @property
     def owned_by_hf_dist(self) -> bool:
-        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP, EP); else accelerate (DDP,
+        """Whether hf_dist lays the model out and checkpoints it (FSDP2, TP, PP, EP, CP); else accelerate (DDP,
         DeepSpeed)."""
-        return self.is_fsdp or self.tp > 1 or self.pp > 1 or self.ep > 1
+        return self.is_fsdp or self.tp > 1 or self.pp > 1 or self.ep > 1 or self.cp > 1
 
     @property
     def is_deepspeed(self) -> bool:
@@ -266,6 +313,8 @@ class Layout:
             parts.append(f"pp{self.pp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.offload != "none":
             parts.append(f"offload_{self.offload}")
         if self.lora_rank:
@@ -282,8 +331,8 @@ class Layout:
                 kind += f" ({self.replicas} replicas x {self.shard_degree} shards)"
         elif self.is_deepspeed:
             kind = f"DeepSpeed ZeRO-{self.strategy[-1]}"
-        elif self.dp > 1:
-            model_parallel = self.tp > 1 or self.pp > 1 or self.ep > 1
+        elif self.dp > 1 or self.cp > 1:
+            model_parallel = self.tp > 1 or self.pp > 1 or self.ep > 1 or self.cp > 1
             kind = f"DP{self.dp} (hf_dist gradient averaging)" if model_parallel else "DDP"
         else:
             kind = "single process" if self.world_size == 1 else "no data parallelism"
@@ -296,6 +345,8 @@ class Layout:
             kind += f" x PP{self.pp}"
         if self.ep > 1:
             kind += f" x EP{self.ep} (experts over {self.efsdp} x {self.ep})"
+        if self.cp > 1:
+            kind += f" x CP{self.cp} (all-to-all attention)"
         if self.offload != "none":
             kind = f"{kind}, offload {self.offload}"
         if self.lora_rank:

@@ -40,13 +40,23 @@ def test_bad_factors(bad):
 
 def test_coordinates_put_tp_innermost():
     dims = ParallelDims(world_size=8, pp=2, dp_shard=2, tp=2)
-    assert dims.coordinates(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0, "dp": 0}
+    assert dims.coordinates(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "dp": 0}
     assert dims.coordinates(1)["tp"] == 1 and dims.coordinates(1)["dp"] == 0
     assert dims.coordinates(2)["dp"] == 1
     assert dims.coordinates(4)["pp"] == 1
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     with pytest.raises(ValueError):
         dims.coordinates(8)
+
+
+def test_cp_sits_between_dp_shard_and_tp():
+    """CP ranks of one dp rank read the same batch: ``dp`` excludes cp; ``dp_cp`` counts both."""
+    dims = ParallelDims(world_size=8, dp_shard=-1, cp=2, tp=2)
+    assert (dims.dp_shard, dims.dp, dims.dp_cp) == (2, 2, 4)
+    assert [dims.coordinates(r)["cp"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cp=3"):
+        ParallelDims(world_size=8, dp_shard=1, cp=3)
 
 
 def test_get_mesh_before_build():

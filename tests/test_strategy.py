@@ -90,15 +90,16 @@ def test_every_layout_the_planner_can_choose_is_written_and_accepted_as_it_was_p
     for i, layout in enumerate(layouts):
         folder = tmp_path / str(i)
         argv = ["config", "--strategy", layout.strategy, "--gpus", str(layout.num_gpus), "--nodes",
-                str(layout.num_nodes), "--tp", str(layout.tp), "--pp", str(layout.pp), "--offload", layout.offload,
+                str(layout.num_nodes), "--tp", str(layout.tp), "--pp", str(layout.pp), "--cp", str(layout.cp),
+                "--offload", layout.offload,
                 "--micro-batch", "1", "--global-batch", str(2 * layout.pp * layout.dp), "--model", "llama", "--out", str(folder)]
         argv += ["--tp-sequence-parallel"] * layout.sequence_parallel + ["--tp-vocab-parallel"] * layout.vocab_parallel
         assert cli_main(argv) == 0, layout.name
         args = _trainer_view(layout, folder)
         resolved = args.layout  # the run's one Layout, from the written YAML, DeepSpeed JSON and launch flags
-        assert (resolved.strategy, resolved.num_gpus, resolved.num_nodes, resolved.tp, resolved.pp, resolved.offload,
-                resolved.sequence_parallel, resolved.vocab_parallel, resolved.replicas) == (
-            layout.strategy, layout.num_gpus, layout.num_nodes, layout.tp, layout.pp, layout.offload,
+        assert (resolved.strategy, resolved.num_gpus, resolved.num_nodes, resolved.tp, resolved.pp, resolved.cp,
+                resolved.offload, resolved.sequence_parallel, resolved.vocab_parallel, resolved.replicas) == (
+            layout.strategy, layout.num_gpus, layout.num_nodes, layout.tp, layout.pp, layout.cp, layout.offload,
             layout.sequence_parallel, layout.vocab_parallel, layout.replicas), layout.name
         assert resolved.dims == layout.dims and resolved.name == layout.name, layout.name
         fsdp = args.hf_dist_fsdp

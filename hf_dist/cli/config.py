@@ -29,6 +29,7 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=int, default=1, help="hf_dist tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="hf_dist pipeline-parallel degree (default 1)")
     parser.add_argument("--ep", type=int, default=1, help="hf_dist expert-parallel degree for MoE models (default 1)")
+    parser.add_argument("--cp", type=int, default=1, help="hf_dist context-parallel degree (default 1)")
     parser.add_argument("--model", help="local model directory or model_type (e.g. llama): FSDP wrap classes")
     parser.add_argument("--wrap", help="comma-separated layer classes FSDP wraps (instead of --model)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "no"), default="bf16", help="default bf16")
@@ -68,10 +69,10 @@ def _layout(args: argparse.Namespace) -> LaunchSpec:
         raise ValueError(f"missing {', '.join(missing)}; a layout needs --strategy, --gpus, --micro-batch, "
                          f"--global-batch and --out")
     layout = Layout(strategy=args.strategy, num_gpus=args.gpus, num_nodes=args.nodes, tp=args.tp, pp=args.pp,
-                    ep=args.ep, offload=args.offload, sequence_parallel=args.tp_sequence_parallel,
+                    ep=args.ep, cp=args.cp, offload=args.offload, sequence_parallel=args.tp_sequence_parallel,
                     vocab_parallel=args.tp_vocab_parallel)
     contract = BatchContract(world_size=layout.world_size, global_batch_size=args.global_batch,
-                             micro_batch_size=args.micro_batch, tp=args.tp, pp=args.pp)
+                             micro_batch_size=args.micro_batch, tp=args.tp, pp=args.pp, cp=args.cp)
     return LaunchSpec(
         layout=layout, micro_batch_size=args.micro_batch,
         gradient_accumulation_steps=contract.gradient_accumulation_steps, mixed_precision=args.precision,

@@ -201,6 +201,8 @@ def training_arguments(layout: LaunchSpec) -> list[str]:
         args += ["--pp_size", str(parallel.pp)]
     if parallel.ep > 1:
         args += ["--ep_size", str(parallel.ep)]
+    if parallel.cp > 1:
+        args += ["--cp_size", str(parallel.cp)]
     return args
 
 
@@ -233,8 +235,8 @@ def launch_script(layout: LaunchSpec) -> str:
 
 def describe(layout: LaunchSpec) -> str:
     dims = layout.layout.dims
-    return (f"{layout.layout.describe()} on {layout.num_nodes} x {layout.layout.num_gpus} GPUs (dp={dims.dp}, tp={dims.tp}, "
-            f"pp={dims.pp}); micro {layout.micro_batch_size} x accumulation {layout.gradient_accumulation_steps} x "
+    return (f"{layout.layout.describe()} on {layout.num_nodes} x {layout.layout.num_gpus} GPUs (dp={dims.dp}, "
+            f"tp={dims.tp}, cp={dims.cp}, pp={dims.pp}); micro {layout.micro_batch_size} x accumulation {layout.gradient_accumulation_steps} x "
             f"dp {dims.dp} = global batch {layout.global_batch_size}; {layout.mixed_precision}")
 
 

@@ -173,7 +173,11 @@ def check_model_for_packing(model, collator: PackedCollator) -> None:
             "when no KV cache is built, so packed conversations would attend to each other; set "
             "model.config.use_cache=False (the Trainer does, from TrainingArguments.use_cache=False)"
         )
-    attn = getattr(config, "_attn_implementation", None) or "eager"
+    # under context parallelism the model's own implementation runs inside hf_dist's all-to-all, on the whole
+    # sequence and with the mask the model built for it (hf_dist.context_parallel.attention)
+    from hf_dist.context_parallel.attention import CP_PREFIX
+
+    attn = (getattr(config, "_attn_implementation", None) or "eager").removeprefix(CP_PREFIX)
     if "flash" in attn and not collator.flash_attn_kwargs:
         raise ValueError(
             f"attn_implementation={attn!r} needs varlen boundaries for multi-row packed batches; build the "

@@ -40,6 +40,10 @@ MLP backward) and, with eager attention, the softmax backward's two fp32 ``(b, h
 incoming one upcast from the probabilities' dtype and the scores' gradient it produces, ``8·b·heads·s²/t``). Sequence parallel splits norm and residual terms by t; linear inputs stay full (torch's DTensor
 sequence parallel all-gathers before the column-parallel linears, and they save the gathered input).
 
+Context parallelism (``cp``) splits every sequence over cp ranks: a rank holds ``N/cp`` tokens of every per-token
+term above, and its attention runs the whole sequence for ``heads/cp`` heads after the all-to-all (eager
+probabilities and their gradients ``b·heads·s²/cp``); the model's mask and rotary tables stay whole-sequence.
+
 Against Korthikanti et al.'s ``s·b·h·(34 + 5·a·s/h)`` (a GPT layer with dropout and a 4h GeLU MLP) these terms
 are that accounting with the Llama substitutions (no dropout masks, fp32 softmax, SwiGLU, RMSNorm, DTensor SP
 saving gathered linear inputs): ``tests/test_planner_korthikanti.py`` derives both and checks them.
@@ -137,9 +141,10 @@ def dtype_bytes(workload: Workload, layout: Layout) -> tuple[int, int, bool]:
 
 def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivations:
     r, c, autocast = dtype_bytes(workload, layout)
-    n, h, t = workload.tokens, model.hidden_size, layout.dims.tp
+    cp = layout.dims.cp
+    n, h, t = workload.tokens // cp, model.hidden_size, layout.dims.tp
     sp = t if layout.sequence_parallel else 1
-    heads_s = workload.micro_batch_size * model.num_attention_heads * workload.seq_len
+    heads_s = workload.micro_batch_size * model.num_attention_heads * workload.seq_len // cp  # local tokens or heads
     norm = (4 * n * h if layout.lora_rank else (4 + r) * n * h) + 4 * n
     if workload.attention == "eager":
         probabilities = (4 if c == 4 else 6) * heads_s * workload.seq_len
@@ -177,7 +182,8 @@ def _chunked_loss_terms(n: int, h: int, v: int, c: int) -> dict[str, int]:
 def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> ActivationModel:
     """All activation terms of ``model`` under ``workload`` on one rank of ``layout``."""
     r, c, autocast = dtype_bytes(workload, layout)
-    n, h, v, t = workload.tokens, model.hidden_size, model.vocab_size, layout.dims.tp
+    cp = layout.dims.cp
+    n, h, v, t = workload.tokens // cp, model.hidden_size, model.vocab_size, layout.dims.tp
     sp = t if layout.sequence_parallel else 1
     v = v // t if layout.vocab_parallel else v  # the logits columns a rank holds
     chunked = workload.chunked_loss and not layout.vocab_parallel
@@ -186,7 +192,7 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
     lm_head_cast = c * model.vocab_size * h // lm_head_tp(model, t, layout.vocab_parallel) if autocast else 0
     mask = r * workload.micro_batch_size * workload.seq_len**2 if workload.attention == "eager" else 0
     # eager softmax backward: the fp32 gradient of the probabilities and the fp32 gradient of the scores
-    eager_grads = 8 * workload.micro_batch_size * model.num_attention_heads * workload.seq_len**2 if (
+    eager_grads = 8 * workload.micro_batch_size * model.num_attention_heads * workload.seq_len**2 // cp if (
         workload.attention == "eager") else 0
     return ActivationModel(
         layer=_layer(model, workload, layout),

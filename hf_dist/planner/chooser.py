@@ -11,6 +11,9 @@ The order is the case study's decision table, least communication first:
   6. PP (across nodes first), on top of FULL_SHARD, and of TP over the whole node
   7. Offload: ZeRO-2 optimizer to CPU, ZeRO-3 optimizer only, FSDP parameters + optimizer, ZeRO-3 optimizer +
      parameters to CPU, then to NVMe (every one checked against the node's host RAM)
+  8. Context parallelism (2, 4, 8, ... up to the world) on top of FULL_SHARD: each sequence split over cp ranks
+     (two all-to-alls of q/k/v/output per layer, ``throughput.cp_all_to_all_s``) -- what fits when one
+     sequence's activations do not fit a GPU whatever the sharding
 Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
 layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
@@ -175,11 +178,22 @@ def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     out += [(7, "zero2", {"offload": "cpu"}), (7, "zero3", {"offload": "cpu_optimizer"}),
             (7, "fsdp_full_shard", {"offload": "cpu"}), (7, "zero3", {"offload": "cpu"}),
             (7, "zero3", {"offload": "nvme"})]
+    cps, cp = [], 2
+    while cp <= req.world_size:
+        cps.append(cp)
+        cp *= 2
+    out += [(8, "fsdp_full_shard", {"cp": cp}) for cp in cps]
     return out
 
 
 def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
     tp, pp = layout.tp, layout.pp
+    if layout.cp > 1:
+        from hf_dist.context_parallel.support import cp_refusal  # the one CP support decision
+
+        refusal = cp_refusal(spec_config(model), layout.cp, layout.tp)
+        if refusal:
+            return f"rule: {refusal}"
     if tp > 1:
         try:
             check_tp_sizes(spec_config(model), tp, vocab_parallel=layout.vocab_parallel)
@@ -196,8 +210,8 @@ def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
 
 
 def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_rank: int) -> Candidate | None:
-    tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
-    if req.world_size % (tp * pp):
+    tp, pp, cp = kwargs.get("tp", 1), kwargs.get("pp", 1), kwargs.get("cp", 1)
+    if req.world_size % (tp * pp * cp):
         return None  # not a layout of this world size at all
     try:
         layout = make_layout(strategy, req.world_size, gpus_per_node=req.num_gpus, lora_rank=lora_rank, **kwargs)
@@ -208,7 +222,7 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
         return Candidate(layout=layout, tier=tier, reason=rule)
     try:
         batch = BatchContract(world_size=req.world_size, global_batch_size=req.global_batch,
-                              micro_batch_size=req.micro_batch, tp=tp, pp=pp, seq_len=req.seq_len)
+                              micro_batch_size=req.micro_batch, tp=tp, pp=pp, cp=cp, seq_len=req.seq_len)
     except ValueError as err:
         return Candidate(layout=layout, tier=tier, reason=f"rule: {err}")
     workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch,

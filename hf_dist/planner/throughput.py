@@ -12,6 +12,10 @@ efficiency_source`` says which. One constant cannot describe both an unoptimised
 a tuned stack (55-73 %, ``bench/planner_anchors.py``). MFU = model FLOPs (without recompute) of the useful
 (non-padding) tokens / (time x peak).
 
+Context parallelism adds its all-to-all time to the step (``cp_all_to_all_s``): per layer, q, k, v and the
+attention output are exchanged in the forward, again in the backward, and once more in a recomputed forward;
+each rank sends ``(cp - 1)/cp`` of its slice at ``CP_ALL_TO_ALL_BYTES_PER_S`` (an assumption, not measured).
+
 Not here: memory (``memory.py``).
 """
 
@@ -39,6 +43,9 @@ CROSS_NODE_SHARD_FACTOR = 0.85
 """FULL_SHARD / ZeRO-3 gathering parameters across nodes every layer."""
 OFFLOAD_FACTOR = {"none": 1.0, "cpu_optimizer": 0.50, "cpu": 0.40, "nvme": 0.25}
 """Optimizer step on the CPU and PCIe traffic."""
+CP_ALL_TO_ALL_BYTES_PER_S = 100e9
+"""Assumed all-to-all bandwidth per GPU inside an NVLink node (a fraction of the link's peak: all-to-all has many
+small peers)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,6 +103,18 @@ def efficiency(layout: Layout, *, gpus_per_node: int, accumulation: int, base: f
     return eff
 
 
+def cp_all_to_all_s(model: ModelSpec, workload: Workload, layout: Layout) -> float:
+    """Seconds per optimizer step one rank spends in context-parallel all-to-alls (0 without CP)."""
+    cp = layout.dims.cp
+    if cp == 1:
+        return 0.0
+    element = 4 if workload.precision == "fp32" else 2
+    exchanged = element * workload.tokens // cp * (2 * model.q_dim + 2 * model.kv_dim // max(1, layout.dims.tp))
+    passes = 3 if workload.activation_checkpointing else 2
+    sent = exchanged * (cp - 1) / cp * passes * model.num_hidden_layers * workload.gradient_accumulation_steps
+    return sent / CP_ALL_TO_ALL_BYTES_PER_S
+
+
 def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gpu: GpuSpec, *,
                         gpus_per_node: int = 8, base_efficiency: float | None = None,
                         efficiency_source: str | None = None, useful_fraction: float = 1.0,
@@ -114,7 +133,7 @@ def estimate_throughput(model: ModelSpec, workload: Workload, layout: Layout, gp
     eff = efficiency(layout, gpus_per_node=gpus_per_node, accumulation=accumulation, base=base_efficiency,
                      measured_tp=measured_tp)
     world = layout.dims.world_size
-    step = executed * tokens / (world * gpu.peak_bf16_flops * eff)
+    step = executed * tokens / (world * gpu.peak_bf16_flops * eff) + cp_all_to_all_s(model, workload, layout)
     source = efficiency_source or ("assumed: BASE_EFFICIENCY table (typical published runs), not measured"
                                    if base_efficiency is None else "given")
     return Throughput(model_flops_per_token=model_flops, executed_flops_per_token=executed, efficiency=eff,

@@ -45,11 +45,11 @@ def check_values(args) -> None:
         raise ValueError(f"router_aux_loss_scope='global_batch' with pp_size={args.pp_size}: pipeline stages compute "
                          f"the aux loss per micro-batch (statistics passed between stages, not over dp ranks); use "
                          f"router_aux_loss_scope='micro_batch' or pp_size=1")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size"):
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size", "cp_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer (sequences per forward on one rank for "
-                             f"the batch sizes; 1 disables tp_size/pp_size/ep_size)")
+                             f"the batch sizes; 1 disables tp_size/pp_size/ep_size/cp_size)")
 
 
 def fp16_without_gpu(args) -> str | None:
@@ -126,6 +126,12 @@ class DistTrainingArguments(TrainingArguments):
         metadata={"help": "Expert-parallel degree for MoE models: experts split over this many data-parallel ranks, "
                   "tokens exchanged all-to-all; the experts are sharded (FSDP2) or replicated (DDP) over the "
                   "dp / ep_size ranks that hold the same ones."},
+    )
+    cp_size: int = field(
+        default=1,
+        metadata={"help": "Context-parallel degree: ranks that split each sequence (all-to-all attention around the "
+                  "model's own attention, hf_dist/context_parallel). They read the same batch; FSDP2 shards over dp x "
+                  "cp. Filled from an accelerate parallelism_config_cp_size."},
     )
     pp_schedule: str = field(
         default="1f1b",
@@ -272,6 +278,7 @@ class DistTrainingArguments(TrainingArguments):
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             tp_size=self.layout.tp,
             pp_size=self.layout.pp,
+            cp_size=self.layout.cp,
             base_learning_rate=self.base_learning_rate,
             base_batch_size=self.base_batch_size,
             lr_scaling=self.lr_scaling,
@@ -286,13 +293,14 @@ def resolve_contract(
     gradient_accumulation_steps: int = 1,
     tp_size: int = 1,
     pp_size: int = 1,
+    cp_size: int = 1,
     base_learning_rate: float | None = None,
     base_batch_size: int | None = None,
     lr_scaling: str = "linear",
 ) -> BatchContract:
     """The batch contract of a run (pure). Without ``global_batch_size`` it is micro x dp x accumulation; the
-    layout's rules (``hf_dist.strategy.Layout``) have already checked ``tp_size`` and ``pp_size``."""
-    dp = world_size // (tp_size * pp_size)
+    layout's rules (``hf_dist.strategy.Layout``) have already checked ``tp_size``, ``pp_size`` and ``cp_size``."""
+    dp = world_size // (tp_size * pp_size * cp_size)
     if global_batch_size is None:
         global_batch_size = micro_batch_size * dp * gradient_accumulation_steps
     else:
@@ -309,6 +317,7 @@ def resolve_contract(
         micro_batch_size=micro_batch_size,
         tp=tp_size,
         pp=pp_size,
+        cp=cp_size,
         base_learning_rate=base_learning_rate,
         base_batch_size=base_batch_size,
         lr_scaling=lr_scaling if base_learning_rate is not None else "none",

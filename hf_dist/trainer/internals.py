@@ -49,6 +49,10 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                   called_by="_run_epoch",
                   why="gradient accumulation on hf_dist's FSDP2 model: reduce once per optimizer step (HSDP: skip the "
                       "all-reduce, not only the reduce-scatter)"),
+    PrivateMember(owner=_T, name="_prepare_context_parallel_inputs", kind="override", where="trainer.context",
+                  called_by="training_step",
+                  why="under CP each rank keeps its slice of the shifted labels and runs the step inside the "
+                      "sequence split; without it every cp rank would train on whole sequences with a 1/cp loss"),
     PrivateMember(owner=_T, name="_save_checkpoint", kind="override", where="trainer.checkpoint_glue",
                   called_by="_maybe_log_save_evaluate",
                   why="FSDP2/TP/PP models are checkpointed sharded and atomically by hf_dist.checkpoint"),

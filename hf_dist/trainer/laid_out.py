@@ -40,7 +40,7 @@ def stamp(model: nn.Module, laid_out: LaidOut) -> nn.Module:
 
 
 def _factors(dims: ParallelDims) -> dict[str, int]:
-    return {name: getattr(dims, name) for name in ("world_size", "pp", "dp_replicate", "dp_shard", "tp")}
+    return {name: getattr(dims, name) for name in ("world_size", "pp", "dp_replicate", "dp_shard", "cp", "tp")}
 
 
 def laid_out_by_hf_dist(model: nn.Module, wanted: ParallelDims) -> LaidOut | None:

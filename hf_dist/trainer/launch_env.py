@@ -108,10 +108,10 @@ _ACCELERATE_LAYOUT_FLAGS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_C
 @contextlib.contextmanager
 def accelerate_view(args) -> Iterator[None]:
     """While the Trainer builds its ``Accelerator``: hide accelerate's FSDP/parallelism flags when hf_dist applies
-    FSDP2 itself, so that accelerate builds no FSDP plugin and never wraps the model a second time (on GPU it would
+    FSDP2 or context parallelism itself, so that accelerate builds no FSDP plugin and never wraps the model a second time (on GPU it would
     wrap the hf_dist-sharded model again). The flags are restored on exit; nothing else in the process sees a change.
     """
-    if not getattr(args, "fsdp2", False):
+    if not (getattr(args, "fsdp2", False) or getattr(args, "cp_size", 1) > 1):
         yield
         return
     saved = {key: os.environ[key] for key in _ACCELERATE_LAYOUT_FLAGS if key in os.environ}
@@ -124,16 +124,22 @@ def accelerate_view(args) -> Iterator[None]:
 
 
 def _check_parallelism_env(args) -> None:
-    """accelerate's parallelism_config TP size must agree with hf_dist's (hf_dist applies TP itself); a context or
-    sequence parallel request is refused, never dropped (hf_dist does not split sequences across ranks)."""
-    for axis in ("CP", "SP"):
-        size = int(os.environ.get(f"PARALLELISM_CONFIG_{axis}_SIZE", "1") or 1)
-        if size > 1:
-            raise ValueError(
-                f"the accelerate config asks for parallelism_config_{axis.lower()}_size={size}, but hf_dist does not "
-                f"run {'context' if axis == 'CP' else 'sequence'} parallelism: the request would silently train as "
-                f"data parallelism over those ranks; set parallelism_config_{axis.lower()}_size: 1 (the sequence then "
-                f"stays whole on each rank; tp_sequence_parallel splits only the norms under TP)")
+    """accelerate's parallelism_config TP and CP sizes must agree with hf_dist's (hf_dist applies both itself): a CP
+    request becomes ``args.cp_size`` (hf_dist's all-to-all context parallelism, whatever ``cp_backend`` says), a
+    DeepSpeed sequence-parallel (Ulysses) request is refused, never dropped."""
+    sp = int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
+    if sp > 1:
+        raise ValueError(
+            f"the accelerate config asks for parallelism_config_sp_size={sp} (DeepSpeed's Ulysses sequence parallelism), "
+            f"which hf_dist does not run: the request would silently train as data parallelism over those ranks; use "
+            f"parallelism_config_cp_size: {sp} (or --cp_size {sp}), hf_dist's all-to-all context parallelism, instead")
+    cp = int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1)
+    if cp > 1:
+        given = getattr(args, "cp_size", 1)
+        if given not in (1, cp):
+            raise ValueError(f"the accelerate config asks for parallelism_config_cp_size={cp} but cp_size={given}; "
+                             f"pass one of them (or the same value in both)")
+        args.cp_size = cp
     tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
     if tp > 1 and tp != getattr(args, "tp_size", 1):
         raise ValueError(

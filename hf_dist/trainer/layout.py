@@ -1,8 +1,9 @@
 """The one ``Layout`` of a DistTrainer run, resolved from every source, and telling the Trainer that hf_dist owns
 the model's placement.
 
-``resolve_layout(args)`` reads the training arguments (``tp_size``, ``pp_size``, ``ep_size``, the TP options, the
-``fsdp2*`` fields that ``launch_env`` fills from an accelerate FSDP launch config or ``TrainingArguments.fsdp``), the
+``resolve_layout(args)`` reads the training arguments (``tp_size``, ``pp_size``, ``ep_size``, ``cp_size``, the TP
+options, the ``fsdp2*`` fields that ``launch_env`` fills from an accelerate FSDP launch config or
+``TrainingArguments.fsdp``), the
 DeepSpeed config (``deepspeed=`` or the accelerate launcher's) and the launcher's world (``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``), and returns the ``hf_dist.strategy.Layout`` whose rules decide what runs; it is called once,
 in ``DistTrainingArguments.__post_init__``, before any process group. Nothing is changed: the environment is read.
@@ -85,7 +86,7 @@ def _deepspeed_fields(config: dict) -> dict:
 def resolve_layout(args) -> Layout:
     """The ``Layout`` ``args`` and the launcher ask for; a combination hf_dist does not run raises ``ValueError``."""
     num_gpus, num_nodes = _world()
-    fields: dict = {"tp": args.tp_size, "pp": args.pp_size, "ep": args.ep_size,
+    fields: dict = {"tp": args.tp_size, "pp": args.pp_size, "ep": args.ep_size, "cp": getattr(args, "cp_size", 1),
                     "sequence_parallel": args.tp_sequence_parallel, "vocab_parallel": args.tp_vocab_parallel,
                     "num_gpus": num_gpus, "num_nodes": num_nodes}
     deepspeed = _deepspeed_config(args)

@@ -119,7 +119,7 @@ def dp_group(trainer):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     dims = trainer.dims
-    if getattr(dims, "_dp_mesh", None) is not None:
+    if getattr(dims, "_mesh", None) is not None:
         return dims.get_mesh("dp").get_group() if dims.dp > 1 else None
     return dist.group.WORLD
 

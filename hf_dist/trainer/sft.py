@@ -39,6 +39,12 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
                     f"lm_head weight and hidden states, which {name.removeprefix('tp_')} parallelism shards; drop "
                     f"--{name} (the decoder blocks stay tensor-parallel)"
                 )
+        if self.cp_size > 1:  # TRL's loss and metrics take whole-sequence labels against its own logits
+            raise ValueError(
+                f"cp_size={self.cp_size} in DistSFTConfig: TRL's SFT loss and token-accuracy metrics compare the "
+                f"whole sequence's labels with the logits, which context parallelism splits over the cp ranks, and "
+                f"DistSFTTrainer has no CP parity test yet; use DistTrainer with cp_size (completion-only labels "
+                f"as -100), or drop cp_size")
         if self.learning_rate is None and self.base_learning_rate is None:
             self.learning_rate = _SFT_LEARNING_RATE  # SFTConfig's default, not the Trainer's
         super().__post_init__()

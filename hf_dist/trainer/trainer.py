@@ -38,8 +38,9 @@ from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
+from hf_dist.context_parallel import check_cp_support
 from hf_dist.trainer import (
-    checkpoint_glue, compile_glue, data, launch_env, preemption, resume, router_loss, step, teardown,
+    checkpoint_glue, compile_glue, context, data, launch_env, preemption, resume, router_loss, step, teardown,
 )
 from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels
 from hf_dist.trainer.args import DistTrainingArguments
@@ -117,7 +118,7 @@ class DistTrainer(Trainer):
         # handlers live: outside it the callback list is the Trainer's.
         self.preemption = preemption.PreemptionCallback(signals) if signals else None
         self._check_packing()
-        if self.dims.pp_enabled or self.dims.tp_enabled:  # ranks that share a batch: data and metrics by dp rank
+        if self.dims.pp_enabled or self.dims.tp_enabled or self.dims.cp_enabled:  # ranks sharing a batch: by dp rank
             data.use_dp_group(self)
         if self.dims.pp_enabled:  # logits to every stage's rank only when metrics need them
             self.model.logits_everywhere = self.compute_metrics is not None or \
@@ -133,6 +134,8 @@ class DistTrainer(Trainer):
             check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
         if args.ep_size > 1:  # a MoE model whose experts transformers' EP plan shards
             check_ep_support(model.config, args.ep_size)
+        if args.layout.cp > 1:  # supported model type, heads divisible by cp
+            check_cp_support(model.config, args.layout.cp, args.layout.tp)
 
     def _prepare_model(self, model, args: DistTrainingArguments):
         """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
@@ -256,7 +259,16 @@ class DistTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        loss = context.eval_loss_share(self, loss)  # CP: every cp rank evaluated the whole sequence
         return loss, whole_logits(model, logits), labels  # vocab-sharded under TP
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        if self.dims.cp_enabled:  # hf_dist's context parallelism (accelerate's parallelism_config is kept off)
+            return context.prepare_inputs(self, model, inputs)
+        return super()._prepare_context_parallel_inputs(model, inputs)
+
+    def get_cp_size(self) -> int:
+        return self.dims.cp  # the Trainer divides num_items_in_batch and the dp world by it
 
     def get_tp_size(self) -> int:
         return self.dims.tp  # the Trainer divides num_items_in_batch and the global batch by it

@@ -1,0 +1,185 @@
+"""All-to-all (Ulysses-style) context parallelism around the model's own attention function.
+
+Each context-parallel rank holds a contiguous slice of every sequence. Around attention, one all-to-all trades the
+sequence split for a head split (``(B, H, S/cp, D) -> (B, H/cp, S, D)``), the model's configured attention
+implementation (eager, sdpa, flash) runs over the *whole* sequence for ``H/cp`` heads, and a second all-to-all trades
+back. So sliding windows, soft-capping, scaling and GQA stay the model's own code, and the mask it receives is the
+one the model built for the whole sequence (packed documents, windows, padding included).
+
+How the model sees the sequence: the model is called with the whole ``input_ids`` / ``position_ids`` /
+``attention_mask``; it embeds the whole sequence, builds its masks and rotary tables for it, and a pre-hook on the
+first decoder layer keeps this rank's slice of the hidden states (every layer's ``position_embeddings`` are sliced
+the same way, so rotary is right on every slice). From there on every activation -- decoder layers, final norm,
+logits, loss -- is this rank's slice only: the embedding output (``S x hidden``) and the mask are the only
+whole-sequence tensors. The split is active only inside ``ContextParallelState.split()`` (training steps); outside
+it (evaluation, generation) the model runs the whole sequence as usual.
+
+The attention function is registered under ``hf_dist_cp_<inner>`` in transformers' ``AttentionInterface``, with the
+inner implementation's mask function under the same name in ``AttentionMaskInterface``; ``apply_context_parallel``
+switches the model's config to it. Not here: which models may run it (``support``), the labels and the loss
+weighting (``inputs``), Trainer glue (``hf_dist.trainer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+CP_PREFIX = "hf_dist_cp_"
+STATE_ATTR = "_hf_dist_cp"
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` along ``scatter_dim`` into ``cp`` chunks, send chunk ``j`` to rank ``j``, concatenate what arrives
+    along ``gather_dim`` in rank order. The backward is the same exchange with the two dims swapped."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim: int, gather_dim: int, group):
+        ctx.scatter_dim, ctx.gather_dim, ctx.group = scatter_dim, gather_dim, group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    sent = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """The autograd-aware exchange (``scatter_dim`` split across ranks, ``gather_dim`` joined)."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+class ContextParallelState:
+    """What the hooks and the attention function of one model need: the cp group, rank and size, the model's own
+    attention implementation, and whether a training step's split is active."""
+
+    def __init__(self, group, inner: str) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.inner = inner
+        self.active = False
+
+    @contextlib.contextmanager
+    def split(self) -> Iterator[None]:
+        """Run forward (and backward, with its recomputations) on this rank's slice of each sequence."""
+        previous, self.active = self.active, True
+        try:
+            yield
+        finally:
+            self.active = previous
+
+    def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous slice of ``tensor`` along the sequence dim."""
+        length = tensor.shape[dim]
+        if length % self.size:
+            raise ValueError(f"sequence length {length} is not divisible by cp_size={self.size}: every rank holds an "
+                             f"equal slice; pad the batch to a multiple of {self.size} (pad_to_multiple_of in the "
+                             f"collator) or choose cp_size among the divisors of {length}")
+        return tensor.chunk(self.size, dim=dim)[self.rank]
+
+
+def _inner_function(module: nn.Module, inner: str):
+    """The model's own attention function for ``inner``: its module's ``eager_attention_forward`` for eager (where a
+    model's eager code lives, e.g. soft-capping), else transformers' registered function."""
+    if inner == "eager":
+        found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if found is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward in {type(module).__module__}; "
+                             f"context parallelism wraps the model's own attention function: use attn_implementation"
+                             f"='sdpa'")
+        return found
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[inner]
+
+
+def context_parallel_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The registered attention function: heads <-> sequence all-to-all around the model's implementation."""
+    state: ContextParallelState = getattr(module, STATE_ATTR)
+    inner = _inner_function(module, state.inner)
+    if not state.active:
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    group = state.group
+    # (B, H, S/cp, D) -> (B, H/cp, S, D): heads scattered, sequence gathered
+    query, key, value = (all_to_all(t, 1, 2, group) for t in (query, key, value))
+    output, _ = inner(module, query, key, value, attention_mask, **kwargs)
+    # (B, S, H/cp, D) -> (B, S/cp, H, D); per-head weights of a subset of heads are not returned
+    return all_to_all(output, 1, 2, group), None
+
+
+def register(inner: str) -> str:
+    """Register the context-parallel attention (and the inner implementation's mask builder) around ``inner``."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    if inner.startswith(CP_PREFIX):
+        raise ValueError(f"attn_implementation={inner!r} is context-parallel already; apply context parallelism once")
+    masks = AttentionMaskInterface._global_mapping
+    if inner not in masks:
+        raise ValueError(f"attn_implementation={inner!r} has no mask builder in transformers' AttentionMaskInterface; "
+                         f"context parallelism runs with eager, sdpa or flash attention: load the model with "
+                         f"attn_implementation='sdpa'")
+    name = CP_PREFIX + inner
+    AttentionInterface.register(name, context_parallel_attention)
+    AttentionMaskInterface.register(name, masks[inner])
+    return name
+
+
+def _split_first_layer_input(state: ContextParallelState):
+    def hook(module, args, kwargs):
+        if not state.active:
+            return None
+        if args:
+            args = (state.local(args[0]), *args[1:])
+        else:
+            kwargs["hidden_states"] = state.local(kwargs["hidden_states"])
+        return args, kwargs
+    return hook
+
+
+def _split_position_embeddings(state: ContextParallelState):
+    def hook(module, args, kwargs):
+        if not state.active or kwargs.get("position_embeddings") is None:
+            return None
+        kwargs["position_embeddings"] = tuple(state.local(t) for t in kwargs["position_embeddings"])
+        return args, kwargs
+    return hook
+
+
+def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> ContextParallelState:
+    """Make ``model`` (an HF causal LM, checked by ``support.check_cp_support``) split sequences over ``group``.
+
+    ``layers`` are its decoder layers in order. Returns the state whose ``split()`` turns the split on; it is also
+    stored on the model (``context_parallel_state``).
+    """
+    from hf_dist.models.peft_utils import unwrap_peft
+
+    config = unwrap_peft(model).config
+    state = ContextParallelState(group, config._attn_implementation or "eager")
+    config._attn_implementation = register(state.inner)
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            object.__setattr__(module, STATE_ATTR, state)
+    layers[0].register_forward_pre_hook(_split_first_layer_input(state), with_kwargs=True)
+    for layer in layers:
+        layer.register_forward_pre_hook(_split_position_embeddings(state), with_kwargs=True)
+    object.__setattr__(model, STATE_ATTR, state)
+    return state
+
+
+def context_parallel_state(model: nn.Module) -> ContextParallelState | None:
+    """The state ``apply_context_parallel`` stored on ``model`` (None: no context parallelism)."""
+    return model.__dict__.get(STATE_ATTR)

@@ -1,0 +1,63 @@
+"""Labels and loss weighting for context parallelism: what each rank's loss is, so gradients equal one process.
+
+The model keeps its whole-sequence inputs (``input_ids``, ``position_ids``, ``attention_mask``: its masks and rotary
+tables are built for the whole sequence, ``attention``); only the *targets* are split. Labels are shifted on the
+whole sequence first (``shift_labels``: token ``t`` predicts label ``t + 1``, so the shift crosses the slice
+boundaries correctly), then each rank keeps its slice, which lines up with its slice of the logits.
+transformers' causal-LM loss takes ``shift_labels`` as given.
+
+The loss weighting is one function, ``token_weighted_loss``: each rank's loss is the sum of its tokens' losses
+divided by the tokens of the whole batch (every CP rank's, and every dp rank's), times ``dp x cp`` because the
+gradients are averaged over the ``dp x cp`` ranks (FSDP2 over ``dp_shard_cp``, replication over ``dp_cp``). The sum
+over ranks is then one process's token mean. The Trainer reaches the same weights by its own
+``num_items_in_batch`` arithmetic once ``get_cp_size`` is the cp degree (it divides the gathered token count by
+tp x cp and multiplies the loss by world / tp); ``tests/test_context_parallel.py`` checks both against one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_dist.context_parallel.attention import ContextParallelState
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``labels`` shifted left by one on the whole sequence, the last position ignored (transformers' shift)."""
+    return nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+
+
+def split_targets(inputs: dict, state: ContextParallelState) -> dict:
+    """``inputs`` for one context-parallel rank: whole-sequence model inputs, this rank's slice of the shifted
+    labels as ``shift_labels`` (``labels`` stays, the model computes a loss only when it is given)."""
+    if "labels" not in inputs and "shift_labels" not in inputs:
+        return dict(inputs)
+    shifted = inputs["shift_labels"] if "shift_labels" in inputs else shift_labels(inputs["labels"])
+    state.local(inputs["input_ids"])  # the sequence itself must split evenly (clear error otherwise)
+    out = dict(inputs)
+    out["shift_labels"] = state.local(shifted).contiguous()
+    return out
+
+
+def global_token_count(local_shift_labels: torch.Tensor, group=None) -> torch.Tensor:
+    """Tokens that count in the loss, summed over ``group`` (the ``dp x cp`` ranks of one step)."""
+    count = local_shift_labels.ne(IGNORE_INDEX).sum().to(torch.float32)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def token_weighted_loss(model: nn.Module, inputs: dict, state: ContextParallelState, *, reduce_group,
+                        reduce_size: int) -> torch.Tensor:
+    """This rank's loss such that gradients averaged over ``reduce_size`` ranks (``reduce_group``: the dp x cp
+    ranks) equal one process's token-mean gradient over the whole batch of every rank.
+
+    ``inputs`` are the whole-sequence batch of this dp rank (with ``labels``); call inside ``state.split()``.
+    """
+    inputs = split_targets(inputs, state)
+    count = global_token_count(inputs["shift_labels"], reduce_group)
+    loss = model(**inputs, num_items_in_batch=count, use_cache=False).loss
+    return loss * reduce_size

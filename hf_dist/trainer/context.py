@@ -1,0 +1,34 @@
+"""DistTrainer's context-parallel step: the training batch's targets split over the cp ranks.
+
+The Trainer calls ``_prepare_context_parallel_inputs(model, inputs)`` at the start of every training step and
+runs forward and backward inside the context it returns; ``prepare_inputs`` gives it this rank's slice of the
+shifted labels (``hf_dist.context_parallel.inputs.split_targets``) and the model's ``split()`` (the sequence split
+active for forward, backward and recomputation). The Trainer's own ``num_items_in_batch`` arithmetic, with
+``get_cp_size`` returning the cp degree, weights each rank's loss by tokens (``hf_dist.context_parallel.inputs``).
+
+Evaluation runs the whole sequence on every cp rank (no split: the predictions are whole, for metrics);
+``eval_loss_share`` corrects the loss the Trainer's arithmetic then over-counts by cp.
+Not here: the attention exchange and the hooks (``hf_dist.context_parallel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from hf_dist.context_parallel import context_parallel_state, split_targets
+
+
+def prepare_inputs(trainer, model, inputs: dict):
+    """``(context, inputs)`` for one training step under CP; evaluation and layouts without CP are left alone."""
+    state = context_parallel_state(trainer.model)
+    if state is None or not model.training:
+        return contextlib.nullcontext, inputs
+    return state.split, split_targets(inputs, state)
+
+
+def eval_loss_share(trainer, loss):
+    """The evaluation loss of one cp rank: it computed the whole sequence's token sum, where the Trainer's weighting
+    (count divided by cp, loss multiplied by dp x cp) expects a 1/cp share of the tokens."""
+    if loss is None or not trainer.dims.cp_enabled:
+        return loss
+    return loss / trainer.dims.cp
