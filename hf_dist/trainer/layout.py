@@ -86,7 +86,7 @@ def _deepspeed_fields(config: dict) -> dict:
 def resolve_layout(args) -> Layout:
     """The ``Layout`` ``args`` and the launcher ask for; a combination hf_dist does not run raises ``ValueError``."""
     num_gpus, num_nodes = _world()
-    fields: dict = {"tp": args.tp_size, "pp": args.pp_size, "ep": args.ep_size, "cp": getattr(args, "cp_size", 1),
+    fields: dict = {"tp": args.tp_size, "pp": args.pp_size, "ep": getattr(args, "ep_size", 1), "cp": getattr(args, "cp_size", 1),
                     "sequence_parallel": args.tp_sequence_parallel, "vocab_parallel": args.tp_vocab_parallel,
                     "num_gpus": num_gpus, "num_nodes": num_nodes}
     deepspeed = _deepspeed_config(args)
