@@ -11,7 +11,12 @@ The order is the case study's decision table, least communication first:
   6. PP (across nodes first), on top of FULL_SHARD, and of TP over the whole node
   7. Offload: ZeRO-2 optimizer to CPU, ZeRO-3 optimizer only, FSDP parameters + optimizer, ZeRO-3 optimizer +
      parameters to CPU, then to NVMe (every one checked against the node's host RAM)
-Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
+Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). For a MoE model
+(``ModelSpec.is_moe``) expert parallelism comes first in tiers 0 and 2, the largest ``ep`` (8, 4, 2, inside a node)
+first: EP x DDP all-reduces expert gradients over ``efsdp = dp / ep`` ranks only, and EP x FSDP2 (FULL_SHARD)
+gathers and reduce-scatters only the dense parameters and the experts over ``efsdp`` (none at ``ep = dp``) while the
+tokens travel (``N·k·h`` per exchange), where layouts without EP move every expert's weights or gradients once per
+step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with FSDP2 FULL_SHARD or DDP). With ``lora=True`` every
 layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
 A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
@@ -161,7 +166,12 @@ class Plan:
 def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     """``(tier, strategy, make_layout kwargs)`` in decision-table order."""
     nodes, per_node = req.num_nodes, req.num_gpus
-    out = [(0, "ddp", {}), (1, "zero1", {}), (2, "fsdp_shard_grad_op", {}), (2, "zero2", {})]
+    # a MoE: experts inside a node (the token exchange on NVLink), the largest ep first (fewest expert replicas)
+    eps = [ep for ep in (8, 4, 2) if ep <= per_node and per_node % ep == 0] if req.model.is_moe else []
+    out = [(0, "ddp", {"ep": ep}) for ep in eps]
+    out += [(0, "ddp", {}), (1, "zero1", {})]
+    out += [(2, "fsdp_full_shard", {"ep": ep}) for ep in eps]
+    out += [(2, "fsdp_shard_grad_op", {}), (2, "zero2", {})]
     if nodes > 1:
         out.append((3, "fsdp_hybrid_shard", {}))
     out += [(4, "fsdp_full_shard", {}), (4, "zero3", {})]
@@ -264,7 +274,7 @@ def choose_layout(req: PlanRequest) -> Plan:
             why = ("--lora: a LoRA layout fits and is preferred to a full fine-tune"
                    if chosen.layout.lora_rank and not c.layout.lora_rank
                    else f"communicates more than {chosen.name} (decision table tier {c.tier} vs {chosen.tier})"
-                   if c.tier > chosen.tier else f"same tier as {chosen.name}, which comes first (FSDP before ZeRO)")
+                   if c.tier > chosen.tier else f"same tier as {chosen.name}, which comes first (EP before FSDP before ZeRO)")
             c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but rule: {why}")
         out.append(c)
     return Plan(request=req, candidates=out)
