@@ -108,6 +108,26 @@ def test_expert_parallelism_lowers_memory_and_the_chooser_proposes_it():
     assert all(c.layout.strategy in ("fsdp_full_shard", "ddp") for c in plan.candidates if c.layout.ep > 1)
 
 
+@pytest.mark.parametrize("name,lora", [("qwen3-30b-a3b", False), ("gpt-oss-20b", False), ("mixtral-8x7b", True)])
+def test_every_preset_is_planned_with_an_ep_layout_chosen(name, lora):
+    """Mixtral-8x7B's full fine-tune does not fit 8 H100s without offload (46.7B x 16 bytes); with LoRA it does."""
+    plan = choose_layout(PlanRequest(model=model_spec(name), gpu=gpu_spec("h100"), num_gpus=8, seq_len=4096,
+                                     global_batch=8, lora=lora))
+    assert plan.chosen is not None and plan.chosen.layout.ep == 8, [(c.name, c.reason) for c in plan.candidates]
+    assert bool(plan.chosen.layout.lora_rank) == lora
+
+
+def test_fsdp2_cannot_split_fewer_experts_than_its_ranks():
+    """FSDP2 shards on dim 0: Mixtral's 8 experts over 16 ranks leave half the ranks padding, and under EP 8 the
+    one expert per rank is not split over efsdp = 2 at all -- the planner counts what FSDP2 allocates."""
+    spec = model_spec("mixtral-8x7b")
+    work = Workload(seq_len=4096, precision="bf16_mixed")
+    states = model_states(spec, work, make_layout("fsdp_full_shard", 16, ep=8), layers=spec.num_hidden_layers)
+    expert = sum(math.prod(s) for _, s in spec.expert_param_shapes()) // 8 * spec.num_hidden_layers
+    assert states.parameters >= 4 * expert  # one whole expert per layer on every rank
+    assert states.parameters == _expected_params(spec, make_layout("fsdp_full_shard", 16, ep=8), 4)
+
+
 def test_dense_models_get_no_ep_layouts():
     plan = choose_layout(PlanRequest(model=model_spec("llama-3-8b"), gpu=gpu_spec("h100"), num_gpus=8,
                                      seq_len=2048, global_batch=16))

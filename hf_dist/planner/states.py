@@ -111,7 +111,7 @@ def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: 
             module = name.split(".")[0]
             if module in _COLWISE:
                 shape = (shape[0] // t, *shape[1:])
-            elif module in _ROWWISE:
+            elif module in _ROWWISE and len(shape) == 2:  # a row-parallel bias (gpt-oss o_proj) stays whole
                 shape = (shape[0], shape[1] // t)
             elif name.startswith("mlp.experts."):  # expert parallelism: E / ep experts on this rank
                 shape = (shape[0] // ep, *shape[1:])
@@ -170,7 +170,7 @@ def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers
     adapters = list(lora_shapes(model, layout.lora_rank, layers)) if layout.lora_rank else []
     trainable = [s for _, s in (adapters or base)]
     frozen = [s for _, s in base] if adapters else []
-    if model.is_moe and not layout.is_deepspeed:
+    if model.is_moe and layout.ep > 1:  # without EP, experts are sharded like any other parameter
         return _moe_torch(model, workload, layout, base, adapters, layers=layers, first=first, last=last)
     unit = [s for _, s in local_param_shapes(model, layout, layers=1, first=False, last=False)]
     root = [s for n, s in base if n in ("embed_tokens", "norm", "lm_head")]
@@ -225,7 +225,7 @@ def _expert(name: str) -> bool:
 
 
 def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) -> ModelStates:
-    """A MoE under DDP/FSDP2, with or without expert parallelism: the dense parameters as ``_torch`` counts them
+    """A MoE under EP x DDP or EP x FSDP2 (``Layout`` refuses EP with anything else): the dense parameters as ``_torch`` counts them
     over the data-parallel shards, the routed experts (``E / ep`` per rank) over the expert-FSDP shards
     (``efsdp = dp x tp / ep``; 1 under DDP, which replicates them), then the two added."""
     experts = [s for n, s in base if _expert(n)]
