@@ -2,8 +2,9 @@
 
 Per token, forward + backward, dense (causal masking not discounted), with ``s`` the sequence length:
   * matmul weights: ``P`` counts what one token passes through -- a MoE's routed experts (the 3-D
-    ``mlp.experts.*`` weights) times ``k / E`` (``num_experts_per_tok / num_local_experts``: the active
-    parameters), their biases not at all; then ``2·P`` forward, ``2·P`` for the activation gradients and ``2·P`` for the weight gradients,
+    ``mlp.experts.*`` weights, and PEFT's per-expert adapters on them) times ``k / E``
+    (``num_experts_per_tok / num_local_experts``: the active parameters), their biases not at all; then ``2·P``
+    forward, ``2·P`` for the activation gradients and ``2·P`` for the weight gradients,
     so ``6·P`` for trainable weights and ``4·P`` for frozen ones (a LoRA base computes no weight gradients);
     the embedding lookup is not a matmul, the lm_head is (tied or not);
   * attention scores and values: ``4·L·s·q_dim`` forward, twice that backward: ``12·L·s·q_dim``;
@@ -63,8 +64,8 @@ def module_flop_counts(model) -> FlopCounts:
         seen.add(id(p))
         ndim = len(getattr(p, "ds_shape", None) or p.shape)
         expert = ".experts." in f".{name}"
-        if ndim < 2 or (expert and ndim < 3):
-            continue  # norms and biases (an expert bias is [E, out]): no matmul
+        if ndim < 2 or name.endswith("bias"):
+            continue  # norms and biases (gpt-oss' expert biases are [E, out]): no matmul
         if id(p) in embeddings and p is not lm_head:
             continue  # a lookup (a tied weight counts once, as the lm_head matmul)
         n = _numel(p) * active if expert else _numel(p)  # taken before sharding: all E experts
