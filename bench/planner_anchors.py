@@ -26,8 +26,8 @@ Rows and sources:
     EP 8, FSDP 8, BF16); two things are assumed, not published with the figure: bf16 parameters, gradients and
     Adam states with no fp32 master (``pure_bf16``: NeMo AutoModel trains the bf16-loaded model) and activation
     checkpointing on. The figure is compared as reserved memory (what torch reports as a peak). Under other
-    readings the row moves a lot: micro batch 1 forecasts 35.9 GiB reserved (-25 %), and hf_dist's own run of the
-    same layout (FSDP2 bf16 with an fp32 master, ``precision_that_runs``) 73.3 GiB: the row checks the planner's
+    readings the row moves a lot: micro batch 1 forecasts 36.1 GiB reserved (-25 %), and hf_dist's own run of the
+    same layout (FSDP2 bf16 with an fp32 master, ``precision_that_runs``) 74.0 GiB: the row checks the planner's
     MoE arithmetic against that setup, not hf_dist's memory. The plain-transformers 68.2 GiB is not a row: its
     setup (kernels, precision, batch) is not published with it.
 The "assumed" column is the planner's uncalibrated table for the same layout, for comparison: one constant cannot
@@ -39,7 +39,7 @@ Recorded 2026-11-23 (the MoE row 2026-11-24) on a 2-core CPU machine, no GPU (pu
     Harbor 13B FSDP            in use (GB)           41.00      39.18    -4.4%     10%
     torchtitan 7B FSDP2        allocated (GiB)       22.73      23.40    +2.9%     10%
     torchtitan 7B FSDP2        reserved (GiB)        31.02      30.99    -0.1%     10%           (slack calibrated here)
-    NeMo Qwen3-30B-A3B EP8     reserved (GiB)        48.10      44.87    -6.7%     15%           (pure_bf16, AC assumed)
+    NeMo Qwen3-30B-A3B EP8     reserved (GiB)        48.10      45.59    -5.2%     15%           (pure_bf16, AC assumed)
     llm-foundry MPT-13B        tokens/s/GPU           2060       1960    -4.9%     25%     1128  73.0% (MPT-7B row)
     torchtitan Llama-2-13B     tokens/s/GPU           1904       1975    +3.7%     25%     1278  55.2% (Llama-3-8B row)
 """

@@ -90,7 +90,8 @@ def test_routed_tokens_and_the_exchange_buffers_count_in_activations():
     ep = activation_model(spec, work, make_layout("fsdp_full_shard", 8, ep=8))
     assert ep.grad_working_set - plain.grad_working_set == 2 * 2 * n * k * h  # send + receive, bf16
     routed = 2 * n * k * (2 * h + 4 * spec.moe_intermediate_size)
-    assert plain.layer.mlp == routed + 4 * n * spec.num_experts + 2 * n * spec.num_experts + 12 * n * k
+    router = 4 * n * spec.num_experts + 2 * n * spec.num_experts + (32 + 2) * n * k + 4 * spec.num_experts
+    assert plain.layer.mlp == routed + router
     assert plain.largest_layer_tensor == 2 * n * k * 2 * spec.moe_intermediate_size  # the gate_up output
 
 
@@ -143,3 +144,25 @@ def test_plan_cli_writes_the_ep_layout(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "chosen: fsdp_full_shard+ep8" in text and "optimizer_states" in text
     assert "--ep_size 8" in (out / "launch.sh").read_text()
+
+
+def test_one_hf_qwen3_moe_layer_saves_the_planned_bytes():
+    """transformers' own Qwen3-MoE layer (its experts forward, bf16 as FSDP2 computes it) against ``_layer``."""
+    from hf_dist.planner.measure import SavedTensorBytes
+    from hf_dist.models.tiny import build_tiny_model
+
+    spec = replace(_small("qwen3-30b-a3b"), num_hidden_layers=1)
+    b, s = 2, 32
+    config = spec_config(spec)
+    config._attn_implementation = "sdpa"
+    model = build_tiny_model(config, dtype=torch.bfloat16).train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(s)[None].expand(b, s)
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    with SavedTensorBytes(layer) as saved:
+        layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    rope = cos.numel() * cos.element_size() + sin.numel() * sin.element_size()  # the planner's rope_tables term
+    planned = activation_model(spec, Workload(seq_len=s, micro_batch_size=b, precision="bf16_mixed"),
+                               make_layout("fsdp_full_shard", 1)).layer.total
+    assert abs(saved.nbytes - rope - planned) <= 0.01 * planned, (saved.nbytes - rope, planned)

@@ -19,12 +19,14 @@ degree, one layer saves:
     a bf16 base each adapter saves its own fp32 copy of its input (``4·N·(5·h + q_dim + I)``), its A output in
     fp32, and the frozen down_proj no longer keeps the MLP product (``3·c·N·I/t``).
 A MoE layer (``ModelSpec.is_moe``; transformers' experts forward, each expert a gated MLP over the tokens
-routed to it) replaces the MLP terms: the router keeps its c-byte logits and fp32 probabilities (``(c + 4)·N·E``)
-and the top-k weights and ids (``12·N·k``); the N·k routed token copies keep each expert's input, gate/up output,
-activation, product and down output (``c·N·k·(2·h + 4·I_e)``); under autocast the router's and the local
-experts' (``E / ep``) weight casts. Under expert parallelism the token exchange's send and receive buffers
-(``2·c·N·k·h``) join the gradient working set. Routing is assumed balanced: a rank whose experts draw more
-than ``N·k`` copies holds proportionally more. The router logits every layer returns when
+routed to it) replaces the MLP terms: the router keeps its c-byte logits and fp32 probabilities (``(c + 4)·N·E``);
+the routing ids and weights (top-k ids, sort, permutation and scatter indices, ``(32 + c)·N·k``) and the per-expert
+offsets; the N·k routed token copies keep each expert's input, gate/up output, activation, product and down output
+(``c·N·k·(2·h + 4·I_e)``); under autocast the router's and the local experts' (``E / ep``) weight casts.
+Qwen3-MoE's per-head q/k RMSNorms add ``(4 + r)·N·(q_dim + kv_dim)`` and their rsqrt. One real Qwen3-MoE layer
+saves these bytes within 1 % (``tests/test_planner_moe.py``). Under expert parallelism the token exchange's send
+and receive buffers (``2·c·N·k·h``) join the gradient working set. Routing is assumed balanced: a rank whose
+experts draw more than ``N·k`` copies holds proportionally more. The router logits every layer returns when
 ``output_router_logits=True`` (``L·N·E·c``, for the aux loss) are not counted.
 With activation checkpointing a layer keeps only its input, ``r·N·h`` (divided by t with sequence parallel),
 and during backward one layer is recomputed and holds the full set above.
@@ -154,12 +156,16 @@ def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivat
         attention = (4 * c * n * model.q_dim + probabilities) // t
     else:
         attention = (c * n * (2 * model.q_dim + 2 * model.kv_dim) + 4 * heads_s) // t
+    if model.model_type == "qwen3_moe":  # per-head RMSNorm of q and k: fp32 input, normalised value, rsqrt
+        attention += ((4 + r) * n * (model.q_dim + model.kv_dim)
+                      + 4 * workload.micro_batch_size * workload.seq_len * (
+                          model.num_attention_heads + model.num_key_value_heads)) // t
     inputs, mlp, lora = (5 if autocast else 2) * c * n * h, 4 * c * n * model.intermediate_size // t, c
     casts = model.layer_linear_weights // t
     if model.is_moe:  # routed experts: N·k token copies through gate_up and down (TP never splits experts)
         k, e, w = model.experts_per_token, model.num_experts, model.moe_intermediate_size
         inputs = (4 if autocast else 2) * c * n * h  # q, k, v casts and the router's; or attention + router input
-        mlp = c * n * k * (2 * h + 4 * w) + 4 * n * e + c * n * e + 12 * n * k
+        mlp = c * n * k * (2 * h + 4 * w) + 4 * n * e + c * n * e + (32 + c) * n * k + 4 * e
         casts = model.layer_linear_weights + e * h + model.layer_expert_weights // layout.ep
     if layout.lora_rank and c != 4 and model.is_moe:  # adapters on attention only: fp32 copies of their inputs
         inputs, lora = 4 * n * (3 * h + model.q_dim) + c * n * h, 4
