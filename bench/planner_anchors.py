@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/planner_anchors.py
 
-Pure arithmetic (no GPU, milliseconds). Targets: memory within 10 % (the MoE row 15 %), throughput within 25 %. Exit code 1 when a
+Pure arithmetic (no GPU, milliseconds). Targets: memory within 10 % (the MoE row 15 %), throughput within 25 %.
+Exit code 1 when a
 row misses its target.
 
 Rows and sources:
@@ -33,7 +34,8 @@ Rows and sources:
 The "assumed" column is the planner's uncalibrated table for the same layout, for comparison: one constant cannot
 describe both a tuned stack and an unoptimised Trainer run, which is why ``hf-dist plan --calibrate`` exists.
 
-Recorded 2026-11-23 (the MoE row 2026-11-24) on a 2-core CPU machine, no GPU (pure arithmetic; hf_dist at the commit of this file):
+Recorded 2026-11-23 (the MoE row 2026-11-24) on a 2-core CPU machine, no GPU (pure arithmetic; hf_dist at the
+commit of this file):
 
     row                        measure           published   forecast    error  target  assumed  efficiency (source)
     Harbor 13B FSDP            in use (GB)           41.00      39.18    -4.4%     10%

@@ -1,8 +1,8 @@
 """What the planner knows about models and GPUs, without downloading anything.
 
 ``ModelSpec`` holds the numbers of a decoder-only causal LM with a gated MLP (Llama, Mistral, Qwen2 families) or
-with routed gated-MLP experts (Qwen3-MoE, Mixtral, gpt-oss: total vs active parameters) that memory and FLOPs depend on, and lists every parameter tensor with its shape, so that parameter counts
-and shard sizes are exact. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
+with routed gated-MLP experts (Qwen3-MoE, Mixtral, gpt-oss: total vs active parameters) that memory and FLOPs
+depend on, and lists every parameter tensor with its shape, so that parameter counts and shard sizes are exact. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
 ``PretrainedConfig``; ``get_model_config(name)`` turns a catalogue entry into a ``PretrainedConfig``.
 ``GpuSpec`` holds a GPU kind's memory, peak dense bf16 FLOP/s and a typical node's host RAM per GPU;
 ``gpu_spec(name)`` looks one up and ``gpu_from_device_name`` maps ``torch.cuda.get_device_name()`` to a kind
@@ -22,7 +22,8 @@ from typing import Iterator
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QKV_BIAS_TYPES = ("qwen2",)
 _DECODER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-                  "qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
+                  "qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer",
+                  "gpt_oss": "GptOssDecoderLayer"}
 _MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 """Mixtures of experts with transformers' grouped expert weights (``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]``)
 and a linear router (``gate [E, h]``)."""

@@ -16,8 +16,8 @@ Within a tier FSDP comes before DeepSpeed (native, and the case study's choice).
 first: EP x DDP all-reduces expert gradients over ``efsdp = dp / ep`` ranks only, and EP x FSDP2 (FULL_SHARD)
 gathers and reduce-scatters only the dense parameters and the experts over ``efsdp`` (none at ``ep = dp``) while the
 tokens travel (``N·k·h`` per exchange), where layouts without EP move every expert's weights or gradients once per
-step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with FSDP2 FULL_SHARD or DDP). With ``lora=True`` every
-layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
+step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with FSDP2 FULL_SHARD or DDP).
+With ``lora=True`` every layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
 A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
 transient allocation) is at most ``(1 - safety_margin)`` of the GPU's memory and what it offloads fits the
@@ -274,7 +274,8 @@ def choose_layout(req: PlanRequest) -> Plan:
             why = ("--lora: a LoRA layout fits and is preferred to a full fine-tune"
                    if chosen.layout.lora_rank and not c.layout.lora_rank
                    else f"communicates more than {chosen.name} (decision table tier {c.tier} vs {chosen.tier})"
-                   if c.tier > chosen.tier else f"same tier as {chosen.name}, which comes first (EP before FSDP before ZeRO)")
+                   if c.tier > chosen.tier
+                   else f"same tier as {chosen.name}, which comes first (EP before FSDP before ZeRO)")
             c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but rule: {why}")
         out.append(c)
     return Plan(request=req, candidates=out)

@@ -225,9 +225,10 @@ def _expert(name: str) -> bool:
 
 
 def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) -> ModelStates:
-    """A MoE under EP x DDP or EP x FSDP2 (``Layout`` refuses EP with anything else): the dense parameters as ``_torch`` counts them
-    over the data-parallel shards, the routed experts (``E / ep`` per rank) over the expert-FSDP shards
-    (``efsdp = dp x tp / ep``; 1 under DDP, which replicates them), then the two added."""
+    """A MoE under EP x DDP or EP x FSDP2 (``Layout`` refuses EP with anything else): the dense parameters as
+    ``_torch`` counts them over the data-parallel shards, the routed experts (``E / ep`` per rank) over the
+    expert-FSDP shards (``efsdp = dp x tp / ep``; 1 under DDP, which replicates them), then the two added.
+    FSDP2 shards on dim 0: ``E / ep`` experts over more than ``E / ep`` ranks leave some ranks padding."""
     experts = [s for n, s in base if _expert(n)]
     dense = [(n, s) for n, s in base if not _expert(n)]
     unit_all = list(local_param_shapes(model, layout, layers=1, first=False, last=False))
