@@ -30,7 +30,7 @@ MQA = ModelSpec(name="mqa", model_type="llama", hidden_size=256, num_hidden_laye
                 num_key_value_heads=1, intermediate_size=688, vocab_size=1000)
 REQUESTS = [  # (model, GPUs per node, nodes): GQA, MHA, MQA, one and two nodes
     (model_spec("llama-3-8b"), 8, 1), (model_spec("llama-2-13b"), 8, 2), (model_spec("qwen2.5-1.5b"), 4, 1),
-    (MQA, 8, 1), (model_spec("llama-2-70b"), 8, 2),
+    (MQA, 8, 1), (model_spec("llama-2-70b"), 8, 2), (model_spec("qwen3-30b-a3b"), 8, 1),  # a MoE: EP layouts
 ]
 
 
@@ -87,20 +87,25 @@ def test_every_layout_the_planner_can_choose_is_written_and_accepted_as_it_was_p
     assert {"fsdp_full_shard+tp8sp", "fsdp_full_shard+tp8+pp2", "zero3+offload_cpu_optimizer",
             "fsdp_full_shard+offload_cpu", "fsdp_hybrid_shard", "zero3+offload_nvme"} <= names
     assert any(x.tp == 8 and x.num_gpus == 8 and x.world_size == 8 for x in layouts)  # MQA (1 KV head) at tp=8
+    assert {"ddp+ep8", "fsdp_full_shard+ep8", "fsdp_full_shard+ep2"} <= names  # the MoE request's EP layouts
     for i, layout in enumerate(layouts):
         folder = tmp_path / str(i)
         argv = ["config", "--strategy", layout.strategy, "--gpus", str(layout.num_gpus), "--nodes",
                 str(layout.num_nodes), "--tp", str(layout.tp), "--pp", str(layout.pp), "--cp", str(layout.cp),
-                "--offload", layout.offload,
-                "--micro-batch", "1", "--global-batch", str(2 * layout.pp * layout.dp), "--model", "llama", "--out", str(folder)]
+                "--offload", layout.offload, "--ep", str(layout.ep), "--micro-batch", "1",
+                "--global-batch", str(2 * layout.pp * layout.dp),
+                "--model", "qwen3_moe" if layout.ep > 1 else "llama", "--out", str(folder)]
         argv += ["--tp-sequence-parallel"] * layout.sequence_parallel + ["--tp-vocab-parallel"] * layout.vocab_parallel
         assert cli_main(argv) == 0, layout.name
         args = _trainer_view(layout, folder)
         resolved = args.layout  # the run's one Layout, from the written YAML, DeepSpeed JSON and launch flags
         assert (resolved.strategy, resolved.num_gpus, resolved.num_nodes, resolved.tp, resolved.pp, resolved.cp,
-                resolved.offload, resolved.sequence_parallel, resolved.vocab_parallel, resolved.replicas) == (
-            layout.strategy, layout.num_gpus, layout.num_nodes, layout.tp, layout.pp, layout.cp, layout.offload,
+                resolved.ep, resolved.offload, resolved.sequence_parallel, resolved.vocab_parallel,
+                resolved.replicas) == (
+            layout.strategy, layout.num_gpus, layout.num_nodes, layout.tp, layout.pp, layout.cp, layout.ep,
+            layout.offload,
             layout.sequence_parallel, layout.vocab_parallel, layout.replicas), layout.name
+        assert resolved.efsdp == layout.efsdp, layout.name
         assert resolved.dims == layout.dims and resolved.name == layout.name, layout.name
         fsdp = args.hf_dist_fsdp
         assert (fsdp is not None) == layout.is_fsdp and (args.zero_stage > 0) == layout.is_deepspeed, layout.name

@@ -18,6 +18,16 @@ degree, one layer saves:
   * with LoRA (dropout 0), each adapter's A output (``c·N·rank`` per linear). PEFT keeps adapters in fp32: on
     a bf16 base each adapter saves its own fp32 copy of its input (``4·N·(5·h + q_dim + I)``), its A output in
     fp32, and the frozen down_proj no longer keeps the MLP product (``3·c·N·I/t``).
+A MoE layer (``ModelSpec.is_moe``; transformers' experts forward, each expert a gated MLP over the tokens
+routed to it) replaces the MLP terms: the router keeps its c-byte logits and fp32 probabilities (``(c + 4)·N·E``);
+the routing ids and weights (top-k ids, sort, permutation and scatter indices, ``(32 + c)·N·k``) and the per-expert
+offsets; the N·k routed token copies keep each expert's input, gate/up output, activation, product and down output
+(``c·N·k·(2·h + 4·I_e)``); under autocast the router's and the local experts' (``E / ep``) weight casts.
+Qwen3-MoE's per-head q/k RMSNorms add ``(4 + r)·N·(q_dim + kv_dim)`` and their rsqrt. One real Qwen3-MoE layer
+saves these bytes within 1 % (``tests/test_planner_moe.py``). Under expert parallelism the token exchange's send
+and receive buffers (``2·c·N·k·h``) join the gradient working set. Routing is assumed balanced: a rank whose
+experts draw more than ``N·k`` copies holds proportionally more. The router logits every layer returns when
+``output_router_logits=True`` (``L·N·E·c``, for the aux loss) are not counted.
 With activation checkpointing a layer keeps only its input, ``r·N·h`` (divided by t with sequence parallel),
 and during backward one layer is recomputed and holds the full set above.
 
@@ -151,8 +161,20 @@ def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivat
         attention = (4 * c * n * model.q_dim + probabilities) // t
     else:
         attention = (c * n * (2 * model.q_dim + 2 * model.kv_dim) + 4 * heads_s) // t
+    if model.model_type == "qwen3_moe":  # per-head RMSNorm of q and k: fp32 input, normalised value, rsqrt
+        attention += ((4 + r) * n * (model.q_dim + model.kv_dim)
+                      + 4 * workload.micro_batch_size * workload.seq_len * (
+                          model.num_attention_heads + model.num_key_value_heads)) // t
     inputs, mlp, lora = (5 if autocast else 2) * c * n * h, 4 * c * n * model.intermediate_size // t, c
-    if layout.lora_rank and c != 4:
+    casts = model.layer_linear_weights // t
+    if model.is_moe:  # routed experts: N·k token copies through gate_up and down (TP never splits experts)
+        k, e, w = model.experts_per_token, model.num_experts, model.moe_intermediate_size
+        inputs = (4 if autocast else 2) * c * n * h  # q, k, v casts and the router's; or attention + router input
+        mlp = c * n * k * (2 * h + 4 * w) + 4 * n * e + c * n * e + (32 + c) * n * k + 4 * e
+        casts = model.layer_linear_weights + e * h + model.layer_expert_weights // layout.ep
+    if layout.lora_rank and c != 4 and model.is_moe:  # adapters on attention only: fp32 copies of their inputs
+        inputs, lora = 4 * n * (3 * h + model.q_dim) + c * n * h, 4
+    elif layout.lora_rank and c != 4:
         # fp32 adapters on a bf16 base: every adapter saves its own fp32 copy of its input, and the frozen
         # down_proj no longer keeps the bf16 gate x up product
         inputs = 4 * n * (5 * h + (model.q_dim + model.intermediate_size) // t)
@@ -162,8 +184,8 @@ def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivat
         linear_inputs=inputs,
         attention=attention,
         mlp=mlp,
-        weight_casts=c * model.layer_linear_weights // t if autocast else 0,
-        lora=7 * lora * n * layout.lora_rank,
+        weight_casts=c * casts if autocast else 0,
+        lora=len(model.linear_shapes()) * lora * n * layout.lora_rank,
     )
 
 
@@ -194,6 +216,10 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
     # eager softmax backward: the fp32 gradient of the probabilities and the fp32 gradient of the scores
     eager_grads = 8 * workload.micro_batch_size * model.num_attention_heads * workload.seq_len**2 // cp if (
         workload.attention == "eager") else 0
+    # a MoE layer's widest tensors are its N·k routed copies; under EP one exchange (dispatch or combine, forward
+    # or backward) holds its send and receive buffers of N·k token copies each (balanced routing assumed)
+    mlp_width = model.experts_per_token * model.moe_intermediate_size if model.is_moe else model.intermediate_size
+    all_to_all = 2 * c * n * model.experts_per_token * h if model.is_moe and layout.ep > 1 else 0
     return ActivationModel(
         layer=_layer(model, workload, layout),
         checkpoint_input=r * n * h // sp,
@@ -201,7 +227,7 @@ def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> Ac
         embedding_ids=8 * n,
         head=final_norm // sp + lm_head_input + lm_head_cast,
         **(_chunked_loss_terms(n, h, v, c) if chunked else _whole_loss_terms(n, v, c)),
-        grad_working_set=2 * r * n * h // sp + max(2 * c * n * model.intermediate_size, eager_grads) // t,
+        grad_working_set=2 * r * n * h // sp + max(2 * c * n * mlp_width, eager_grads) // t + all_to_all,
         attention_mask=mask,
-        largest_layer_tensor=max(c * n * model.intermediate_size, eager_grads // 2) // t,
+        largest_layer_tensor=max(c * n * mlp_width * (2 if model.is_moe else 1), eager_grads // 2) // t,
     )

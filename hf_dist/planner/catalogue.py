@@ -1,8 +1,8 @@
 """What the planner knows about models and GPUs, without downloading anything.
 
-``ModelSpec`` holds the numbers of a decoder-only causal LM with a gated MLP (Llama, Mistral, Qwen2 families)
-that memory and FLOPs depend on, and lists every parameter tensor with its shape, so that parameter counts
-and shard sizes are exact. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
+``ModelSpec`` holds the numbers of a decoder-only causal LM with a gated MLP (Llama, Mistral, Qwen2 families) or
+with routed gated-MLP experts (Qwen3-MoE, Mixtral, gpt-oss: total vs active parameters) that memory and FLOPs
+depend on, and lists every parameter tensor with its shape, so that parameter counts and shard sizes are exact. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
 ``PretrainedConfig``; ``get_model_config(name)`` turns a catalogue entry into a ``PretrainedConfig``.
 ``GpuSpec`` holds a GPU kind's memory, peak dense bf16 FLOP/s and a typical node's host RAM per GPU;
 ``gpu_spec(name)`` looks one up and ``gpu_from_device_name`` maps ``torch.cuda.get_device_name()`` to a kind
@@ -21,7 +21,12 @@ from typing import Iterator
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _QKV_BIAS_TYPES = ("qwen2",)
-_DECODER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer"}
+_DECODER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
+                  "qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer",
+                  "gpt_oss": "GptOssDecoderLayer"}
+_MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
+"""Mixtures of experts with transformers' grouped expert weights (``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]``)
+and a linear router (``gate [E, h]``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -49,7 +54,13 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     """Whether lm_head shares the embedding matrix."""
     attention_bias: bool = False
-    """Biases on q/k/v projections (Qwen2 has them)."""
+    """Biases on q/k/v projections (Qwen2 has them; gpt-oss on o_proj too)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (E; HF ``num_local_experts``); 0: a dense model."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (k; HF ``num_experts_per_tok``)."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's gated MLP (Qwen3-MoE ``moe_intermediate_size``, Mixtral/gpt-oss ``intermediate_size``)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -67,6 +78,44 @@ class ModelSpec:
                 raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                                  f"{self.num_attention_heads}; give head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError(f"experts_per_token={self.experts_per_token} must be in [1, num_experts="
+                                 f"{self.num_experts}] and moe_intermediate_size={self.moe_intermediate_size} positive "
+                                 f"for a MoE model")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def expert_param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """The routed experts' parameters of one MoE layer (what expert parallelism splits on dim 0)."""
+        e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
+        yield "mlp.experts.gate_up_proj", (e, 2 * i, h)
+        if self.model_type == "gpt_oss":
+            yield "mlp.experts.gate_up_proj_bias", (e, 2 * i)
+        yield "mlp.experts.down_proj", (e, h, i)
+        if self.model_type == "gpt_oss":
+            yield "mlp.experts.down_proj_bias", (e, h)
+
+    @property
+    def layer_expert_weights(self) -> int:
+        """Elements of one layer's expert matmul weights (all E experts)."""
+        return 3 * self.num_experts * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def layer_active_linear_weights(self) -> int:
+        """Matmul weight elements one token goes through in a layer: attention, router and its k experts."""
+        if not self.is_moe:
+            return self.layer_linear_weights
+        return (self.layer_linear_weights + self.num_experts * self.hidden_size
+                + 3 * self.experts_per_token * self.hidden_size * self.moe_intermediate_size)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the experts it is not routed to."""
+        idle = self.layer_expert_weights * (self.num_experts - self.experts_per_token) // self.num_experts
+        return self.num_params - self.num_hidden_layers * idle if self.is_moe else self.num_params
 
     @property
     def q_dim(self) -> int:
@@ -84,8 +133,11 @@ class ModelSpec:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` of the linears of one decoder layer."""
         h, i = self.hidden_size, self.intermediate_size
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        attention = {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                     "o_proj": (self.q_dim, h)}
+        if self.is_moe:  # the experts are 3-D parameters (``expert_param_shapes``), not linears
+            return attention
+        return attention | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def layer_param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Every parameter of one decoder layer as ``(name, shape)``, in HF registration order (attention,
@@ -94,6 +146,18 @@ class ModelSpec:
             yield f"{name}.weight", (fan_out, fan_in)
             if self.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
                 yield f"{name}.bias", (fan_out,)
+            if self.model_type == "gpt_oss" and name == "o_proj":
+                yield "o_proj.bias", (fan_out,)
+        if self.model_type == "qwen3_moe":
+            yield "q_norm.weight", (self.head_dim,)
+            yield "k_norm.weight", (self.head_dim,)
+        if self.model_type == "gpt_oss":
+            yield "sinks", (self.num_attention_heads,)
+        if self.is_moe:
+            yield "mlp.gate.weight", (self.num_experts, self.hidden_size)
+            if self.model_type == "gpt_oss":
+                yield "mlp.gate.bias", (self.num_experts,)
+            yield from self.expert_param_shapes()
         yield "input_layernorm.weight", (self.hidden_size,)
         yield "post_attention_layernorm.weight", (self.hidden_size,)
 
@@ -146,6 +210,14 @@ def _llama(name, h, layers, heads, kv, inter, vocab, *, tie=False, model_type="l
                      tie_word_embeddings=tie, attention_bias=model_type in _QKV_BIAS_TYPES, head_dim=head_dim)
 
 
+def _moe(name, model_type, h, layers, heads, kv, inter, vocab, *, experts, top_k, expert_width,
+         head_dim=None) -> ModelSpec:
+    return ModelSpec(name=name, model_type=model_type, hidden_size=h, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                     head_dim=head_dim, attention_bias=model_type == "gpt_oss", num_experts=experts,
+                     experts_per_token=top_k, moe_intermediate_size=expert_width)
+
+
 MODEL_CATALOGUE: dict[str, ModelSpec] = {spec.name: spec for spec in (
     _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000),
     _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000),
@@ -161,6 +233,20 @@ MODEL_CATALOGUE: dict[str, ModelSpec] = {spec.name: spec for spec in (
     _llama("qwen2.5-14b", 5120, 48, 40, 8, 13824, 152064, model_type="qwen2"),
     _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, model_type="qwen2"),
     _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, model_type="qwen2"),
+    # Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48, num_attention_heads 32,
+    # num_key_value_heads 4, head_dim 128, intermediate_size 6144 (no dense MLP layer: mlp_only_layers [],
+    # decoder_sparse_step 1), num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, vocab_size 151936
+    _moe("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 6144, 151936, experts=128, top_k=8, expert_width=768,
+         head_dim=128),
+    # openai/gpt-oss-20b config.json: hidden_size 2880, num_hidden_layers 24, num_attention_heads 64,
+    # num_key_value_heads 8, head_dim 64, intermediate_size 2880 (per expert), num_local_experts 32,
+    # num_experts_per_tok 4, vocab_size 201088, attention_bias true (sliding/full layers alternate: same shapes)
+    _moe("gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 2880, 201088, experts=32, top_k=4, expert_width=2880,
+         head_dim=64),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, num_hidden_layers 32, num_attention_heads 32,
+    # num_key_value_heads 8, intermediate_size 14336 (per expert), num_local_experts 8, num_experts_per_tok 2,
+    # vocab_size 32000
+    _moe("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 14336, 32000, experts=8, top_k=2, expert_width=14336),
 )}
 
 
@@ -176,7 +262,15 @@ def _from_config(config, name: str) -> ModelSpec:
         intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
         head_dim=getattr(config, "head_dim", None), tie_word_embeddings=bool(config.tie_word_embeddings),
         attention_bias=bool(getattr(config, "attention_bias", False)) or model_type in _QKV_BIAS_TYPES,
+        **(_moe_fields(config) if model_type in _MOE_TYPES else {}),
     )
+
+
+def _moe_fields(config) -> dict:
+    """Experts, top-k and expert width of a MoE config (the field names differ by family)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return dict(num_experts=experts, experts_per_token=config.num_experts_per_tok,
+                moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
 def _read_local_config(folder: str):
@@ -227,6 +321,9 @@ def spec_config(spec: ModelSpec):
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
         intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, head_dim=spec.head_dim,
         tie_word_embeddings=spec.tie_word_embeddings,
+        **(dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token)
+           | ({"moe_intermediate_size": spec.moe_intermediate_size} if spec.model_type == "qwen3_moe" else {})
+           if spec.is_moe else {}),
     )
 
 
@@ -274,7 +371,7 @@ GPU_CATALOGUE: dict[str, GpuSpec] = {g.name: g for g in (
             device_names=("A10",)),
 )}
 """Listed most specific first: ``gpu_from_device_name`` takes the first kind whose name matches."""
-GPU_ALIASES = {"h100-sxm": "h100"}
+GPU_ALIASES = {"h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200"}
 
 
 def gpu_spec(name: str | GpuSpec) -> GpuSpec:

@@ -14,8 +14,13 @@ The order is the case study's decision table, least communication first:
   8. Context parallelism (2, 4, 8, ... up to the world) on top of FULL_SHARD: each sequence split over cp ranks
      (two all-to-alls of q/k/v/output per layer, ``throughput.cp_all_to_all_s``) -- what fits when one
      sequence's activations do not fit a GPU whatever the sharding
-Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). With ``lora=True`` every
-layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
+Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). For a MoE model
+(``ModelSpec.is_moe``) expert parallelism comes first in tiers 0 and 2, the largest ``ep`` (8, 4, 2, inside a node)
+first: EP x DDP all-reduces expert gradients over ``efsdp = dp / ep`` ranks only, and EP x FSDP2 (FULL_SHARD)
+gathers and reduce-scatters only the dense parameters and the experts over ``efsdp`` (none at ``ep = dp``) while the
+tokens travel (``N·k·h`` per exchange), where layouts without EP move every expert's weights or gradients once per
+step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with FSDP2 FULL_SHARD or DDP).
+With ``lora=True`` every layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
 
 A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
 transient allocation) is at most ``(1 - safety_margin)`` of the GPU's memory and what it offloads fits the
@@ -164,7 +169,12 @@ class Plan:
 def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     """``(tier, strategy, make_layout kwargs)`` in decision-table order."""
     nodes, per_node = req.num_nodes, req.num_gpus
-    out = [(0, "ddp", {}), (1, "zero1", {}), (2, "fsdp_shard_grad_op", {}), (2, "zero2", {})]
+    # a MoE: experts inside a node (the token exchange on NVLink), the largest ep first (fewest expert replicas)
+    eps = [ep for ep in (8, 4, 2) if ep <= per_node and per_node % ep == 0] if req.model.is_moe else []
+    out = [(0, "ddp", {"ep": ep}) for ep in eps]
+    out += [(0, "ddp", {}), (1, "zero1", {})]
+    out += [(2, "fsdp_full_shard", {"ep": ep}) for ep in eps]
+    out += [(2, "fsdp_shard_grad_op", {}), (2, "zero2", {})]
     if nodes > 1:
         out.append((3, "fsdp_hybrid_shard", {}))
     out += [(4, "fsdp_full_shard", {}), (4, "zero3", {})]
@@ -278,7 +288,8 @@ def choose_layout(req: PlanRequest) -> Plan:
             why = ("--lora: a LoRA layout fits and is preferred to a full fine-tune"
                    if chosen.layout.lora_rank and not c.layout.lora_rank
                    else f"communicates more than {chosen.name} (decision table tier {c.tier} vs {chosen.tier})"
-                   if c.tier > chosen.tier else f"same tier as {chosen.name}, which comes first (FSDP before ZeRO)")
+                   if c.tier > chosen.tier
+                   else f"same tier as {chosen.name}, which comes first (EP before FSDP before ZeRO)")
             c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but rule: {why}")
         out.append(c)
     return Plan(request=req, candidates=out)

@@ -1,7 +1,10 @@
 """The one FLOP formula for training a decoder-only LM: used by the planner's forecast and the trainer's runtime MFU.
 
 Per token, forward + backward, dense (causal masking not discounted), with ``s`` the sequence length:
-  * matmul weights: ``2·P`` forward, ``2·P`` for the activation gradients and ``2·P`` for the weight gradients,
+  * matmul weights: ``P`` counts what one token passes through -- a MoE's routed experts (the 3-D
+    ``mlp.experts.*`` weights, and PEFT's per-expert adapters on them) times ``k / E``
+    (``num_experts_per_tok / num_local_experts``: the active parameters), their biases not at all; then ``2·P``
+    forward, ``2·P`` for the activation gradients and ``2·P`` for the weight gradients,
     so ``6·P`` for trainable weights and ``4·P`` for frozen ones (a LoRA base computes no weight gradients);
     the embedding lookup is not a matmul, the lm_head is (tied or not);
   * attention scores and values: ``4·L·s·q_dim`` forward, twice that backward: ``12·L·s·q_dim``;
@@ -51,21 +54,38 @@ def module_flop_counts(model) -> FlopCounts:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lm_head = output.weight if output is not None else None
+    config = getattr(model, "config", None)
+    active = _active_expert_fraction(config)
     trainable = frozen = 0
-    for p in {id(p): p for p in model.parameters()}.values():
-        if len(getattr(p, "ds_shape", None) or p.shape) < 2:
-            continue  # norms and biases: no matmul
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        ndim = len(getattr(p, "ds_shape", None) or p.shape)
+        expert = ".experts." in f".{name}"
+        if ndim < 2 or name.endswith("bias"):
+            continue  # norms and biases (gpt-oss' expert biases are [E, out]): no matmul
         if id(p) in embeddings and p is not lm_head:
             continue  # a lookup (a tied weight counts once, as the lm_head matmul)
+        n = _numel(p) * active if expert else _numel(p)  # taken before sharding: all E experts
         if p.requires_grad:
-            trainable += _numel(p)
+            trainable += int(n)
         else:
-            frozen += _numel(p)
-    config = getattr(model, "config", None)
+            frozen += int(n)
     layers = getattr(config, "num_hidden_layers", 0) or 0
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
     return FlopCounts(trainable_matmul=trainable, frozen_matmul=frozen, layers=layers, q_dim=heads * head_dim)
+
+
+def _active_expert_fraction(config) -> float:
+    """``k / E`` of a MoE config: the share of its routed experts one token runs through (1: no experts)."""
+    config = getattr(config, "get_text_config", lambda: config)()
+    experts = next((getattr(config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(config, a, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return top_k / experts if experts and top_k else 1.0
 
 
 __all__ = ["FlopCounts", "module_flop_counts"]

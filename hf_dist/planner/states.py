@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from hf_dist.planner.catalogue import ModelSpec, spec_config
 from hf_dist.planner.workload import FSDP_STRATEGIES, Layout, Workload
@@ -101,7 +101,7 @@ def lm_head_tp(model: ModelSpec, tp: int, vocab_parallel: bool) -> int:
 
 def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: bool, last: bool):
     """``(name, shape)`` of the base parameters one TP rank of one pipeline stage holds."""
-    t = layout.dims.tp
+    t, ep = layout.dims.tp, layout.ep
     vocab_t = t if layout.vocab_parallel else 1
     head_t = lm_head_tp(model, t, layout.vocab_parallel)
     if first:
@@ -111,8 +111,10 @@ def local_param_shapes(model: ModelSpec, layout: Layout, *, layers: int, first: 
             module = name.split(".")[0]
             if module in _COLWISE:
                 shape = (shape[0] // t, *shape[1:])
-            elif module in _ROWWISE:
+            elif module in _ROWWISE and len(shape) == 2:  # a row-parallel bias (gpt-oss o_proj) stays whole
                 shape = (shape[0], shape[1] // t)
+            elif name.startswith("mlp.experts."):  # expert parallelism: E / ep experts on this rank
+                shape = (shape[0] // ep, *shape[1:])
             yield name, shape
     if last:
         yield "norm", (model.hidden_size,)
@@ -168,6 +170,8 @@ def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers
     adapters = list(lora_shapes(model, layout.lora_rank, layers)) if layout.lora_rank else []
     trainable = [s for _, s in (adapters or base)]
     frozen = [s for _, s in base] if adapters else []
+    if model.is_moe and layout.ep > 1:  # without EP, experts are sharded like any other parameter
+        return _moe_torch(model, workload, layout, base, adapters, layers=layers, first=first, last=last)
     unit = [s for _, s in local_param_shapes(model, layout, layers=1, first=False, last=False)]
     root = [s for n, s in base if n in ("embed_tokens", "norm", "lm_head")]
     lm_head = [s for n, s in base if n == "lm_head"]
@@ -214,6 +218,33 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
                        comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
                        unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu,
                        largest_transient=largest)
+
+
+def _expert(name: str) -> bool:
+    return name.startswith("mlp.experts.")
+
+
+def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) -> ModelStates:
+    """A MoE under EP x DDP or EP x FSDP2 (``Layout`` refuses EP with anything else): the dense parameters as
+    ``_torch`` counts them over the data-parallel shards, the routed experts (``E / ep`` per rank) over the
+    expert-FSDP shards (``efsdp = dp x tp / ep``; 1 under DDP, which replicates them), then the two added.
+    FSDP2 shards on dim 0: ``E / ep`` experts over more than ``E / ep`` ranks leave some ranks padding."""
+    experts = [s for n, s in base if _expert(n)]
+    dense = [(n, s) for n, s in base if not _expert(n)]
+    unit_all = list(local_param_shapes(model, layout, layers=1, first=False, last=False))
+    unit_dense = [s for n, s in unit_all if not _expert(n)]
+    unit_experts = [s for n, s in unit_all if _expert(n)]
+    root = [s for n, s in dense if n in ("embed_tokens", "norm", "lm_head")]
+    lm_head = [s for n, s in dense if n == "lm_head"]
+    dense_trainable = [s for _, s in (adapters or dense)]
+    part = _torch(workload, layout, dense_trainable, [s for _, s in dense] if adapters else [], unit_dense, root,
+                  lm_head)
+    expert_layout = replace(layout, num_gpus=layout.efsdp, num_nodes=1, ep=1, tp=1, pp=1)
+    expert = _torch(workload, expert_layout, [] if adapters else experts, experts if adapters else [],
+                    unit_experts, [], [])
+    sums = {f.name: getattr(part, f.name) + getattr(expert, f.name) for f in fields(ModelStates)}
+    sums["largest_transient"] = max(part.largest_transient, expert.largest_transient)
+    return ModelStates(**sums)
 
 
 def _deepspeed(model, workload, layout, trainable, frozen, unit, root) -> ModelStates:

@@ -76,7 +76,8 @@ class Throughput:
 
 def flop_counts(model: ModelSpec, *, lora_rank: int = 0) -> FlopCounts:
     """``FlopCounts`` of ``model`` (the formula in ``flops.py``, shared with the trainer's runtime MFU)."""
-    weights = model.num_hidden_layers * model.layer_linear_weights + model.vocab_size * model.hidden_size
+    # a MoE token passes through its k experts only: FLOPs on the active weights (router included)
+    weights = model.num_hidden_layers * model.layer_active_linear_weights + model.vocab_size * model.hidden_size
     adapters = model.num_hidden_layers * model.lora_params_per_layer(lora_rank) if lora_rank else 0
     return FlopCounts(trainable_matmul=adapters or weights, frozen_matmul=weights if lora_rank else 0,
                       layers=model.num_hidden_layers, q_dim=model.q_dim)
