@@ -166,3 +166,13 @@ def test_one_hf_qwen3_moe_layer_saves_the_planned_bytes():
     planned = activation_model(spec, Workload(seq_len=s, micro_batch_size=b, precision="bf16_mixed"),
                                make_layout("fsdp_full_shard", 1)).layer.total
     assert abs(saved.nbytes - rope - planned) <= 0.01 * planned, (saved.nbytes - rope, planned)
+
+
+def test_plan_command_without_workload_proposes_ep_and_says_what_it_assumed(capsys):
+    from hf_dist.cli import main as cli_main
+
+    assert cli_main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100-80gb"]) == 0
+    out, err = capsys.readouterr()
+    assert "assumed --seq-len 4096, --global-batch 8" in err
+    chosen = [line for line in out.splitlines() if line.startswith(" *")]
+    assert len(chosen) == 1 and "+ep" in chosen[0], out

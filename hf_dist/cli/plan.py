@@ -14,6 +14,10 @@ from hf_dist.planner.workload import ATTENTIONS
 from hf_dist.strategy import MIXED_PRECISIONS
 
 
+DEFAULT_SEQ_LEN = 4096
+"""The sequence length planned when ``--seq-len`` is not given."""
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
@@ -25,8 +29,10 @@ def register(subparsers) -> None:
     parser.add_argument("--model", required=True, help="catalogue name (e.g. llama-2-13b) or a local HF config dir")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     parser.add_argument("--gpu", required=True, help="GPU kind, e.g. a100-80gb, h100, l4")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, said on stderr)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per optimizer step (default: micro batch x every GPU, said on stderr)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per dp rank (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--lora", action="store_true", help="also consider LoRA on a frozen base, and prefer it")
@@ -66,6 +72,19 @@ def register(subparsers) -> None:
     parser.add_argument("--out", default=None, metavar="DIR", help="write the chosen layout's configs to DIR")
     parser.add_argument("--overwrite", action="store_true", help="replace configs an earlier --out wrote to DIR")
     parser.set_defaults(func=run)
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """A sequence length and global batch when the command does not give them, said once on stderr."""
+    assumed = []
+    if args.seq_len is None:
+        args.seq_len = DEFAULT_SEQ_LEN
+        assumed.append(f"--seq-len {args.seq_len}")
+    if args.global_batch is None:
+        args.global_batch = args.micro_batch * args.gpus * args.nodes
+        assumed.append(f"--global-batch {args.global_batch} (micro batch x every GPU)")
+    if assumed:
+        print(f"hf-dist plan: assumed {', '.join(assumed)}; pass them to plan your own workload", file=sys.stderr)
 
 
 def _request(args: argparse.Namespace):
@@ -145,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_outputs(args)
+        _fill_defaults(args)
         plan = choose_layout(_request(args))
         if args.calibrate and plan.chosen is not None:
             plan = _calibrated(plan, args)
