@@ -5,6 +5,8 @@ transformers ships none for, hf_dist writes one in ``classic.py``), its plan use
 into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
 classic plan names as inexact, and a TP=2 parity test against one process passes for it
 (``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
+MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
+dimension by ``moe.py``) and their parity test passes; other MoE layouts (zero experts, no such entry) are refused.
 Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
 linear-attention or state-space layers, no plan, no parity test yet.
 
@@ -26,15 +28,20 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "youtu", "gemma3n_text", "phi4_multimodal",
     # hybrids: their linear-attention / short-conv / Mamba2 layers sharded by hf_dist's overlays (hybrid.py)
     "qwen3_5_text", "lfm2", "falcon_h1", "bamba",
+    # MoE: routed experts split along their intermediate dimension (moe.py), from the plan's moe_tp_experts entry
+    "qwen3_moe", "mixtral", "deepseek_v3",
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
 
 _MOE = "MoE experts (TP does not shard them; expert parallelism: --ep_size)"
+MOE_EXPERT_STYLES: frozenset[str] = frozenset({"moe_tp_experts", "packed_colwise", "rowwise"})
+"""The plan entries of routed experts hf_dist runs tensor-parallel (``moe.py``): the experts module
+``moe_tp_experts``, its ``gate_up_proj`` ``packed_colwise`` and its ``down_proj`` ``rowwise``."""
 _STYLE_REASONS = {
     "moe_tp_experts": _MOE,
     "packed_colwise": _MOE,
     "packed_rowwise": _MOE,
-    "moe_identity_expert": _MOE,
+    "moe_identity_expert": "zero (identity) experts, which TP would sum once per rank",
     "mla_kv_a_proj": "multi-head latent attention (the shared rotary key needs its own gradient reduction)",
     "local_params": "attention sinks (a per-head parameter outside any Linear)",
 }
@@ -73,6 +80,24 @@ def model_plan(config) -> dict[str, str]:
     return plan
 
 
+def moe_experts_patterns(plan: dict[str, str]) -> set[str]:
+    """The experts modules of ``plan`` TP splits by ``moe.ExpertsTensorParallel``: a ``moe_tp_experts`` entry whose
+    parameter entries are exactly ``gate_up_proj: packed_colwise`` and ``down_proj: rowwise``."""
+    out = set()
+    for pattern, style in plan.items():
+        if style != "moe_tp_experts":
+            continue
+        params = {p[len(pattern) + 1:]: s for p, s in plan.items() if p.startswith(f"{pattern}.")}
+        if params == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}:
+            out.add(pattern)
+    return out
+
+
+def _moe_entries(plan: dict[str, str]) -> set[str]:
+    experts = moe_experts_patterns(plan)
+    return {p for p in plan if p in experts or p.rpartition(".")[0] in experts}
+
+
 def _layer_kinds(config) -> set[str]:
     names = ("layer_types", "layers_block_type", "block_types")
     kinds = [kind for name in names for kind in getattr(config, name, None) or ()]
@@ -83,10 +108,11 @@ _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 _STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "attention_hidden_size")
 
 
-def _family_refusal(config) -> str | None:
-    """MoE and state-space / hybrid models, named as such whether or not they ship a plan."""
+def _family_refusal(config, plan: dict[str, str]) -> str | None:
+    """MoE (unless the plan's experts are split by ``moe.py``) and state-space / hybrid models, named as such
+    whether or not they ship a plan."""
     moe = [f"{name}={getattr(config, name)}" for name in _MOE_FIELDS if (getattr(config, name, None) or 0) > 1]
-    if moe:
+    if moe and not moe_experts_patterns(plan):
         return f"{_MOE}: {moe[0]}"
     model_type = getattr(config, "model_type", None)
     if hybrid := hybrid_tp_refusal(config):
@@ -108,10 +134,11 @@ def tp_refusal(config) -> str | None:
         plan = model_plan(config)
     except ValueError as err:
         return str(err)
-    reasons = sorted({_STYLE_REASONS[s] for s in plan.values() if s in _STYLE_REASONS})
+    moe = _moe_entries(plan)
+    reasons = sorted({_STYLE_REASONS[s] for p, s in plan.items() if s in _STYLE_REASONS and p not in moe})
     if reasons:
         return "; ".join(reasons)
-    if family := _family_refusal(config):
+    if family := _family_refusal(config, plan):
         return family
     classic = classic_plan(config)
     if classic is not None and (reason := classic.refusal(config)):
@@ -120,7 +147,7 @@ def tp_refusal(config) -> str | None:
         return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
     own = CLASSIC_STYLES if classic_plan(config) is not None else HYBRID_STYLES
     known = TRANSLATED_STYLES | own
-    unknown = sorted({name for s in plan.values() for name in s.split("+") if name not in known})
+    unknown = sorted({name for p, s in plan.items() if p not in moe for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
     if model_type not in TP_TESTED_MODEL_TYPES:

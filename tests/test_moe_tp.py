@@ -1,0 +1,71 @@
+"""Tensor parallelism (``tp_size=2``, no EP) for MoE models on 2 gloo ranks against one process.
+
+One spawn runs qwen3_moe and mixtral (router aux loss on, coefficient ``ep_cases.AUX``, non-default top-k and
+``norm_topk_prob``) and deepseek_v3 (grouped routing, shared expert, first layer dense; its latent attention is kept
+whole on every rank by its plan): attention and dense / shared MLPs split by the model's plan, routed experts split
+along their intermediate dimension (``hf_dist/tensor_parallel/moe.py``), router whole. 3 AdamW steps with gradient
+clipping active; losses, gradient norms and every parameter within 1e-5 of one process that runs the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from dist_utils import run_distributed
+from ep_cases import moe_config, moe_model, token_batches
+from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference
+
+TP_CASES = ("qwen3_moe", "mixtral", "deepseek_v3")
+
+
+def _tp(name: str, batches: list[dict], world: int) -> dict:
+    from transformers import Trainer
+
+    from hf_dist import ParallelDims, parallelize
+    from hf_dist.state_dict import full_state_dict
+
+    dims = ParallelDims(world_size=world, tp=world)
+    dims.build_mesh("cpu")
+    model = parallelize(moe_model(name), dims, fsdp=None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "state": full_state_dict(model)}
+
+
+def _two_ranks(rank, world):
+    batches = token_batches(STEPS, GLOBAL_BATCH)
+    return {name: {"ref": _reference(name, batches, 1), "tp": _tp(name, batches, world)} for name in TP_CASES}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_two_ranks, 2)
+
+
+@pytest.mark.parametrize("name", TP_CASES)
+def test_tp2_moe_trains_like_one_process(runs, name):
+    for rank, results in enumerate(runs):
+        ref, run = results[name]["ref"], results[name]["tp"]
+        assert min(ref["norms"]) > MAX_NORM  # clipping active
+        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
+        assert run["state"].keys() == ref["state"].keys()
+        for key, value in run["state"].items():
+            assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", ("qwen2_moe", "olmoe", "gpt_oss"))
+def test_moe_types_without_a_tp_parity_test_are_refused_by_name(name):
+    from hf_dist.tensor_parallel import check_tp_sizes
+
+    with pytest.raises(ValueError, match="tensor parallelism is not available"):
+        check_tp_sizes(moe_config(name), 2)
