@@ -17,7 +17,7 @@ from dist_utils import run_distributed
 from ep_cases import moe_config, moe_model, token_batches
 from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference
 
-TP_CASES = ("qwen3_moe", "mixtral", "deepseek_v3")
+TP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 def _tp(name: str, batches: list[dict], world: int) -> dict:
@@ -38,7 +38,9 @@ def _tp(name: str, batches: list[dict], world: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "norms": norms, "state": full_state_dict(model)}
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    local = {(tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj.to_local().shape)) for m in experts}
+    return {"losses": losses, "norms": norms, "state": full_state_dict(model), "experts": local}
 
 
 def _two_ranks(rank, world):
@@ -56,6 +58,8 @@ def test_tp2_moe_trains_like_one_process(runs, name):
     for rank, results in enumerate(runs):
         ref, run = results[name]["ref"], results[name]["tp"]
         assert min(ref["norms"]) > MAX_NORM  # clipping active
+        assert run["experts"] and all(  # every expert's gate/up features split in half (dim 1, or 2 transposed)
+            whole[0] == local[0] and whole[1] * whole[2] == 2 * local[1] * local[2] for whole, local in run["experts"])
         assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
         assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
         assert run["state"].keys() == ref["state"].keys()
@@ -63,7 +67,7 @@ def test_tp2_moe_trains_like_one_process(runs, name):
             assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
 
 
-@pytest.mark.parametrize("name", ("qwen2_moe", "olmoe", "gpt_oss"))
+@pytest.mark.parametrize("name", ("qwen2_moe", "olmoe", "phimoe"))
 def test_moe_types_without_a_tp_parity_test_are_refused_by_name(name):
     from hf_dist.tensor_parallel import check_tp_sizes
 

@@ -19,6 +19,11 @@ the experts module transformers' ``use_experts_implementation`` builds (``is_con
   TP ranks in backward; the output is summed in forward. The router stays whole and needs no reduction: every
   gradient reaching it is already whole.
 
+gpt-oss: transformers ships no ``base_model_tp_plan`` for it (its attention has sinks, one logit per head that no
+Linear holds). ``OWN_PLANS`` is hf_dist's plan for it, in transformers' style names: attention split by head like
+the other families, the sinks split by head with it (``local_sinks``: read as this rank's heads during the
+attention forward), the experts as above.
+
 The model's own forward runs unchanged: during it the parameter attributes are this rank's local tensors (the
 pattern of ``hybrid_styles.LocalParams``). Not for: which models may use this (``support.py``), the plan
 (``plans.py``).
@@ -34,6 +39,31 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hf_dist.tensor_parallel.styles import _reduce_partial_grad
+
+
+_EXPERTS = {
+    "layers.*.mlp.experts": "moe_tp_experts",
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+}
+OWN_PLANS: dict[str, dict[str, str]] = {
+    "gpt_oss": {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn": "local_sinks",
+        **_EXPERTS,
+    },
+}
+"""``model_type -> base_model_tp_plan`` (relative to the base model) for MoE types transformers ships none for."""
+MOE_STYLES: frozenset[str] = frozenset({"local_sinks"})
+"""hf_dist's own style names used by ``OWN_PLANS`` (built in ``plans.STYLE_BUILDERS``)."""
+
+
+def own_plan(config) -> dict[str, str]:
+    """hf_dist's ``base_model_tp_plan`` for ``config``'s MoE type (``OWN_PLANS``), empty for other types."""
+    return dict(OWN_PLANS.get(getattr(config, "model_type", None), {}))
 
 
 class _SumBackward(torch.autograd.Function):

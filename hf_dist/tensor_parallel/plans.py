@@ -49,6 +49,7 @@ from hf_dist.tensor_parallel.classic_styles import (
     RowwiseParallelWritableOutput,
 )
 from hf_dist.tensor_parallel.hybrid import HYBRID_STYLE_BUILDERS
+from hf_dist.tensor_parallel.hybrid_styles import LocalParams
 from hf_dist.tensor_parallel.styles import (
     ColwiseParallelWritableOutput,
     CombinedStyle,
@@ -61,6 +62,7 @@ from hf_dist.tensor_parallel.styles import (
 from hf_dist.tensor_parallel.moe import ExpertsTensorParallel
 from hf_dist.tensor_parallel.support import (
     TP_TESTED_MODEL_TYPES,
+    TP_TESTED_MOE_TYPES,
     check_tp_support,
     model_plan,
     moe_experts_patterns,
@@ -116,7 +118,7 @@ _FUSED_OVERLAY = {
 
 def supported_families() -> tuple[str, ...]:
     """Model types with tensor parallelism from their own plan (proven by a parity test; ``support.py``)."""
-    return tuple(sorted(TP_TESTED_MODEL_TYPES))
+    return tuple(sorted(TP_TESTED_MODEL_TYPES | TP_TESTED_MOE_TYPES))
 
 
 def _parent(pattern: str) -> str:
@@ -271,6 +273,7 @@ STYLE_BUILDERS = {
     "fused_colwise_qkv": _fused_qkv,
     "fused_colwise_gate_up": _fused_gate_up,
     "experts_tp": lambda config: ExpertsTensorParallel(),
+    "local_sinks": lambda config: LocalParams(shards={"sinks": ()}),
     "replicated_kv": _replicated_kv,
     "conv1d_colwise": lambda config: Conv1DColwise(),
     "conv1d_rowwise": lambda config: Conv1DRowwise(),

@@ -4,7 +4,8 @@ A model type is supported when transformers ships a ``base_model_tp_plan`` for i
 transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
 into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
 classic plan names as inexact, and a TP=2 parity test against one process passes for it
-(``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
+(``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``; MoE types: ``tests/test_moe_tp.py``,
+``TP_TESTED_MOE_TYPES``).
 MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
 dimension by ``moe.py``) and their parity test passes; other MoE layouts (zero experts, no such entry) are refused.
 Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
@@ -17,6 +18,7 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 from __future__ import annotations
 
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
+from hf_dist.tensor_parallel.moe import MOE_STYLES, own_plan
 from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, hybrid_overlay, hybrid_tp_refusal
 
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
@@ -28,15 +30,13 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "youtu", "gemma3n_text", "phi4_multimodal",
     # hybrids: their linear-attention / short-conv / Mamba2 layers sharded by hf_dist's overlays (hybrid.py)
     "qwen3_5_text", "lfm2", "falcon_h1", "bamba",
-    # MoE: routed experts split along their intermediate dimension (moe.py), from the plan's moe_tp_experts entry
-    "qwen3_moe", "mixtral", "deepseek_v3",
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
+TP_TESTED_MOE_TYPES: frozenset[str] = frozenset({"qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"})
+"""MoE types whose TP=2 run (routed experts split by ``moe.py``, router aux loss on) equals one process over 3
+AdamW steps with clipping active (``tests/test_moe_tp.py``)."""
 
 _MOE = "MoE experts (TP does not shard them; expert parallelism: --ep_size)"
-MOE_EXPERT_STYLES: frozenset[str] = frozenset({"moe_tp_experts", "packed_colwise", "rowwise"})
-"""The plan entries of routed experts hf_dist runs tensor-parallel (``moe.py``): the experts module
-``moe_tp_experts``, its ``gate_up_proj`` ``packed_colwise`` and its ``down_proj`` ``rowwise``."""
 _STYLE_REASONS = {
     "moe_tp_experts": _MOE,
     "packed_colwise": _MOE,
@@ -69,7 +69,7 @@ def model_plan(config) -> dict[str, str]:
     """The model's own plan relative to its ``*ForCausalLM``: ``base_model_tp_plan`` under the base model's
     attribute name, plus the head's ``_tp_plan``; hf_dist's own plan (``classic.py``) for the classic types
     transformers ships none for. Empty otherwise."""
-    base = getattr(config, "base_model_tp_plan", None) or {}
+    base = getattr(config, "base_model_tp_plan", None) or own_plan(config)
     if not base:
         classic = classic_plan(config)
         return classic.plan_for(config) if classic is not None else hybrid_overlay(config)
@@ -146,11 +146,14 @@ def tp_refusal(config) -> str | None:
     if not plan:
         return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
     own = CLASSIC_STYLES if classic_plan(config) is not None else HYBRID_STYLES
-    known = TRANSLATED_STYLES | own
+    known = TRANSLATED_STYLES | own | MOE_STYLES
     unknown = sorted({name for p, s in plan.items() if p not in moe for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
-    if model_type not in TP_TESTED_MODEL_TYPES:
+    if moe and model_type not in TP_TESTED_MOE_TYPES:
+        return (f"MoE experts: no TP parity test in hf_dist for model_type={model_type!r} yet (routed experts under "
+                f"TP are proven for {', '.join(sorted(TP_TESTED_MOE_TYPES))}; expert parallelism: --ep_size)")
+    if model_type not in TP_TESTED_MODEL_TYPES | TP_TESTED_MOE_TYPES:
         return f"no TP parity test in hf_dist for model_type={model_type!r} yet"
     return None
 
