@@ -11,33 +11,39 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
 from ep_cases import moe_config, moe_model, token_batches
-from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference
+from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference, _slice
 
 TP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
-def _tp(name: str, batches: list[dict], world: int) -> dict:
+def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layout: str = "tp") -> dict:
+    """TP over ``tp`` ranks; the other ``world // tp`` ranks data-parallel (``layout``: FSDP2 or replicated)."""
     from transformers import Trainer
 
-    from hf_dist import ParallelDims, parallelize
+    from hf_dist import FsdpRequest, ParallelDims, parallelize
     from hf_dist.state_dict import full_state_dict
 
-    dims = ParallelDims(world_size=world, tp=world)
+    dp = world // tp
+    fsdp = layout == "fsdp"
+    dims = ParallelDims(world_size=world, tp=tp, dp_shard=dp if fsdp else 1, dp_replicate=1 if fsdp else dp)
     dims.build_mesh("cpu")
-    model = parallelize(moe_model(name), dims, fsdp=None)
+    model = parallelize(moe_model(name), dims, fsdp=FsdpRequest() if fsdp else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, norms = [], []
     for batch in batches:
-        loss = model(**batch).loss
+        loss = model(**_slice(batch, rank // tp, dp)).loss  # tp is the innermost mesh dimension
         loss.backward()
         norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / world)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     local = {(tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj.to_local().shape)) for m in experts}
     return {"losses": losses, "norms": norms, "state": full_state_dict(model), "experts": local}
@@ -45,7 +51,7 @@ def _tp(name: str, batches: list[dict], world: int) -> dict:
 
 def _two_ranks(rank, world):
     batches = token_batches(STEPS, GLOBAL_BATCH)
-    return {name: {"ref": _reference(name, batches, 1), "tp": _tp(name, batches, world)} for name in TP_CASES}
+    return {name: {"ref": _reference(name, batches, 1), "tp": _tp(name, batches, rank, world)} for name in TP_CASES}
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +59,42 @@ def runs():
     return run_distributed(_two_ranks, 2)
 
 
+FOUR_RANK_CASES = ("qwen3_moe", "gpt_oss")
+DP_LAYOUTS = ("fsdp", "ddp")
+
+
+def _four_ranks(rank, world):
+    """TP=2 x FSDP2 and TP=2 x replicated dp=2 on 4 ranks (gpt_oss: the expert biases under FSDP2 too)."""
+    batches = token_batches(STEPS, GLOBAL_BATCH)
+    return {name: {"ref": _reference(name, batches, 2),
+                   **{layout: _tp(name, batches, rank, world, layout=layout) for layout in DP_LAYOUTS}}
+            for name in FOUR_RANK_CASES}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs():
+    return run_distributed(_four_ranks, 4)
+
+
+@pytest.mark.parametrize("layout", DP_LAYOUTS)
+@pytest.mark.parametrize("name", FOUR_RANK_CASES)
+def test_tp2_by_dp2_moe_trains_like_one_process(four_rank_runs, name, layout):
+    _check(four_rank_runs, name, layout)
+
+
 @pytest.mark.parametrize("name", TP_CASES)
 def test_tp2_moe_trains_like_one_process(runs, name):
+    _check(runs, name, "tp")
+
+
+def _check(runs, name, layout):
     for rank, results in enumerate(runs):
-        ref, run = results[name]["ref"], results[name]["tp"]
+        ref, run = results[name]["ref"], results[name][layout]
         assert min(ref["norms"]) > MAX_NORM  # clipping active
+        experts_per_rank = 2 if layout == "fsdp" else 1  # FSDP2 shards the 4 experts (dim 0) over dp=2
         assert run["experts"] and all(  # every expert's gate/up features split in half (dim 1, or 2 transposed)
-            whole[0] == local[0] and whole[1] * whole[2] == 2 * local[1] * local[2] for whole, local in run["experts"])
+            whole[0] == experts_per_rank * local[0] and whole[1] * whole[2] == 2 * local[1] * local[2]
+            for whole, local in run["experts"])
         assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
         assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
         assert run["state"].keys() == ref["state"].keys()
