@@ -44,9 +44,16 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layo
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(float(loss) / world)
+    try:
+        from hf_dist.checkpoint.api import check_checkpointable
+
+        check_checkpointable(model)
+        checkpoint = "allowed"
+    except ValueError as error:
+        checkpoint = str(error)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     local = {(tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj.to_local().shape)) for m in experts}
-    return {"losses": losses, "norms": norms, "state": full_state_dict(model), "experts": local}
+    return {"losses": losses, "norms": norms, "state": full_state_dict(model), "experts": local, "checkpoint": checkpoint}
 
 
 def _two_ranks(rank, world):
@@ -100,6 +107,17 @@ def _check(runs, name, layout):
         assert run["state"].keys() == ref["state"].keys()
         for key, value in run["state"].items():
             assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", TP_CASES)
+def test_sharded_checkpoints_of_split_gate_up_are_refused_before_any_write(runs, name):
+    """DCP stores one block per rank; [gate_r | up_r] is two (concatenated layouts). gpt-oss interleaves gate and
+    up, so its shard is one block and it checkpoints."""
+    message = runs[0][name]["tp"]["checkpoint"]
+    if name == "gpt_oss":
+        assert message == "allowed"
+    else:
+        assert "torch.distributed.checkpoint cannot store" in message and "mlp.experts.gate_up_proj" in message
 
 
 @pytest.mark.parametrize("name", ("qwen2_moe", "olmoe", "phimoe"))

@@ -62,7 +62,9 @@ def _splits(placement) -> bool:
     return hasattr(placement, "dim") and hasattr(placement, "_split_tensor")  # Shard, _StridedShard
 
 
-def _strided(param: torch.Tensor) -> bool:
+def multi_block(param: torch.Tensor) -> bool:
+    """Whether this rank's shard of ``param`` is several blocks of the whole tensor (a ``_StridedShard`` on a
+    dimension nothing else shards: MoE experts' ``[gate_r | up_r]`` under TP), which DCP cannot describe."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(param, DTensor) or not any(isinstance(p, _StridedShard) for p in param.placements):
@@ -96,7 +98,7 @@ def local_blocks(param: torch.Tensor, fused: tuple[tuple[int, ...], int] | None 
 
     ``fused`` is ``(part row counts, tp)`` for a ``FusedColwiseParallel`` Linear (``styles.FUSED_PARTS_ATTR``).
     """
-    if _strided(param) and fused is None:
+    if multi_block(param) and fused is None:
         return _strided_blocks(param)
     shape, offset = _global_block(param)
     local = local_tensor(param)
