@@ -21,7 +21,8 @@ from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference, 
 TP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
-def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layout: str = "tp") -> dict:
+def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layout: str = "tp",
+        save_to: str | None = None) -> dict:
     """TP over ``tp`` ranks; the other ``world // tp`` ranks data-parallel (``layout``: FSDP2 or replicated)."""
     from transformers import Trainer
 
@@ -44,6 +45,10 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layo
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         losses.append(float(loss) / world)
+    if save_to is not None:  # the final save (DistTrainer.save_model): gathered, in the model's own key format
+        from hf_dist.state_dict import save_gathered
+
+        save_gathered(model, save_to)
     try:
         from hf_dist.checkpoint.api import check_checkpointable
 
@@ -56,14 +61,20 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layo
     return {"losses": losses, "norms": norms, "state": full_state_dict(model), "experts": local, "checkpoint": checkpoint}
 
 
-def _two_ranks(rank, world):
+def _two_ranks(rank, world, root):
     batches = token_batches(STEPS, GLOBAL_BATCH)
-    return {name: {"ref": _reference(name, batches, 1), "tp": _tp(name, batches, rank, world)} for name in TP_CASES}
+    return {name: {"ref": _reference(name, batches, 1), "tp": _tp(name, batches, rank, world, save_to=f"{root}/{name}")}
+            for name in TP_CASES}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_two_ranks, 2)
+def saved_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_tp_save")
+
+
+@pytest.fixture(scope="module")
+def runs(saved_root):
+    return run_distributed(_two_ranks, 2, str(saved_root))
 
 
 FOUR_RANK_CASES = ("qwen3_moe", "gpt_oss")
@@ -118,6 +129,17 @@ def test_sharded_checkpoints_of_split_gate_up_are_refused_before_any_write(runs,
         assert message == "allowed"
     else:
         assert "torch.distributed.checkpoint cannot store" in message and "mlp.experts.gate_up_proj" in message
+
+
+@pytest.mark.parametrize("name", TP_CASES)
+def test_the_final_save_under_tp_reloads_equal_to_one_process(runs, saved_root, name):
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(saved_root / name), dtype=torch.float32).state_dict()
+    ref = runs[0][name]["ref"]["state"]
+    assert loaded.keys() == ref.keys()
+    for key, value in ref.items():
+        assert_close(loaded[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("name", ("qwen2_moe", "olmoe", "phimoe"))
