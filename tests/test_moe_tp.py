@@ -148,3 +148,13 @@ def test_moe_types_without_a_tp_parity_test_are_refused_by_name(name):
 
     with pytest.raises(ValueError, match="tensor parallelism is not available"):
         check_tp_sizes(moe_config(name), 2)
+
+
+def test_an_expert_width_tp_does_not_divide_is_refused_before_launch():
+    from hf_dist.tensor_parallel import check_tp_sizes, valid_tp_sizes
+
+    config = moe_config("qwen3_moe")
+    config.moe_intermediate_size = 25
+    with pytest.raises(ValueError, match="tp=2 does not divide moe_intermediate_size=25"):
+        check_tp_sizes(config, 2)
+    assert valid_tp_sizes(moe_config("gpt_oss")) == [1, 2]  # 4 heads, 2 KV heads, intermediate_size=24
