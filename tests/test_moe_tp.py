@@ -158,3 +158,47 @@ def test_an_expert_width_tp_does_not_divide_is_refused_before_launch():
     with pytest.raises(ValueError, match="tp=2 does not divide moe_intermediate_size=25"):
         check_tp_sizes(config, 2)
     assert valid_tp_sizes(moe_config("gpt_oss")) == [1, 2]  # 4 heads, 2 KV heads, intermediate_size=24
+
+
+def _trainer(output_dir: str, *, tp: int, save_strategy: str = "no") -> dict:
+    from test_expert_parallel_trainer import _model
+    from trainer_harness import full_parameters, token_dataset
+
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    args = DistTrainingArguments(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=4, global_batch_size=8,
+        learning_rate=1e-3, report_to=[], seed=0, data_seed=0, disable_tqdm=True, logging_steps=1,
+        dataloader_num_workers=0, max_grad_norm=MAX_NORM, save_strategy=save_strategy, use_cpu=tp == 1,
+        **({"tp_size": tp} if tp > 1 else {}),
+    )
+    trainer = DistTrainer(model=_model(), args=args, train_dataset=token_dataset())
+    trainer.train()
+    logs = trainer.state.log_history
+    return {"losses": [log["loss"] for log in logs if "loss" in log],
+            "norms": [log["grad_norm"] for log in logs if "grad_norm" in log],
+            "params": {k: v.detach().clone() for k, v in full_parameters(trainer).items()}}
+
+
+def _trainer_ranks(rank, world, root):
+    try:
+        _trainer(f"{root}/refused", tp=2, save_strategy="steps")
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {"tp": _trainer(f"{root}/tp", tp=2), "refused": refused}
+
+
+def test_dist_trainer_tp2_on_qwen3_moe_equals_one_process(tmp_path):
+    """DistTrainer with tp_size=2 (router aux loss on, clipping active) against DistTrainer in one process; with
+    checkpoints on, the layout is refused before training (DCP cannot store [gate_r | up_r])."""
+    ranks = run_distributed(_trainer_ranks, 2, str(tmp_path))
+    ref = _trainer(str(tmp_path / "one"), tp=1)
+    assert min(ref["norms"]) > MAX_NORM and len(ref["losses"]) == STEPS
+    for rank, result in enumerate(ranks):
+        assert "torch.distributed.checkpoint cannot store" in result["refused"], result["refused"]
+        run = result["tp"]
+        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
+        for key, value in ref["params"].items():
+            assert_close(run["params"][key], value, atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
