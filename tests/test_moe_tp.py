@@ -1,10 +1,12 @@
-"""Tensor parallelism (``tp_size=2``, no EP) for MoE models on 2 gloo ranks against one process.
+"""Tensor parallelism for MoE models against one process (``hf_dist/tensor_parallel/moe.py``).
 
-One spawn runs qwen3_moe and mixtral (router aux loss on, coefficient ``ep_cases.AUX``, non-default top-k and
-``norm_topk_prob``) and deepseek_v3 (grouped routing, shared expert, first layer dense; its latent attention is kept
-whole on every rank by its plan): attention and dense / shared MLPs split by the model's plan, routed experts split
-along their intermediate dimension (``hf_dist/tensor_parallel/moe.py``), router whole. 3 AdamW steps with gradient
-clipping active; losses, gradient norms and every parameter within 1e-5 of one process that runs the whole batch.
+One 2-rank spawn runs TP=2 on qwen3_moe, mixtral, gpt_oss (router aux loss on, coefficient ``ep_cases.AUX``,
+non-default top-k / ``norm_topk_prob``; gpt_oss: expert biases, clamped SwiGLU, attention sinks split by head) and
+deepseek_v3 (grouped routing, shared expert, first layer dense; its latent attention kept whole on every rank by its
+plan): routed experts split along their intermediate dimension, router whole. A 4-rank spawn runs TP=2 x FSDP2 and
+TP=2 x replicated dp=2 (qwen3_moe, gpt_oss). Every case: 3 AdamW steps with gradient clipping active; losses,
+gradient norms and every parameter within 1e-5 of one process. Also: the final save reloads with from_pretrained,
+sharded checkpoints of split [gate_r | up_r] are refused, DistTrainer tp_size=2 equals DistTrainer in one process.
 """
 
 from __future__ import annotations
