@@ -5,8 +5,8 @@ with ``cp_size > 1``).
 
 The statuses are the support decisions themselves (``hf_dist.tensor_parallel.support``,
 ``hf_dist.pipeline_parallel.support`` and ``hf_dist.expert_parallel.support``) on each type's default config; "yes"
-means the type passed its parity test against one process (tests/test_tp_sweep.py, the PP sweep for PP,
-tests/test_expert_parallel.py for EP; "-": a dense model). Nothing is run here.
+means the type passed its parity test against one process (tests/test_tp_sweep.py, tests/test_moe_tp.py for MoE
+TP, the PP sweep for PP, tests/test_expert_parallel.py for EP; "-": a dense model). Nothing is run here.
 
     python bench/coverage.py                      # print the table
     python bench/coverage.py --write docs/coverage.md --readme README.md   # also write the table, README counts

@@ -155,9 +155,9 @@ class Layout:
                              f"data-parallel ranks of a stage, not over context-parallel ranks, and no parity test "
                              f"covers EP x CP; set cp_size=1 (EP x FSDP2 or EP x DDP), or ep_size=1")
         if self.tp > 1:
-            raise ValueError(f"ep_size={self.ep} with tp_size={self.tp}: hf_dist's TP refuses MoE experts and does "
-                             f"not slice the batch over TP ranks before the token exchange; use ep_size with FSDP2 "
-                             f"or DDP and tp_size=1")
+            raise ValueError(f"ep_size={self.ep} with tp_size={self.tp}: hf_dist does not slice the batch over TP "
+                             f"ranks before the token exchange (no parity test covers TP x EP); use ep_size with "
+                             f"FSDP2 or DDP and tp_size=1, or tp_size alone (routed experts split by TP)")
         if self.strategy == "fsdp_hybrid_shard":
             raise ValueError(f"ep_size={self.ep} with HYBRID_SHARD: the expert mesh has no replica axis in hf_dist; "
                              f"use FULL_SHARD (dp_replicate=1) with ep_size, or ep_size=1")

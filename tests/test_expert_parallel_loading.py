@@ -53,3 +53,35 @@ def test_streaming_load_gives_each_rank_its_experts(saved):
             for key, value in expected.items():
                 torch.testing.assert_close(got["state"][key], value, atol=0, rtol=0,
                                            msg=lambda m: f"{name} rank {rank} {key}: {m}")
+
+
+def _load_tp(rank, world, root):
+    import hf_dist
+    from hf_dist import DistTrainingArguments
+    from hf_dist.state_dict import full_state_dict
+
+    out = {}
+    for name in NAMES:
+        args = DistTrainingArguments(output_dir=f"{root}/out", tp_size=2, report_to=[])
+        model = hf_dist.from_pretrained(f"{root}/{name}", args)
+        experts = model.model.layers[0].mlp.experts
+        out[name] = {"state": full_state_dict(model), "local": tuple(experts.gate_up_proj.to_local().shape),
+                     "streamed": args.layout.streaming_load}
+    return out
+
+
+def test_streaming_load_under_tp_gives_each_rank_its_gate_and_up_slices(saved):
+    """TP=2 splits every expert's fused ``[gate | up]`` part by part (rank r: ``[gate_r | up_r]``, two runs of
+    rows): the streamed load reads both runs, from the per-expert keys on disk."""
+    from transformers import AutoModelForCausalLM
+
+    per_rank = run_distributed(_load_tp, 2, str(saved))
+    for name in NAMES:
+        expected = AutoModelForCausalLM.from_pretrained(str(saved / name), dtype=torch.float32).state_dict()
+        for rank, result in enumerate(per_rank):
+            got = result[name]
+            whole = expected["model.layers.0.mlp.experts.gate_up_proj"].shape
+            assert got["streamed"] and got["local"] == (whole[0], whole[1] // 2, whole[2])
+            for key, value in expected.items():
+                torch.testing.assert_close(got["state"][key], value, atol=0, rtol=0,
+                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")

@@ -24,7 +24,7 @@ from hf_dist.tensor_parallel.hybrid import layer_kind_patterns
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_dist.tensor_parallel.match import match_plan
-from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, plan_names, resolve_styles
+from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, moe_dense_patterns, plan_names, resolve_styles
 
 TP_INFO_ATTR = "_hf_dist_tp"
 
@@ -112,7 +112,7 @@ def apply_tensor_parallel(
         if tp == 1:
             return model
         names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
-        optional = optional | layer_kind_patterns(config, names)
+        optional = optional | layer_kind_patterns(config, names) | moe_dense_patterns(names)
         plan = resolve_styles(names, config)
     elif sequence_parallel or vocab_parallel:
         raise ValueError(

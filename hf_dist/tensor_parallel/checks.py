@@ -2,8 +2,8 @@
 rule (training, the planner and the CLI all ask ``valid_tp_sizes`` / ``check_tp_sizes``).
 
 Pure functions on a model config and a TP degree. The sizes checked are the ones the model's plan actually
-shards: attention heads when it splits attention projections, the MLP width when it splits the MLP, the
-vocabulary under vocab parallelism. A model without TP support (``support.py``) has only ``tp=1``. Errors
+shards: attention heads when it splits attention projections, the MLP width when it splits the MLP, a routed
+expert's width when it splits the experts, the vocabulary under vocab parallelism. A model without TP support (``support.py``) has only ``tp=1``. Errors
 say which value fails, the rule, and which TP degrees would work. Not for: building plans.
 """
 
@@ -14,12 +14,14 @@ from math import gcd
 from hf_dist.tensor_parallel.classic import classic_plan
 from hf_dist.tensor_parallel.hybrid import hybrid_sizes
 from hf_dist.tensor_parallel.plans import REPLICATED_KV_FAMILIES
-from hf_dist.tensor_parallel.support import check_tp_support, model_plan, tp_refusal
+from hf_dist.tensor_parallel.support import check_tp_support, model_plan, moe_experts_patterns, tp_refusal
 
 _SHARDING_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input"})
 _ATTENTION_PARENTS = frozenset({"self_attn", "attention", "attn", "self_attention"})
 _MLP_PARENTS = frozenset({"mlp", "feed_forward", "ffn"})
 _MLP_WIDTH_FIELDS = ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim")
+_EXPERT_WIDTH_FIELDS = ("moe_intermediate_size", "intermediate_size")
+"""A routed expert's intermediate width, split by ``moe.ExpertsTensorParallel`` (first field the config has)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -60,6 +62,9 @@ def sharded_sizes(config, *, vocab_parallel: bool) -> dict[str, int | list[int]]
     if parents & _MLP_PARENTS:
         field, value = _mlp_width(config)
         sizes[field] = list(value) if isinstance(value, (list, tuple)) else value
+    if moe_experts_patterns(model_plan(config)):  # routed experts split along their intermediate dimension
+        field = next(f for f in _EXPERT_WIDTH_FIELDS if isinstance(getattr(config, f, None), int))
+        sizes[field] = getattr(config, field)
     sizes.update(hybrid_sizes(config))  # linear-attention heads, short-conv channels (hybrid.py)
     if vocab_parallel:
         sizes["vocab_size"] = config.vocab_size

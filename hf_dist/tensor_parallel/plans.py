@@ -8,6 +8,8 @@ stands for one path component (a layer index). hf_dist's overlays:
 
 - fused projections: a ``qkv_proj`` / dense ``gate_up_proj`` that the model's plan gathers on every rank
   (Phi-3, GLM) is sharded part by part instead (``FusedColwiseParallel``), its partner row-parallel;
+- routed MoE experts (``moe_tp_experts``): split along their intermediate dimension (``moe.py``), the router
+  whole;
 - the lm_head: column-parallel with its output gathered (the head's own plan) when the vocabulary divides by
   ``tp`` and the embeddings are not tied; whole otherwise (a tied weight is sharded only with the embedding,
   which is what vocab parallelism does);
@@ -47,6 +49,7 @@ from hf_dist.tensor_parallel.classic_styles import (
     RowwiseParallelWritableOutput,
 )
 from hf_dist.tensor_parallel.hybrid import HYBRID_STYLE_BUILDERS
+from hf_dist.tensor_parallel.hybrid_styles import LocalParams
 from hf_dist.tensor_parallel.styles import (
     ColwiseParallelWritableOutput,
     CombinedStyle,
@@ -56,7 +59,14 @@ from hf_dist.tensor_parallel.styles import (
     ReplicatedKVColwise,
     ReplicatedWithGradReduce,
 )
-from hf_dist.tensor_parallel.support import TP_TESTED_MODEL_TYPES, check_tp_support, model_plan
+from hf_dist.tensor_parallel.moe import ExpertsTensorParallel
+from hf_dist.tensor_parallel.support import (
+    TP_TESTED_MODEL_TYPES,
+    TP_TESTED_MOE_TYPES,
+    check_tp_support,
+    model_plan,
+    moe_experts_patterns,
+)
 
 HEAD_PATTERNS: frozenset[str] = frozenset({"lm_head"})
 """Plan entries that may name nothing (a pipeline stage without the head); other entries must match."""
@@ -108,7 +118,7 @@ _FUSED_OVERLAY = {
 
 def supported_families() -> tuple[str, ...]:
     """Model types with tensor parallelism from their own plan (proven by a parity test; ``support.py``)."""
-    return tuple(sorted(TP_TESTED_MODEL_TYPES))
+    return tuple(sorted(TP_TESTED_MODEL_TYPES | TP_TESTED_MOE_TYPES))
 
 
 def _parent(pattern: str) -> str:
@@ -132,6 +142,21 @@ def _fuse(plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _experts(plan: dict[str, str]) -> dict[str, str]:
+    """Routed experts (``moe_tp_experts`` with its parameter entries) -> one ``experts_tp`` entry on the module."""
+    experts = moe_experts_patterns(plan)
+    out = {p: s for p, s in plan.items() if p.rpartition(".")[0] not in experts}
+    out.update(dict.fromkeys(experts, "experts_tp"))
+    return out
+
+
+def moe_dense_patterns(names: dict[str, str]) -> frozenset[str]:
+    """Entries beside split experts that may match no module: a MoE model's dense-MLP entries (every layer sparse,
+    or ``mlp_only_layers``/``first_k_dense_replace`` layers dense) live under the same ``mlp`` path."""
+    parents = {_parent(p) for p, s in names.items() if s == "experts_tp"}
+    return frozenset(p for p, s in names.items() if s != "experts_tp" and any(p.startswith(f"{q}.") for q in parents))
+
+
 def _head(plan: dict[str, str], config, tp: int | None) -> dict[str, str]:
     """Keep the head's column split only where it is exact and cheap to undo (see module docstring)."""
     vocab = getattr(config, "vocab_size", None)
@@ -151,7 +176,7 @@ def lm_head_split(config, tp: int, *, vocab_parallel: bool = False) -> bool:
 def base_plan(config, tp: int | None = None) -> dict[str, str]:
     """The model's plan with the fused-projection and head overlays, as ``{pattern: style_name}``."""
     check_tp_support(config)
-    plan = _head(_fuse(model_plan(config)), config, tp)
+    plan = _head(_fuse(_experts(model_plan(config))), config, tp)
     for field, leaves in IN_PLACE_OUTPUT_OVERLAY.items():
         if getattr(config, field, None) is not None:
             plan.update({p: "colwise_writable_output" for p, s in plan.items()
@@ -247,6 +272,8 @@ STYLE_BUILDERS = {
     "local_head_counts": lambda config: LocalHeadCounts(),
     "fused_colwise_qkv": _fused_qkv,
     "fused_colwise_gate_up": _fused_gate_up,
+    "experts_tp": lambda config: ExpertsTensorParallel(),
+    "local_sinks": lambda config: LocalParams(shards={"sinks": ()}),
     "replicated_kv": _replicated_kv,
     "conv1d_colwise": lambda config: Conv1DColwise(),
     "conv1d_rowwise": lambda config: Conv1DRowwise(),

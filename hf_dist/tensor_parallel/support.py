@@ -4,7 +4,10 @@ A model type is supported when transformers ships a ``base_model_tp_plan`` for i
 transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
 into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
 classic plan names as inexact, and a TP=2 parity test against one process passes for it
-(``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``).
+(``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``; MoE types: ``tests/test_moe_tp.py``,
+``TP_TESTED_MOE_TYPES``).
+MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
+dimension by ``moe.py``) and their parity test passes; other MoE layouts (zero experts, no such entry) are refused.
 Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
 linear-attention or state-space layers, no plan, no parity test yet.
 
@@ -15,6 +18,7 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 from __future__ import annotations
 
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
+from hf_dist.tensor_parallel.moe import MOE_STYLES, own_plan
 from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, hybrid_overlay, hybrid_tp_refusal
 
 TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
@@ -28,13 +32,16 @@ TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
     "qwen3_5_text", "lfm2", "falcon_h1", "bamba",
 })
 """Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
+TP_TESTED_MOE_TYPES: frozenset[str] = frozenset({"qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"})
+"""MoE types whose TP=2 run (routed experts split by ``moe.py``, router aux loss on) equals one process over 3
+AdamW steps with clipping active (``tests/test_moe_tp.py``)."""
 
 _MOE = "MoE experts (TP does not shard them; expert parallelism: --ep_size)"
 _STYLE_REASONS = {
     "moe_tp_experts": _MOE,
     "packed_colwise": _MOE,
     "packed_rowwise": _MOE,
-    "moe_identity_expert": _MOE,
+    "moe_identity_expert": "zero (identity) experts, which TP would sum once per rank",
     "mla_kv_a_proj": "multi-head latent attention (the shared rotary key needs its own gradient reduction)",
     "local_params": "attention sinks (a per-head parameter outside any Linear)",
 }
@@ -62,7 +69,7 @@ def model_plan(config) -> dict[str, str]:
     """The model's own plan relative to its ``*ForCausalLM``: ``base_model_tp_plan`` under the base model's
     attribute name, plus the head's ``_tp_plan``; hf_dist's own plan (``classic.py``) for the classic types
     transformers ships none for. Empty otherwise."""
-    base = getattr(config, "base_model_tp_plan", None) or {}
+    base = getattr(config, "base_model_tp_plan", None) or own_plan(config)
     if not base:
         classic = classic_plan(config)
         return classic.plan_for(config) if classic is not None else hybrid_overlay(config)
@@ -71,6 +78,24 @@ def model_plan(config) -> dict[str, str]:
     plan.update(getattr(cls, "_tp_plan", None) or {})
     plan.update(hybrid_overlay(config))
     return plan
+
+
+def moe_experts_patterns(plan: dict[str, str]) -> set[str]:
+    """The experts modules of ``plan`` TP splits by ``moe.ExpertsTensorParallel``: a ``moe_tp_experts`` entry whose
+    parameter entries are exactly ``gate_up_proj: packed_colwise`` and ``down_proj: rowwise``."""
+    out = set()
+    for pattern, style in plan.items():
+        if style != "moe_tp_experts":
+            continue
+        params = {p[len(pattern) + 1:]: s for p, s in plan.items() if p.startswith(f"{pattern}.")}
+        if params == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}:
+            out.add(pattern)
+    return out
+
+
+def _moe_entries(plan: dict[str, str]) -> set[str]:
+    experts = moe_experts_patterns(plan)
+    return {p for p in plan if p in experts or p.rpartition(".")[0] in experts}
 
 
 def _layer_kinds(config) -> set[str]:
@@ -83,10 +108,11 @@ _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 _STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "attention_hidden_size")
 
 
-def _family_refusal(config) -> str | None:
-    """MoE and state-space / hybrid models, named as such whether or not they ship a plan."""
+def _family_refusal(config, plan: dict[str, str]) -> str | None:
+    """MoE (unless the plan's experts are split by ``moe.py``) and state-space / hybrid models, named as such
+    whether or not they ship a plan."""
     moe = [f"{name}={getattr(config, name)}" for name in _MOE_FIELDS if (getattr(config, name, None) or 0) > 1]
-    if moe:
+    if moe and not moe_experts_patterns(plan):
         return f"{_MOE}: {moe[0]}"
     model_type = getattr(config, "model_type", None)
     if hybrid := hybrid_tp_refusal(config):
@@ -108,10 +134,11 @@ def tp_refusal(config) -> str | None:
         plan = model_plan(config)
     except ValueError as err:
         return str(err)
-    reasons = sorted({_STYLE_REASONS[s] for s in plan.values() if s in _STYLE_REASONS})
+    moe = _moe_entries(plan)
+    reasons = sorted({_STYLE_REASONS[s] for p, s in plan.items() if s in _STYLE_REASONS and p not in moe})
     if reasons:
         return "; ".join(reasons)
-    if family := _family_refusal(config):
+    if family := _family_refusal(config, plan):
         return family
     classic = classic_plan(config)
     if classic is not None and (reason := classic.refusal(config)):
@@ -119,11 +146,14 @@ def tp_refusal(config) -> str | None:
     if not plan:
         return f"transformers ships no base_model_tp_plan for model_type={model_type!r}"
     own = CLASSIC_STYLES if classic_plan(config) is not None else HYBRID_STYLES
-    known = TRANSLATED_STYLES | own
-    unknown = sorted({name for s in plan.values() for name in s.split("+") if name not in known})
+    known = TRANSLATED_STYLES | own | MOE_STYLES
+    unknown = sorted({name for p, s in plan.items() if p not in moe for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
-    if model_type not in TP_TESTED_MODEL_TYPES:
+    if moe and model_type not in TP_TESTED_MOE_TYPES:
+        return (f"MoE experts: no TP parity test in hf_dist for model_type={model_type!r} yet (routed experts under "
+                f"TP are proven for {', '.join(sorted(TP_TESTED_MOE_TYPES))}; expert parallelism: --ep_size)")
+    if model_type not in TP_TESTED_MODEL_TYPES | TP_TESTED_MOE_TYPES:
         return f"no TP parity test in hf_dist for model_type={model_type!r} yet"
     return None
 
