@@ -96,7 +96,7 @@ def test_pp2_moe_matches_one_process(pipelined, case):
     assert_close(losses, ref_losses, atol=1e-5, rtol=0)
     assert set(state) == set(ref_state)
     for key, value in ref_state.items():
-        assert_close(state[key], value, atol=1e-4, rtol=0, msg=key)
+        assert_close(state[key], value, atol=1e-5, rtol=1e-5, msg=key)
     if getattr(config, "output_router_logits", False):  # the aux gradient of the FIRST stage's routers matters
         first = [k for k in ref_state if k.startswith("model.layers.0.") and k.endswith(("gate.weight", "router.weight"))]
         _, no_aux = reference(config, steps, aux=False)
