@@ -96,6 +96,19 @@ def test_a_logit_transform_it_does_not_reproduce_falls_back_to_the_models_loss()
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
 
 
+def test_degenerate_states_do_not_decide_the_verification():
+    """A forward on empty buffers (a pipeline stage's shape inference) neither verifies nor refuses the transform."""
+    model = _model("llama")
+    ids, labels = _batch()
+    chunked = ChunkedCausalLMLoss(model)
+    chunked.transform = LogitTransform(multiply=2.0)  # wrong: only a forward on real states may find it out
+    embeds = torch.full((*ids.shape, 32), float("nan"))
+    chunked(inputs_embeds=embeds, labels=labels)
+    assert not chunked.verified and chunked.refusal is None
+    chunked(input_ids=ids, labels=labels)
+    assert chunked.refusal is not None
+
+
 class _LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -130,8 +130,9 @@ class ChunkedCausalLMLoss:
 
     def _verify(self, outputs, captured) -> bool:
         """The model's own last-position logits against ours; on mismatch fall back for good (one warning)."""
-        if "last" in captured and not torch.isfinite(captured["last"]).all():
-            return True  # states that are not finite (a pipeline stage's shape inference on empty buffers) prove nothing
+        last = captured.get("last")
+        if last is not None and (not torch.isfinite(last).all() or not last.any()):
+            return True  # non-finite or zero logits prove nothing (a pipeline stage's shape inference on empty buffers)
         aux = getattr(outputs, "aux_loss", None)
         if aux is not None and not isinstance(getattr(self.lm, "router_aux_loss_coef", None), (int, float)):
             self.refusal = f"{type(self.lm).__name__} returns an aux_loss but no router_aux_loss_coef weighs it"
