@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
-from pp_harness import SEQ, VOCAB, batches, pipelined_run, portable, reference_run, tiny_model
+from pp_harness import HIDDEN, SEQ, VOCAB, batches, pipelined_run, portable, reference_run, tiny_model
 
 GLOBAL_BATCH, CHUNK_TOKENS = 8, 5
 PROBE_VOCAB, PROBE_BATCH = 1024, 16  # a micro-batch's logits (8 x 32 x 1024) dwarf the head (1024 x 64)
