@@ -12,7 +12,8 @@ time is in it for compiled cases), the loss, and the planner's forecast of alloc
 Cases: ``trainer`` (transformers.Trainer), ``dist_whole`` (DistTrainer, chunked_loss=False), ``dist``
 (DistTrainer: chunked loss), ``fsdp2_whole`` / ``fsdp2`` (the same on 2 ranks), ``compiled`` / ``fsdp2_compiled``
 (``torch_compile=True``: per-block compile inside ``hf_dist.parallelize``), ``fsdp2_noprefetch`` (FSDP2 with
-implicit prefetch only). Results recorded in ``docs/benchmarks.md``.
+implicit prefetch only), ``pp2_whole`` / ``pp2`` (PP=2, 2 micro-batches of 4: the last stage's loss on whole
+logits / chunked). Results recorded in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ CASES: dict[str, dict] = {
     "fsdp2": {"world": 2, "args": FSDP2},
     "fsdp2_noprefetch": {"world": 2, "args": {**FSDP2, "fsdp2_explicit_prefetch": False}},
     "fsdp2_compiled": {"world": 2, "args": {**FSDP2, "torch_compile": True}},
+    "pp2_whole": {"world": 2, "args": {"pp_size": 2, "chunked_loss": False}},
+    "pp2": {"world": 2, "args": {"pp_size": 2}},
 }
 DEFAULT_CASES = "trainer,dist_whole,dist,fsdp2_whole,fsdp2"
 
@@ -129,7 +132,10 @@ def forecast(model_dir: str, case: str) -> int:
     workload = Workload(seq_len=SEQ, micro_batch_size=MICRO, precision="fp32", attention="sdpa",
                         activation_checkpointing=False,
                         chunked_loss=spec.get("trainer") != "plain" and args.get("chunked_loss", True))
-    layout = make_layout("fsdp_full_shard" if spec["world"] > 1 else "ddp", spec["world"])
+    if args.get("pp_size", 1) > 1:
+        layout = make_layout("ddp", spec["world"], pp=args["pp_size"])
+    else:
+        layout = make_layout("fsdp_full_shard" if spec["world"] > 1 else "ddp", spec["world"])
     return estimate_memory(model_spec(config), workload, layout, MemoryAssumptions(device="cpu")).allocated
 
 

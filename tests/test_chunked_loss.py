@@ -96,6 +96,19 @@ def test_a_logit_transform_it_does_not_reproduce_falls_back_to_the_models_loss()
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
 
 
+def test_degenerate_states_do_not_decide_the_verification():
+    """A forward on empty buffers (a pipeline stage's shape inference) neither verifies nor refuses the transform."""
+    model = _model("llama")
+    ids, labels = _batch()
+    chunked = ChunkedCausalLMLoss(model)
+    chunked.transform = LogitTransform(multiply=2.0)  # wrong: only a forward on real states may find it out
+    embeds = torch.full((*ids.shape, 32), float("nan"))
+    chunked(inputs_embeds=embeds, labels=labels)
+    assert not chunked.verified and chunked.refusal is None
+    chunked(input_ids=ids, labels=labels)
+    assert chunked.refusal is not None
+
+
 class _LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -198,5 +211,6 @@ def test_the_planner_counts_one_chunk_not_the_whole_logits():
     assert (chunked.loss, chunked.loss_backward, chunked.logits_forward) == (4 * v * h + 8 * n, 8 * k * v, 16 * k * v)
     assert layout_refusal(layout) is None
     assert "tensor" in layout_refusal(make_layout("ddp", 2, tp=2))
-    assert "pipeline" in layout_refusal(make_layout("ddp", 2, pp=2))
+    assert layout_refusal(make_layout("ddp", 2, pp=2)) is None  # the last stage computes it (test_pp_chunked_loss)
+    assert "tensor" in layout_refusal(make_layout("ddp", 4, pp=2, tp=2))
     assert "DeepSpeed" in layout_refusal(make_layout("zero3", 2))

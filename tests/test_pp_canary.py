@@ -15,9 +15,13 @@ from hf_dist.pipeline_parallel.stage_module import CausalLMStage
 
 
 class OldHeadStage(CausalLMStage):
-    """Last stage as the old module had it: ``lm_head`` on the base model's output, nothing after it."""
+    """Last stage as the old module had it: ``lm_head`` on the base model's output, nothing after it (whole logits,
+    so without the chunked loss)."""
 
-    def forward(self, inputs, attention_mask=None, position_ids=None):
+    def __init__(self, model, fqns, **_chunked_loss):
+        super().__init__(model, fqns)
+
+    def forward(self, inputs, attention_mask=None, position_ids=None, labels=None):
         if not self.is_last:
             return super().forward(inputs, attention_mask, position_ids)
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
@@ -33,8 +37,8 @@ class OldHeadStage(CausalLMStage):
 class FullMaskStage(CausalLMStage):
     """Every stage builds a full causal mask, as the old module did (the sliding window is lost)."""
 
-    def __init__(self, model, fqns):
-        super().__init__(model, fqns)
+    def __init__(self, model, fqns, **kwargs):
+        super().__init__(model, fqns, **kwargs)
         config = copy.deepcopy(self.config)
         config.sliding_window = None
         self._lm.get_submodule(self.parts.base).config = config  # the view's own attribute only

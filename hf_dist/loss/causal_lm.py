@@ -15,8 +15,12 @@ captured hidden state. A model that does anything else between its base model an
 module does not know, an extra norm) fails that check; the loss then falls back to the model's own for good, with
 one warning. ``chunked_loss_refusal`` names what rules a model out before any forward.
 
+A pipeline's last stage (``hf_dist.pipeline_parallel.stage_module.CausalLMStage``) calls it on its view of the
+model with ``num_items_in_batch=1``, so ``loss`` is the micro-batch's token sum, which the schedule's
+``TokenWeightedLoss`` divides by the global batch's tokens.
+
 Not for: when a Trainer uses it (``hf_dist.trainer.trainer.DistTrainer.compute_loss``), evaluation (the model's
-own forward, whose logits metrics need), the pipeline's last stage or vocab-parallel TP (their own losses).
+own forward, whose logits metrics need) or vocab-parallel TP (its own loss).
 """
 
 from __future__ import annotations
@@ -126,6 +130,9 @@ class ChunkedCausalLMLoss:
 
     def _verify(self, outputs, captured) -> bool:
         """The model's own last-position logits against ours; on mismatch fall back for good (one warning)."""
+        last = captured.get("last")
+        if last is not None and (not torch.isfinite(last).all() or not last.any()):
+            return True  # non-finite or zero logits prove nothing (a pipeline stage's shape inference on empty buffers)
         aux = getattr(outputs, "aux_loss", None)
         if aux is not None and not isinstance(getattr(self.lm, "router_aux_loss_coef", None), (int, float)):
             self.refusal = f"{type(self.lm).__name__} returns an aux_loss but no router_aux_loss_coef weighs it"

@@ -13,11 +13,20 @@ def chunk_tokens_for(vocab: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -
 
 
 def layout_refusal(layout) -> str | None:
-    """Why a run of ``layout`` (``hf_dist.strategy.Layout``) keeps the model's own loss (None: chunked)."""
-    if layout.dims.tp > 1:
-        return "tensor parallelism has its own loss"
-    if layout.dims.pp > 1:
-        return "the pipeline's last stage has its own loss"
+    """Why a run of ``layout`` (``hf_dist.strategy.Layout``) keeps the model's own loss (None: chunked).
+
+    Under PP the last stage computes it (``hf_dist.pipeline_parallel.apply``); its head is whole there, and a tied
+    head's copy is an ordinary parameter whose gradient ``TiedEmbeddingSync`` sums as before."""
+    refusal = dims_refusal(layout.dims)
+    if refusal is not None:
+        return refusal
     if layout.is_deepspeed:
         return "DeepSpeed gathers the head only inside its own forward"
+    return None
+
+
+def dims_refusal(dims) -> str | None:
+    """Why a mesh of ``dims`` (``hf_dist.parallel_dims.ParallelDims``) keeps the model's own loss (None: chunked)."""
+    if dims.tp > 1:
+        return "tensor parallelism has its own loss"
     return None

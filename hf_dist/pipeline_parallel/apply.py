@@ -43,9 +43,17 @@ def apply_pipeline(dims, model: nn.Module, args) -> PipelineModel:
     from hf_dist.compile import CompileRequest
 
     pipe = PipelinedCausalLM(model, dims=dims, config=config, device=args.device, reshard_after_forward=reshard,
-                             compile_request=CompileRequest.from_args(args))
+                             compile_request=CompileRequest.from_args(args), chunked_loss=chunked_loss_wanted(args))
     wrapped = PipelineModel(pipe)
     # The Trainer must not wrap it (DDP) or move it: placement and gradient reduction are the pipeline's.
     wrapped.is_distributed_loading_by_transformers = True
     wrapped._is_distributed_loading_by_transformers = True
     return wrapped
+
+
+def chunked_loss_wanted(args) -> bool:
+    """Whether the last stage may compute the chunked loss (``chunked_loss`` flag, ``hf_dist.loss.policy``)."""
+    from hf_dist.loss.policy import layout_refusal
+
+    layout = getattr(args, "layout", None)
+    return bool(getattr(args, "chunked_loss", True)) and (layout is None or layout_refusal(layout) is None)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
+from hf_dist.loss.policy import dims_refusal
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
 from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
@@ -91,10 +92,13 @@ class PipelinedCausalLM:
         release_unowned: bool = True,
         reshard_after_forward: bool = False,
         compile_request=None,
+        chunked_loss: bool = True,
     ) -> None:
         """Split ``model`` for this rank of ``dims`` (mesh built) and build the schedule.
 
         ``compile_request`` (``hf_dist.compile.CompileRequest``) compiles each stage's own decoder layers.
+        ``chunked_loss``: in training the last stage computes the loss chunk by chunk, never the whole logits
+        (``hf_dist.loss``), where ``hf_dist.loss.policy`` finds it exact (not under TP); evaluation keeps logits.
 
         ``release_unowned`` drops the modules of other ranks' stages from ``model``. ``reshard_after_forward``
         (FSDP only): free gathered parameters after each micro-batch's forward (less memory, one all-gather per
@@ -122,7 +126,8 @@ class PipelinedCausalLM:
         )
         self.stage_ids = self.plan.local_stages(self.pp_rank)
         self.tied_sync = TiedEmbeddingSync(dims, self.plan, self.pp_rank) if tied else None
-        self.modules = [CausalLMStage(model, self.plan.stages[i]) for i in self.stage_ids]
+        self.chunked_loss = chunked_loss and dims_refusal(dims) is None
+        self.modules = [CausalLMStage(model, self.plan.stages[i], chunked_loss=self.chunked_loss) for i in self.stage_ids]
         if not any(p.is_meta for p in model.parameters()):  # a meta model is filled after the split
             self.modules = [m.to(self.device) for m in self.modules]
         if release_unowned:
@@ -232,6 +237,8 @@ class PipelinedCausalLM:
         self.loss_fn.denominator = tokens.clamp(min=1.0)
         self.loss_fn.aux_weight = self.router_aux_coef / (microbatches * self.dims.dp)  # coef x mean over micro-batches
         kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
+        if self.chunked_loss:
+            kwargs["labels"] = labels  # every stage gets them; a chunked last stage returns its loss sum
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)

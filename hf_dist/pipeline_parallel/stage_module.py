@@ -24,17 +24,20 @@ Not for: splitting (``splitter``), schedules (``schedules``), process groups (``
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.models.router import RouterStats, adds_router_aux_loss, aux_from_stats, num_experts, router_recorder
 from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names, layer_output_width
 
 IGNORE_INDEX = -100
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ def _view(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
 class CausalLMStage(nn.Module):
     """The modules of one pipeline stage, with HF names, and a forward through the model's own code."""
 
-    def __init__(self, model: nn.Module, fqns: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, fqns: tuple[str, ...], *, chunked_loss: bool = False) -> None:
         super().__init__()
         lm = causal_lm_of(model)
         parts = model_parts(lm)
@@ -232,7 +235,17 @@ class CausalLMStage(nn.Module):
         for name, child in view._modules.items():
             self.add_module(name, child)
         object.__setattr__(self, "_lm", view)  # not a submodule: its children are registered above
+        self.chunked_loss = self._chunked_loss(view) if chunked_loss and self.is_last else None
         self.router_stats = self._record_routers(lm) if adds_router_aux_loss(lm) else None
+
+    @staticmethod
+    def _chunked_loss(view: nn.Module) -> ChunkedCausalLMLoss | None:
+        """The last stage's training loss through the model's own forward, chunk by chunk (None: whole logits)."""
+        loss = ChunkedCausalLMLoss(view)
+        if loss.refusal is not None:
+            logger.warning("pipeline last stage: chunked loss off, whole logits: %s", loss.refusal)
+            return None
+        return loss
 
     def _record_routers(self, lm: nn.Module) -> RouterStats:
         """Hooks on this stage's routers (the class the model's ``_can_record_outputs`` names) that add each
@@ -294,8 +307,12 @@ class CausalLMStage(nn.Module):
         router_stats: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token ids (first stage) or hidden states (others) in; hidden states or logits (last stage) out.
+
+        A last stage built with ``chunked_loss`` that gets ``labels`` in training returns the micro-batch's summed
+        cross-entropy instead of logits (``hf_dist.loss.causal_lm``: the head's logits exist one chunk at a time).
 
         In training, a model whose loss adds a router aux term also passes its router statistics on: the stage
         takes the previous stage's (``router_stats``) and returns ``(hidden states or logits, statistics)``.
@@ -311,14 +328,15 @@ class CausalLMStage(nn.Module):
         collect = self.router_stats is not None and self.training
         if collect:
             self.router_stats.begin(router_stats, attention_mask, inputs.shape[0] * inputs.shape[1], inputs.device)
+        loss = self.chunked_loss if labels is not None and self.training else None
         try:
-            out = self._lm(**kwargs)
+            out = self._lm(**kwargs) if loss is None else loss(**kwargs, labels=labels, num_items_in_batch=1)
         except _StageExit as done:
             out = done.hidden
         else:
             if not self.is_last:
                 raise RuntimeError(f"stage of {type(self._lm).__name__} ran past its last layer without stopping")
-            out = out.logits
+            out = out.logits if loss is None else out.loss  # the summed loss: num_items_in_batch=1
         finally:
             self._inbox.received = None
             stats = self.router_stats.end() if collect else None
@@ -332,6 +350,8 @@ def count_loss_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 class TokenWeightedLoss:
     """Causal-LM cross entropy summed over a micro-batch and divided by the step's total token count.
+
+    The last stage's output is its logits, or (chunked loss) the micro-batch's summed cross-entropy already.
 
     Summing these over micro-batches (and data-parallel ranks) gives exactly the mean over every loss token of
     the global batch, as one process would compute it: micro-batches with more padding weigh less.
@@ -357,6 +377,8 @@ class TokenWeightedLoss:
         return loss if aux is None else loss + self.aux_weight * aux.to(loss.device)
 
     def _token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 0:  # the last stage's chunked loss already summed the micro-batch's tokens
+            return logits / self.denominator
         vocab = logits.shape[-1]
         total = F.cross_entropy(
             logits[:, :-1].float().reshape(-1, vocab),

@@ -211,7 +211,8 @@ class DistTrainingArguments(TrainingArguments):
         metadata={
             "help": "Training loss through the head chunk by chunk (hf_dist.loss): never the whole [batch, seq, "
             "vocab] logits nor their gradient; equal to the model's own loss. Used where exact (one process, DDP, "
-            "FSDP2; not under TP/PP/DeepSpeed, a label smoother or compute_loss_func). Evaluation is unchanged."
+            "FSDP2, PP's last stage; not under TP/DeepSpeed, a label smoother or compute_loss_func). Evaluation "
+            "is unchanged."
         },
     )
     dist_logging: bool = field(
