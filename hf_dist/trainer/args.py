@@ -45,6 +45,10 @@ def check_values(args) -> None:
         raise ValueError(f"router_aux_loss_scope='global_batch' with pp_size={args.pp_size}: pipeline stages compute "
                          f"the aux loss per micro-batch (statistics passed between stages, not over dp ranks); use "
                          f"router_aux_loss_scope='micro_batch' or pp_size=1")
+    if args.pp_size > 1 and args.label_smoothing_factor:
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} with pp_size={args.pp_size}: the last "
+                         f"pipeline stage computes plain token-weighted cross-entropy, so the smoothing would be "
+                         f"ignored; set label_smoothing_factor=0 or pp_size=1")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size", "cp_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

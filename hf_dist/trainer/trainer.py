@@ -108,6 +108,10 @@ class DistTrainer(Trainer):
         with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
+        if self.dims.pp_enabled and self.compute_loss_func is not None:
+            raise ValueError(f"compute_loss_func with pp_size={self.dims.pp}: the last pipeline stage computes plain "
+                             f"token-weighted cross-entropy, so the function would be ignored; drop compute_loss_func "
+                             f"or set pp_size=1")
         count_shifted_labels(self)  # GPT-2 and other loss_type=None causal LMs: the count their loss uses
         if compile_glue.compile_request(args) is not None:
             self.add_callback(compile_glue.CompileReport())
