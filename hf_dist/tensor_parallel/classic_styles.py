@@ -54,6 +54,18 @@ def _distribute(module: nn.Module, device_mesh, placements: dict[int, list], src
         module.register_parameter(name, dist_param)
 
 
+def _apply_conv1d(style, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """torch's Colwise/RowwiseParallel ``_apply`` with the ``Conv1D`` partition (weight ``[in, out]``)."""
+    _check_conv1d(module, type(style).__name__)
+    return distribute_module(
+        module,
+        device_mesh,
+        style._partition_conv1d_fn,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
 class Conv1DColwise(ColwiseParallel):
     """Column-parallel ``Conv1D``: weight ``[in, out]`` split on ``out``, bias split with it."""
 
@@ -61,14 +73,7 @@ class Conv1DColwise(ColwiseParallel):
         _distribute(module, device_mesh, {2: [Shard(1)], 1: [Shard(0)]}, self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_conv1d(module, "Conv1DColwise")
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _apply_conv1d(self, module, device_mesh)
 
     def __repr__(self) -> str:
         return "Conv1DColwise()"
@@ -81,15 +86,8 @@ class Conv1DRowwise(RowwiseParallel):
         _distribute(module, device_mesh, {2: [Shard(0)], 1: [Replicate()]}, self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _check_conv1d(module, "Conv1DRowwise")
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _apply_conv1d(self, module, device_mesh)
 
     def __repr__(self) -> str:
         return "Conv1DRowwise()"
