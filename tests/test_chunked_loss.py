@@ -193,6 +193,16 @@ def test_dist_trainer_with_the_chunked_loss_matches_the_models_own_loss():
                 torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=f"{layout} {name}")
 
 
+def test_a_caller_asking_for_outputs_gets_the_whole_logits(tmp_path):
+    """Drop-in: ``compute_loss(return_outputs=True)`` in training returns the logits the Trainer's would."""
+    losses, params, trainer = train_tiny(str(tmp_path), max_steps=1)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+    assert outputs.logits.shape == (*batch["input_ids"].shape, trainer.model.config.vocab_size)
+    assert trainer.compute_loss(trainer.model, batch).item() == pytest.approx(loss.item(), abs=1e-6)
+
+
 def test_the_planner_counts_one_chunk_not_the_whole_logits():
     from transformers import LlamaConfig
 
