@@ -3,6 +3,11 @@
 ``train_tiny(output_dir, **overrides)`` trains a tiny Llama for a few optimizer steps on a fixed synthetic
 token dataset and returns the per-step losses and the full (gathered) parameters, so a test can compare
 any layout against a single-process reference with ``torch.testing.assert_close``.
+
+The model is loaded as users load theirs: built from its config, written with ``save_pretrained`` and read back with
+``from_pretrained`` (``as_loaded``), which returns it in eval mode. A model built with ``from_config`` is in train
+mode, and a CP run that split its batch only in train mode counted the first micro-batch of every ``train()`` call
+twice while every test built its model with ``from_config``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,23 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
+def as_loaded(model):
+    """``model`` written with ``save_pretrained`` and read back with ``from_pretrained`` (eval mode, as a user's)."""
+    import tempfile
+
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    # One folder per process, so no rank races another. save_pretrained writes only on rank 0 of an initialised
+    # group: write the same two files (config, safetensors) directly.
+    with tempfile.TemporaryDirectory(prefix="hf_dist_tiny_") as folder:
+        model.config.save_pretrained(folder)
+        save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
+    assert not loaded.training  # what from_pretrained returns; the layouts must not depend on train mode
+    return loaded
+
+
 def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None, **overrides):
     """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
     DistTrainingArguments; ``model`` (built the same on every rank) replaces the tiny Llama."""
@@ -61,7 +83,8 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
     )
     args.update(overrides)
     if model is None:
-        model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, **(model_kwargs or {}))
+        model = as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                           **(model_kwargs or {})))
     trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=token_dataset())
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]

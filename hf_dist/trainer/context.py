@@ -18,10 +18,24 @@ import contextlib
 from hf_dist.context_parallel import context_parallel_state, split_targets
 
 
+@contextlib.contextmanager
+def training_step(trainer):
+    """Marks the Trainer's ``training_step``: the batch prepared inside it is a training batch, split over cp.
+
+    The Trainer prepares the CP inputs *before* it calls ``model.train()``, so ``model.training`` cannot tell a
+    training step from an evaluation: a model loaded with ``from_pretrained`` (eval mode) or left in eval mode by an
+    ``evaluate()`` would see its first micro-batch whole on every cp rank, counted cp times."""
+    trainer._cp_training_step = True
+    try:
+        yield
+    finally:
+        trainer._cp_training_step = False
+
+
 def prepare_inputs(trainer, model, inputs: dict):
     """``(context, inputs)`` for one training step under CP; evaluation and layouts without CP are left alone."""
     state = context_parallel_state(trainer.model)
-    if state is None or not model.training:
+    if state is None or not getattr(trainer, "_cp_training_step", False):
         return contextlib.nullcontext, inputs
     return state.split, split_targets(inputs, state)
 

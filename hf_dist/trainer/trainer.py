@@ -248,7 +248,7 @@ class DistTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         metering = self.throughput.step(model, inputs) if self.args.dist_logging else contextlib.nullcontext()
-        with metering:  # tokens, busy time, DDP all-reduce wait
+        with metering, context.training_step(self):  # tokens, busy time, DDP all-reduce wait; CP: split batch
             if self.dims.pp_enabled:
                 return step.pipeline_training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
