@@ -1,5 +1,8 @@
 """DistTrainer with ``cp_size=2`` x FSDP2 on 2 gloo ranks saves hf_dist checkpoints that resume exactly, on the same
-layout and in one process (the cp ranks share one batch, so one process reads the same global batch)."""
+layout and in one process (the cp ranks share one batch, so one process reads the same global batch).
+
+The model is loaded from disk as a user's is (eval mode until the Trainer's first step), and the uninterrupted CP run
+equals one process from its first step: the first step of a ``train()`` call and of a resumed run are both compared."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_checkpoint_trainer import _step_counter, _stop_after
-from trainer_harness import VOCAB, full_parameters, token_dataset
+from trainer_harness import VOCAB, as_loaded, full_parameters, token_dataset
 
 STEPS, SAVE_EVERY = 6, 3
 LAYOUTS = {"cp_fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}, cp_size=2), "one process": {}}
@@ -27,7 +30,7 @@ def _run(output_dir: str, *, layout: str, resume: bool | str, stop_after: int | 
     )
     counter = _step_counter()
     callbacks = [counter] + ([_stop_after(stop_after)] if stop_after else [])
-    model = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
+    model = as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2))
     trainer = DistTrainer(model=model, args=args, train_dataset=token_dataset(), callbacks=callbacks)
     assert trainer.dims.cp == (2 if layout == "cp_fsdp2" else 1)
     trainer.train(resume_from_checkpoint=resume or None)
@@ -68,6 +71,16 @@ def test_cp_checkpoint_resumes_exactly(runs):
     for step in range(SAVE_EVERY + 1, STEPS + 1):
         torch.testing.assert_close(resumed["losses"][step], full["losses"][step], atol=1e-6, rtol=0)
     _close(resumed["params"], full["params"], 1e-6)
+
+
+def test_cp_run_equals_one_process_from_its_first_step(runs, tmp_path):
+    _, result = runs
+    one = _run(str(tmp_path / "one"), layout="one process", resume=False)
+    full = result["full"]
+    assert sorted(full["losses"]) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        torch.testing.assert_close(full["losses"][step], one["losses"][step], atol=1e-5, rtol=0)
+    _close(full["params"], one["params"], 1e-5)
 
 
 def test_cp_checkpoint_resumes_in_one_process(runs, tmp_path):
