@@ -218,7 +218,20 @@ def apply_fsdp(
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     model.register_forward_hook(_reshard_after_no_grad_forward)
     _generate_as_forward(model)
+    _keep_class_name(model)
     return model
+
+
+def _keep_class_name(model: nn.Module) -> None:
+    """``model._get_name()`` stays the model's own class name (``LlamaForCausalLM``), not FSDP2's ``FSDP...`` class.
+
+    ``fully_shard`` swaps the root's class for a subclass named ``FSDP<name>``; the Trainer decides by that name
+    whether a label smoother shifts the labels (causal LMs do), so without this label smoothing under FSDP2 compared
+    each token's logits with its own label instead of the next one's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    name = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
+    model._get_name = lambda: name
 
 
 def _shard_experts(experts: nn.Module, dims: ParallelDims, request: FsdpRequest, kwargs: dict,

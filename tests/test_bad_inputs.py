@@ -259,7 +259,8 @@ def test_context_or_sequence_parallel_request_is_never_dropped(tmp_path, monkeyp
         _args(tmp_path)
 
 
-def test_label_smoothing_with_pipeline_is_refused_not_ignored(tmp_path):
-    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1 with pp_size=2: .*would be ignored; set "
-                                         r"label_smoothing_factor=0 or pp_size=1"):
+def test_label_smoothing_with_pipeline_is_refused_not_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a layout that fits; refused for the smoothing alone
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1 with pp_size=2: .*would be ignored; drop "
+                                         r"label_smoothing_factor or set pp_size=1"):
         _args(tmp_path, pp_size=2, label_smoothing_factor=0.1)

@@ -35,7 +35,15 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
     """Every parameter gathered to full tensors on CPU (collective for sharded layouts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if trainer.owns_layout:
+    if trainer.dims.pp_enabled:  # each rank holds its stages: rank 0 writes the whole model, every rank reads it
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        folder = os.path.join(trainer.args.output_dir, "gathered_for_test")
+        trainer.save_model(folder)
+        dist.barrier()
+        sd = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    elif trainer.owns_layout:
         sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     else:
         sd = trainer.accelerator.unwrap_model(trainer.model).state_dict()
@@ -59,9 +67,11 @@ def as_loaded(model):
     return loaded
 
 
-def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None, **overrides):
+def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None,
+               trainer_kwargs: dict | None = None, **overrides):
     """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
-    DistTrainingArguments; ``model`` (built the same on every rank) replaces the tiny Llama."""
+    DistTrainingArguments, ``trainer_kwargs`` to DistTrainer; ``model`` (built the same on every rank) replaces the
+    tiny Llama."""
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -85,7 +95,8 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
     if model is None:
         model = as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                            **(model_kwargs or {})))
-    trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=token_dataset())
+    trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=token_dataset(),
+                          **(trainer_kwargs or {}))
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return losses, full_parameters(trainer), trainer

@@ -30,3 +30,24 @@ def dims_refusal(dims) -> str | None:
     if dims.tp > 1:
         return "tensor parallelism has its own loss"
     return None
+
+
+def loss_option_refusal(layout, option: str) -> str | None:
+    """Why ``option`` (``"label_smoothing_factor=0.1"`` or ``"compute_loss_func"``: a Trainer loss made from the
+    model's whole logits and whole labels) cannot run on ``layout``; None where it equals one process.
+
+    Under PP the last stage computes plain token-weighted cross-entropy itself; under CP each rank's logits cover
+    its slice of the sequence while the Trainer hands the option the whole labels; with vocabulary-parallel TP each
+    rank's logits cover its slice of the vocabulary. ``tests/test_loss_options.py`` runs the rest against one
+    process (DDP, FSDP2, TP with the head whole)."""
+    if layout.pp > 1:
+        return (f"{option} with pp_size={layout.pp}: the last pipeline stage computes plain token-weighted "
+                f"cross-entropy, so it would be ignored; drop {option.split('=')[0]} or set pp_size=1")
+    if layout.cp > 1:
+        return (f"{option} with cp_size={layout.cp}: each cp rank's logits cover its slice of the sequence, and the "
+                f"Trainer would give it the whole labels; drop {option.split('=')[0]} or set cp_size=1")
+    if layout.tp > 1 and layout.vocab_parallel:
+        return (f"{option} with tp_size={layout.tp} and tp_vocab_parallel=True: each tp rank's logits cover its slice "
+                f"of the vocabulary; set tp_vocab_parallel=False (the head whole on every rank) or drop "
+                f"{option.split('=')[0]}")
+    return None

@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 
 from hf_dist.batch import LR_SCALINGS, BatchContract
 from hf_dist.pipeline_parallel.microbatches import fold_accumulation_into_pipeline
+from hf_dist.loss.policy import loss_option_refusal
 from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env, preemption, router_loss
 from hf_dist.trainer.layout import resolve_layout
@@ -45,10 +46,6 @@ def check_values(args) -> None:
         raise ValueError(f"router_aux_loss_scope='global_batch' with pp_size={args.pp_size}: pipeline stages compute "
                          f"the aux loss per micro-batch (statistics passed between stages, not over dp ranks); use "
                          f"router_aux_loss_scope='micro_batch' or pp_size=1")
-    if args.pp_size > 1 and args.label_smoothing_factor:
-        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} with pp_size={args.pp_size}: the last "
-                         f"pipeline stage computes plain token-weighted cross-entropy, so the smoothing would be "
-                         f"ignored; set label_smoothing_factor=0 or pp_size=1")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size", "cp_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -258,6 +255,9 @@ class DistTrainingArguments(TrainingArguments):
         launch_env.prepare_environment(self)
         # the one layout of this run, from every source; re-resolved on every construction (dataclasses.replace)
         self.layout: Layout = resolve_layout(self)
+        if self.label_smoothing_factor and (why := loss_option_refusal(
+                self.layout, f"label_smoothing_factor={self.label_smoothing_factor}")):
+            raise ValueError(why)
         check_learning_rate(self)
         if self.learning_rate is None:  # None: not given (kept apart from an explicit 5e-5, the Trainer's default)
             self.learning_rate = DEFAULT_LEARNING_RATE if self.base_learning_rate is None else float("nan")

@@ -53,6 +53,11 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                   called_by="training_step",
                   why="under CP each rank keeps its slice of the shifted labels and runs the step inside the "
                       "sequence split; without it every cp rank would train on whole sequences with a 1/cp loss"),
+    PrivateMember(owner=_T, name="_get_num_items_in_batch", kind="override", where="trainer.loss",
+                  called_by="get_batch_samples",
+                  why="with average_tokens_across_devices=False the Trainer still divides this rank's own token count "
+                      "by tp, as if it had been gathered over the tp ranks: every TP loss and gradient came out tp "
+                      "times too large"),
     PrivateMember(owner=_T, name="_save_checkpoint", kind="override", where="trainer.checkpoint_glue",
                   called_by="_maybe_log_save_evaluate",
                   why="FSDP2/TP/PP models are checkpointed sharded and atomically by hf_dist.checkpoint"),

@@ -66,3 +66,16 @@ def count_shifted_labels(trainer) -> None:
         return
     if getattr(model, "loss_function", None) is ForCausalLMLoss:
         trainer._loss_shifts_labels = True
+
+
+def local_token_count(trainer, count):
+    """The Trainer's ``num_items_in_batch`` with ``average_tokens_across_devices=False``: this rank's own count.
+
+    The Trainer divides the count by ``tp x cp`` in every case, which is right only for a count gathered over all
+    ranks. Not gathered, a TP rank's count is already its (whole, replicated) batch's, so the division made every TP
+    loss tp times too large. Under CP the count is taken before the split (the dp rank's whole sequence), so its
+    division by cp stays: it is each cp rank's share. ``tests/test_loss_options.py`` checks both against one process.
+    """
+    if count is None or trainer.args.average_tokens_across_devices or trainer.dims.tp == 1:
+        return count
+    return count * trainer.dims.tp

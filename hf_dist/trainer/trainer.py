@@ -27,6 +27,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_dist.expert_parallel import check_ep_support
 from hf_dist.file_modes import give_user_mode
+from hf_dist.loss.policy import loss_option_refusal
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.compile import compile_blocks
 from hf_dist.parallelism import find_blocks, parallelize
@@ -42,7 +43,7 @@ from hf_dist.context_parallel import check_cp_support
 from hf_dist.trainer import (
     checkpoint_glue, compile_glue, context, data, launch_env, preemption, resume, router_loss, step, teardown,
 )
-from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels
+from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels, local_token_count
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
@@ -94,6 +95,9 @@ class DistTrainer(Trainer):
     def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kwargs):
         check_internals()  # a private Trainer method overridden below that transformers removed: stop now
         args = as_dist_args(args)
+        if kwargs.get("compute_loss_func") is not None and (why := loss_option_refusal(args.layout,
+                                                                                          "compute_loss_func")):
+            raise ValueError(why)  # before any process group
         if model is not None:  # before any process group (model_init's models are checked when made)
             self._check_model(model, args)
         args.device  # initialises the process group with the backend launch_env chose
@@ -108,10 +112,6 @@ class DistTrainer(Trainer):
         with checkpoint_glue.sharded_checkpoints_accepted(args, self.owns_layout):
             super().__init__(model, args, *positional, **kwargs)
         launch_env.verify_backend(self)
-        if self.dims.pp_enabled and self.compute_loss_func is not None:
-            raise ValueError(f"compute_loss_func with pp_size={self.dims.pp}: the last pipeline stage computes plain "
-                             f"token-weighted cross-entropy, so the function would be ignored; drop compute_loss_func "
-                             f"or set pp_size=1")
         count_shifted_labels(self)  # GPT-2 and other loss_type=None causal LMs: the count their loss uses
         if compile_glue.compile_request(args) is not None:
             self.add_callback(compile_glue.CompileReport())
@@ -275,6 +275,9 @@ class DistTrainer(Trainer):
         if self.dims.cp_enabled:  # hf_dist's context parallelism (accelerate's parallelism_config is kept off)
             return context.prepare_inputs(self, model, inputs)
         return super()._prepare_context_parallel_inputs(model, inputs)
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        return local_token_count(self, super()._get_num_items_in_batch(batch_samples, device))
 
     def get_cp_size(self) -> int:
         return self.dims.cp  # the Trainer divides num_items_in_batch and the dp world by it
