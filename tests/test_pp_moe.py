@@ -14,6 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
+from hf_dist.models.reference import reference_step, split_rows
 from pp_sweep_cases import MOE, SEQ, moe_config
 
 STEPS, BATCH, MICROBATCHES, LR = 3, 4, 4, 1e-3
@@ -38,22 +39,13 @@ def _model(config):
 
 
 def reference(config, steps, aux: bool = True):
-    """One process: the step's micro-batches accumulated, aux weighted coef x mean over them (the model's own)."""
+    """One process: the step's micro-batches accumulated, aux weighted coef x mean over them (the model's own;
+    ``hf_dist.models.reference``, the layout canary's reference too)."""
     model = _model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    coef = getattr(config, "router_aux_loss_coef", 0.0) if aux else 0.0
     losses = []
     for batch in steps:
-        tokens = (batch["labels"][:, 1:] != -100).sum()
-        total = 0.0
-        for i in range(MICROBATCHES):
-            micro = {k: v.chunk(MICROBATCHES)[i] for k, v in batch.items()}
-            out = model(**micro, output_router_logits=bool(coef))
-            loss = model.loss_function(out.logits, micro["labels"], config.vocab_size, num_items_in_batch=tokens)
-            if coef:
-                loss = loss + coef * out.aux_loss / MICROBATCHES
-            loss.backward()
-            total += float(loss.detach())
+        total = reference_step(model, split_rows(batch, MICROBATCHES), aux=aux)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)

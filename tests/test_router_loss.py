@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from hf_dist.models.reference import reference_step
 from trainer_harness import VOCAB, train_tiny
 
 COEF = 0.5
@@ -39,17 +40,11 @@ def _train(micro: int, steps: int = STEPS, **overrides):
 
 
 def _hand_step(micro_batches):
-    """One AdamW step as the Trainer's arguments define it, with the aux weighted coef x mean over micro-batches."""
+    """One AdamW step as the Trainer's arguments define it, with the aux weighted coef x mean over micro-batches
+    (``hf_dist.models.reference``, the layout canary's reference too)."""
     model = moe_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
-    total = 0.0
-    for batch in micro_batches:
-        out = model(**batch, output_router_logits=True)
-        lm = model.loss_function(out.logits, batch["labels"], VOCAB, num_items_in_batch=tokens)
-        loss = lm + COEF * out.aux_loss / len(micro_batches)
-        loss.backward()
-        total += loss.item()
+    total = reference_step(model, micro_batches)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return total, {k: v.detach().clone() for k, v in model.state_dict().items()}

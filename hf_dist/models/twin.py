@@ -13,6 +13,8 @@ Pure: a config in, a new config out. Not for: building or running models.
 
 from __future__ import annotations
 
+import dataclasses
+
 HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 32, 4, 8, 64, 128
 
 # Size fields and their twin values, set only where the config has them.
@@ -41,9 +43,11 @@ _HYBRID_HEADS = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_
 
 
 def _twin_layer_types(layer_types: list[str], layers: int) -> list[str]:
-    """The first ``layers`` types, with every kind of the original kept (the last slots take missing kinds)."""
+    """``layers`` types: the original's pattern repeated (cut, or tiled when the twin has more layers than the
+    original, whose config must list one type per layer), with every kind of the original kept (the last slots
+    take missing kinds)."""
     kinds = list(dict.fromkeys(layer_types))
-    types = list(layer_types[:layers])
+    types = [layer_types[i % len(layer_types)] for i in range(layers)]
     missing = [k for k in kinds if k not in types]
     for i, kind in enumerate(missing):
         types[layers - 1 - i] = kind
@@ -54,8 +58,27 @@ def _kv_heads(config, width: int) -> int | None:
     kv = getattr(config, "num_key_value_heads", None)
     if kv is None:
         return None
+    if getattr(config, "kv_lora_rank", None) is not None:
+        # Multi-head latent attention: keys and values come out of kv_b_proj with one head per query head, and
+        # num_key_value_heads only sets how sdpa repeats them (DeepSeek-V3's default 128 gives 128 // heads = 0
+        # repeats on a small model). A "grouped" twin would repeat 4 key heads to 8 against 4 query heads.
+        return HEADS * width
     heads = getattr(config, "num_attention_heads", None)
     return HEADS * width if kv == heads else HEADS * width // 2  # multi-head stays so, grouped stays grouped
+
+
+def _mla_derived(values: dict, config) -> None:
+    """Multi-head latent attention: the head sizes the config class derives from the twin's ranks in
+    ``__post_init__`` (``qk_head_dim = qk_nope + qk_rope``; ``head_dim``, the rotary width, per class) are dropped
+    so that it derives them again; ``to_dict()`` carried the original's, which would override the twin's."""
+    if values.get("kv_lora_rank") is None:
+        return
+    fields = {f.name for f in dataclasses.fields(type(config))} if dataclasses.is_dataclass(type(config)) else set()
+    for name in ("qk_head_dim", "head_dim"):
+        if name in values and name not in fields:
+            values.pop(name)
+    if values.get("qk_head_dim") is not None:  # a field (LongCat-Flash): set to the twin's sum
+        values["qk_head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
 
 
 def _token_id(value, vocab: int):
@@ -104,6 +127,7 @@ def tiny_twin(config, *, layers: int = 4, window: int = 8, width: int = 1):
     if isinstance(values.get("num_kv_heads"), int):  # falcon's name: multi-head stays so, grouped stays grouped
         same = values["num_kv_heads"] == getattr(config, "num_attention_heads", None)
         values["num_kv_heads"] = HEADS * width if same else HEADS * width // 2
+    _mla_derived(values, config)
     _shrink_hybrid(values, width, layers)
     values[aliases.get("num_hidden_layers", "num_hidden_layers")] = layers
     if values.get("layer_types"):

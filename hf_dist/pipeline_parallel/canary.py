@@ -3,7 +3,8 @@ give the unsplit twin's loss and gradients on the real ranks, or training does n
 
 ``check_pipeline_layout`` builds ``tiny_twin(config)`` (same class, every behaviour field kept, sizes shrunk),
 runs one fp32 pipeline step of it with the requested ``ParallelDims`` and schedule (TP and FSDP included) on
-a padded batch, and compares the loss and every gradient with the same twin run whole in each process. On a
+a padded batch, and compares the loss and every gradient with the same twin's one-process step on the same
+micro-batches (``hf_dist.models.reference``: a MoE router aux loss per micro-batch, as the run has it). On a
 difference it raises ``ValueError`` on every rank, naming the architecture, the layout and the size of the
 difference. It takes about a second; ``DistTrainingArguments(layout_canary=False)`` skips it.
 
@@ -73,16 +74,17 @@ def _worst_gradient(pipe, ref_grads: dict[str, torch.Tensor]) -> tuple[float, st
 
 def _differences(config, dims, pipeline_config: PipelineConfig, device) -> tuple[float, float, str]:
     """``(loss difference, worst relative grad difference, worst parameter)`` on this rank."""
+    from hf_dist.models.reference import reference_step, split_rows
     from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 
     # Split points name the user's layers; the twin has fewer, so it is balanced instead.
     twin_pipeline = dataclasses.replace(pipeline_config, split_points=None)
     num_stages = dims.pp * twin_pipeline.virtual_stages
     reference = _build_twin(config, dims, num_stages).to(device)
-    rows = twin_pipeline.microbatches * max(dims.dp, 1)
+    rows = twin_pipeline.microbatches * max(dims.dp, 1)  # one row per micro-batch on every dp rank
     batch = {k: v.to(device) for k, v in _twin_batch(rows, reference.config.vocab_size).items()}
-    ref_loss = reference(**batch).loss
-    ref_loss.backward()
+    # the step as the run defines it: the router aux loss per micro-batch (hf_dist.models.reference)
+    ref_loss = reference_step(reference, split_rows(batch, rows))
     # every name of a tied weight (lm_head.weight too) maps to the one gradient
     ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     pipe = PipelinedCausalLM(_build_twin(config, dims, num_stages), dims=dims, config=twin_pipeline, device=device)
@@ -90,7 +92,7 @@ def _differences(config, dims, pipeline_config: PipelineConfig, device) -> tuple
     share = rows // max(dims.dp, 1)
     loss = pipe.train_step({k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()})
     worst, where = _worst_gradient(pipe, ref_grads)
-    return abs(float(loss) - float(ref_loss)), worst, where
+    return abs(float(loss) - ref_loss), worst, where
 
 
 def check_pipeline_layout(config, dims, pipeline_config: PipelineConfig, device="cpu") -> None:
