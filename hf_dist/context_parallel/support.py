@@ -1,8 +1,9 @@
 """Which models run with context parallelism, and why the others are refused -- before any process group starts.
 
-One decision, used by ``DistTrainer`` (``check_cp_support``) and by ``docs/coverage.md`` (``cp_support_table``):
+Used by ``hf_dist.support.model_refusals`` (the trainer, ``from_pretrained``, the planner) and by ``docs/coverage.md``
+(``cp_support_table``):
 
-- the model type is one whose CP run is tested against one process (``CP_MODEL_TYPES``: its decoder layers take
+- the model type's registry record proves CP (``hf_dist.families``; ``CP_MODEL_TYPES`` is that view: its decoder layers take
   ``position_embeddings`` from the model, its attention goes through transformers' attention registry, and no
   attention function reads a per-head parameter -- gpt-oss's sinks are one per head, and a rank holding a subset of
   heads would read the wrong ones);
@@ -13,17 +14,12 @@ One decision, used by ``DistTrainer`` (``check_cp_support``) and by ``docs/cover
 
 from __future__ import annotations
 
+from hf_dist.families import FAMILIES, attention_heads, family
+
 CP_MODEL_TYPES: dict[str, str] = {
-    "llama": "all-to-all; tested: tests/test_context_parallel.py",
-    "mistral": "all-to-all (sliding window from the model's mask); tested",
-    "gemma2": "all-to-all (soft-capping and alternating windows stay the model's eager code); tested",
-    "qwen3": "all-to-all (q/k norms before the exchange); tested",
+    t: f"{f.notes.get('cp', 'all-to-all')}; tested: {f.proven['cp']}" for t, f in FAMILIES.items() if f.proves("cp")
 }
-
-
-def _heads(config) -> tuple[int, int]:
-    heads = config.num_attention_heads
-    return heads, getattr(config, "num_key_value_heads", None) or heads
+"""Model type -> how CP runs on it, for the types the registry proves CP for."""
 
 
 def cp_refusal(config, cp_size: int, tp_size: int = 1) -> str | None:
@@ -31,10 +27,10 @@ def cp_refusal(config, cp_size: int, tp_size: int = 1) -> str | None:
     if cp_size == 1:
         return None
     model_type = getattr(config, "model_type", None)
-    if model_type not in CP_MODEL_TYPES:
+    if not family(model_type).proves("cp"):
         return (f"model_type={model_type!r} has no context-parallel parity test in hf_dist; context parallelism runs "
                 f"{', '.join(CP_MODEL_TYPES)} (docs/coverage.md); drop cp_size")
-    heads, kv_heads = _heads(config)
+    heads, kv_heads = attention_heads(config)
     split = cp_size * tp_size
     if heads % split or kv_heads % split:
         valid = [d for d in range(1, kv_heads // tp_size + 1) if (kv_heads % (d * tp_size) == 0

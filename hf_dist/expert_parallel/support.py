@@ -9,38 +9,25 @@ per-expert modules or another layout are refused by name.
 
 from __future__ import annotations
 
-_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
-                        "num_routed_experts")
+from hf_dist.families import EXPERT_COUNT_FIELDS, family, num_experts, proven_types, text_config
+
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-
-
-def _text_config(config):
-    """The decoder's config of a multimodal wrapper (where the experts are); the config itself otherwise."""
-    try:
-        return config.get_text_config()
-    except (AttributeError, ValueError):  # no text part, or several (encoder-decoder): the config itself
-        return config
 
 
 def ep_plan(config) -> dict[str, str]:
     """The model's own expert-parallel plan (``base_model_ep_plan``: module/parameter pattern -> style)."""
-    return dict(getattr(_text_config(config), "base_model_ep_plan", None) or {})
+    return dict(getattr(text_config(config), "base_model_ep_plan", None) or {})
 
 
-def num_experts(config) -> int | None:
-    """Routed experts per MoE layer, from whichever field the model type uses."""
-    config = _text_config(config)
-    for name in _EXPERT_COUNT_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 1:
-            return value
-    return None
+EP_PARITY_TESTED = tuple(sorted(proven_types("ep")))
+"""Model types whose registry records prove EP (``tests/ep_cases.py`` ``CASES`` and ``SWEEP_CASES``; a test keeps
+the two the same)."""
 
 
 def ep_refusal(config, ep: int) -> str | None:
     """Why ``config``'s model cannot run with ``ep_size=ep`` in hf_dist, or None when it can."""
     model_type = getattr(config, "model_type", None)
-    config = _text_config(config)
+    config = text_config(config)
     experts = num_experts(config)
     plan = ep_plan(config)
     if experts is None and not plan:
@@ -56,10 +43,13 @@ def ep_refusal(config, ep: int) -> str | None:
         return (f"model_type={model_type!r}'s experts are not the 3-D gate_up_proj/down_proj form with token dispatch "
                 f"that hf_dist's EP runs (plan: {plan})")
     if experts is None:
-        return f"model_type={model_type!r}: its config names no routed-expert count ({', '.join(_EXPERT_COUNT_FIELDS)})"
+        return f"model_type={model_type!r}: its config names no routed-expert count ({', '.join(EXPERT_COUNT_FIELDS)})"
     if experts % ep:
         valid = [d for d in range(1, experts + 1) if experts % d == 0]
         return f"ep_size={ep} does not divide the {experts} experts of each layer; use ep_size in {valid}"
+    if not family(model_type).proves("ep"):
+        return (f"model_type={model_type!r} has experts in the form EP runs, but no EP parity case in hf_dist yet "
+                f"(EP is proven for {', '.join(EP_PARITY_TESTED)})")
     return None
 
 
@@ -71,10 +61,6 @@ def check_ep_support(config, ep: int) -> None:
         raise ValueError(f"ep_size={ep} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
 
 
-EP_PARITY_TESTED = ("deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "mixtral", "olmoe", "phimoe", "qwen2_moe",
-                    "qwen3_moe")
-"""Model types whose EP=2 runs equal one process (``tests/ep_cases.py`` ``CASES`` and ``SWEEP_CASES``; a test keeps
-the lists the same)."""
 
 
 def ep_coverage() -> dict[str, str]:
@@ -90,11 +76,9 @@ def ep_coverage() -> dict[str, str]:
         except Exception as error:  # noqa: BLE001 - a config that cannot be built is the note
             table[model_type] = f"its default config cannot be built ({type(error).__name__})"
             continue
-        text = _text_config(config)
+        text = text_config(config)
         if num_experts(text) is None and not ep_plan(text):
             table[model_type] = "dense"
-        elif why := ep_refusal(config, 2):
-            table[model_type] = why
         else:
-            table[model_type] = "yes" if model_type in EP_PARITY_TESTED else "no EP parity case in tests/ep_cases.py"
+            table[model_type] = ep_refusal(config, 2) or "yes"
     return table

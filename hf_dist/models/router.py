@@ -45,11 +45,13 @@ def router_recorder(model: nn.Module):
 
 
 def num_experts(config) -> int:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError(f"model_type={config.model_type!r}: no expert count in its config")
+    """Routed experts per MoE layer (``hf_dist.families.num_experts``); ``ValueError`` for a config without."""
+    from hf_dist.families import num_experts as count
+
+    value = count(config)
+    if value is None:
+        raise ValueError(f"model_type={config.model_type!r}: no expert count in its config")
+    return value
 
 
 class RouterStats:

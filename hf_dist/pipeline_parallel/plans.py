@@ -35,24 +35,12 @@ PP_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 """Model type -> (base-model plan names, head plan names), as transformers' plans would list them."""
 
-TUPLE_LAYER_OUTPUT: frozenset[str] = frozenset({"falcon", "bloom", "gptj", "codegen", "mpt", "falcon_h1"})
-"""Model types whose decoder layer returns a tuple (the base model reads ``outputs[0]``), not a tensor."""
-
-
-TUPLE_LAYER_OUTPUT_WIDTH: dict[str, int] = {"bamba": 2}
-"""Model types whose base model unpacks a wider tuple (``hidden_states, attn_weights = layer(...)``); a stand-in
-pads the received states with ``None`` to this width. Types only in ``TUPLE_LAYER_OUTPUT`` have width 1."""
-
-
 def layer_output_width(config) -> int:
-    """0 when the decoder layers of ``config`` return a tensor, else the length of the tuple they return."""
-    model_type = getattr(config, "model_type", None)
-    return TUPLE_LAYER_OUTPUT_WIDTH.get(model_type, 1 if model_type in TUPLE_LAYER_OUTPUT else 0)
+    """0 when the decoder layers of ``config`` return a tensor, else the length of the tuple they return (the
+    registry's ``Family.pp_layer_output``)."""
+    from hf_dist.families import family
 
-
-def layer_returns_tuple(config) -> bool:
-    """Whether the base model of ``config`` unpacks its decoder layers' output as a tuple."""
-    return getattr(config, "model_type", None) in TUPLE_LAYER_OUTPUT
+    return family(getattr(config, "model_type", None)).pp_layer_output
 
 
 def base_plan_names(config) -> list[str]:

@@ -3,7 +3,7 @@
 
 ``CausalLMStage`` runs each stage through the model's own forward, so a model type is supported when
 
-- its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head), or
+- its registry record (``hf_dist.families``) proves PP, and its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head), or
   hf_dist writes one for it (``plans.PP_PLANS``, the classic types transformers ships none for);
 - it is dense, or a mixture-of-experts type proven by ``tests/test_pp_moe.py`` (``PIPELINE_PROVEN_MOE_TYPES``:
   the stages pass the router statistics of the model's aux loss on with the hidden states); linear-attention /
@@ -24,47 +24,20 @@ from __future__ import annotations
 
 import functools
 
+from hf_dist.families import expert_count_field, family, proven_types
 from hf_dist.pipeline_parallel.plans import base_plan_names
 
-# Model types whose PP=2 training equals one process in tests/test_pp_sweep.py (fp32, 1e-5, non-default
-# configs): test_pp_sweep.py trains every one of them, and checks that nothing else is reported "yes".
-PIPELINE_PROVEN_MODEL_TYPES = frozenset({
-    "apertus", "arcee", "cohere", "cohere2", "cwm", "doge", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text",
-    "glm", "glm4", "gpt_neox", "granite", "granite_swa", "helium", "hyperclovax", "internlm3", "iquestcoder",
-    "jais2", "llama", "minicpm3", "ministral", "ministral3", "mistral", "olmo", "olmo2", "olmo3", "phi", "phi3",
-    "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma", "youtu",
-    # the classic types, with hf_dist's own pp plans (plans.PP_PLANS)
-    "gpt2", "gpt_bigcode", "falcon", "opt", "bloom", "gptj", "codegen", "stablelm", "persimmon", "mpt", "nemotron",
-})
-
-# Hybrid (linear-attention / short-conv / state-space) types proven the same way, on the written-out configs of
-# tests/pp_sweep_cases.py HYBRID (layer pattern, conv kernel, heads, state and chunk size all non-default).
-PIPELINE_PROVEN_HYBRID_TYPES = frozenset({"bamba", "falcon_h1", "lfm2", "olmo_hybrid", "qwen3_5_text", "qwen3_next"})
-PIPELINE_PROVEN_MODEL_TYPES = PIPELINE_PROVEN_MODEL_TYPES | PIPELINE_PROVEN_HYBRID_TYPES
-
-# Hybrid types refused by name: why their stages would not reproduce one process.
-_REFUSED_HYBRIDS = {
-    "zamba": "its decoder layers call one shared attention block whose weights would be copied onto every stage",
-    "zamba2": "its decoder layers call shared attention blocks whose weights would be copied onto every stage",
-}
+# Views of the registry (``hf_dist.families``): the types whose records prove PP, by kind.
+PIPELINE_PROVEN_MODEL_TYPES = proven_types("pp", kinds=("dense", "classic", "hybrid"))
+"""Dense, classic and hybrid types whose PP=2 training equals one process in tests/test_pp_sweep.py (fp32, 1e-5,
+non-default configs; hybrids on the written-out configs of tests/pp_sweep_cases.py HYBRID)."""
+PIPELINE_PROVEN_HYBRID_TYPES = proven_types("pp", kinds=("hybrid",))
+PIPELINE_PROVEN_MOE_TYPES = proven_types("pp", kinds=("moe",))
+"""MoE types whose PP=2 training (router aux loss of every stage included) equals one process in
+tests/test_pp_moe.py (fp32, 1e-5, non-default router values; cases in tests/pp_sweep_cases.MOE)."""
 # Config fields that add a loss term the pipeline's token-weighted cross entropy does not compute.
 _EXTRA_LOSS_FIELDS = ("z_loss_coefficient",)
-# Mixture-of-experts types whose PP=2 training (router aux loss of every stage included) equals one process in
-# tests/test_pp_moe.py (fp32, 1e-5, non-default router values; cases in tests/pp_sweep_cases.MOE).
-PIPELINE_PROVEN_MOE_TYPES = frozenset({"deepseek_v3", "gpt_oss", "mixtral", "qwen3_moe"})
-
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
-
-
-def _moe_field(config) -> str | None:
-    if getattr(config, "is_moe", None) is False:
-        return None  # expert counts present but switched off (doge)
-    for name in _MOE_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 1:
-            return f"{name}={value}"
-    return None
 
 
 def _other_layer_kinds(config) -> list[str]:
@@ -75,14 +48,14 @@ def _other_layer_kinds(config) -> list[str]:
 def pipeline_refusal(config) -> str | None:
     """Why pipeline stages would not reproduce ``config``'s model, or ``None`` when they do."""
     model_type = getattr(config, "model_type", None)
-    if model_type in _REFUSED_HYBRIDS:
-        return f"model_type={model_type!r}: {_REFUSED_HYBRIDS[model_type]}"
+    record = family(model_type)
+    if "pp" in record.refused:
+        return f"model_type={model_type!r}: {record.refused['pp']}"
     if not base_plan_names(config):
         return f"model_type={model_type!r} declares no base_model_pp_plan"
-    moe = _moe_field(config)
-    if moe is not None and model_type not in PIPELINE_PROVEN_MOE_TYPES:
-        proven = model_type in PIPELINE_PROVEN_MODEL_TYPES
-        dense = " (its dense configs, without experts, are pipeline-proven)" if proven else ""
+    moe = expert_count_field(config)
+    if moe is not None and not (record.proves("pp") and record.kind == "moe"):
+        dense = " (its dense configs, without experts, are pipeline-proven)" if record.proves("pp") else ""
         return (f"model_type={model_type!r} is a mixture-of-experts model ({moe}); no MoE PP parity case in "
                 f"tests/test_pp_moe.py{dense}")
     extra = [f"{f}={getattr(config, f)}" for f in _EXTRA_LOSS_FIELDS if getattr(config, f, None)]
@@ -90,10 +63,10 @@ def pipeline_refusal(config) -> str | None:
         return (f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not "
                 f"compute; set it to 0")
     other = _other_layer_kinds(config)
-    if other and model_type not in PIPELINE_PROVEN_HYBRID_TYPES:
+    if other and not (record.proves("pp") and record.kind == "hybrid"):
         return (f"model_type={model_type!r} has non-attention layers {other} with no PP parity case in "
                 f"tests/test_pp_sweep.py")
-    if model_type not in PIPELINE_PROVEN_MODEL_TYPES | PIPELINE_PROVEN_MOE_TYPES:
+    if not record.proves("pp"):
         return f"model_type={model_type!r} has no PP parity case in tests/test_pp_sweep.py"
     return None
 

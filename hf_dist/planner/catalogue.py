@@ -268,8 +268,9 @@ def _from_config(config, name: str) -> ModelSpec:
 
 def _moe_fields(config) -> dict:
     """Experts, top-k and expert width of a MoE config (the field names differ by family)."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    return dict(num_experts=experts, experts_per_token=config.num_experts_per_tok,
+    from hf_dist.families import num_experts
+
+    return dict(num_experts=num_experts(config), experts_per_token=config.num_experts_per_tok,
                 moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 

@@ -26,7 +26,7 @@ A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus cont
 transient allocation) is at most ``(1 - safety_margin)`` of the GPU's memory and what it offloads fits the
 node's host RAM (``host.py``); a loading peak over the host RAM is a warning. Each layout is evaluated in the
 precision it will run (``hf_dist.strategy.precision_that_runs``). Layouts the batch contract or the model's
-TP shape (``hf_dist.tensor_parallel.checks.check_tp_sizes``, the rule training applies) rule out are rejected
+TP shape (``hf_dist.support.model_refusals``, the rules training applies) rule out are rejected
 with the rule's message.
 
 Not here: the memory or time arithmetic (``memory.py``, ``throughput.py``).
@@ -197,26 +197,11 @@ def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
 
 
 def _shape_rule(model: ModelSpec, layout: Layout) -> str | None:
-    tp, pp = layout.tp, layout.pp
-    if layout.cp > 1:
-        from hf_dist.context_parallel.support import cp_refusal  # the one CP support decision
+    """Why the model cannot run ``layout`` at all: the run's own answer (``hf_dist.support.model_refusals``)."""
+    from hf_dist.support import model_refusals
 
-        refusal = cp_refusal(spec_config(model), layout.cp, layout.tp)
-        if refusal:
-            return f"rule: {refusal}"
-    if tp > 1:
-        try:
-            check_tp_sizes(spec_config(model), tp, vocab_parallel=layout.vocab_parallel)
-        except ValueError as err:
-            return f"rule: {err}"
-    if pp > model.num_hidden_layers:
-        return f"rule: pp={pp} exceeds num_hidden_layers={model.num_hidden_layers}"
-    if pp > 1:
-        from hf_dist.pipeline_parallel.support import model_type_refusal  # the one PP support decision
-
-        refusal = model_type_refusal(model.model_type)
-        return f"rule: {refusal}" if refusal else None
-    return None
+    reasons = model_refusals(spec_config(model), layout)
+    return f"rule: {'; '.join(reasons)}" if reasons else None
 
 
 def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_rank: int) -> Candidate | None:

@@ -81,9 +81,10 @@ def module_flop_counts(model) -> FlopCounts:
 
 def _active_expert_fraction(config) -> float:
     """``k / E`` of a MoE config: the share of its routed experts one token runs through (1: no experts)."""
-    config = getattr(config, "get_text_config", lambda: config)()
-    experts = next((getattr(config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
-                    if getattr(config, a, None)), None)
+    from hf_dist.families import num_experts, text_config
+
+    config = text_config(config)
+    experts = num_experts(config)
     top_k = getattr(config, "num_experts_per_tok", None)
     return top_k / experts if experts and top_k else 1.0
 

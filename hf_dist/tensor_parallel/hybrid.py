@@ -17,7 +17,7 @@ shard these layers by head or by channel, on top of (and replacing entries of) t
   ``out_proj`` row-parallel; attention and MLP as any GQA model's. Only the unfused (PyTorch) Mamba2 path is
   sharded: with ``mamba_ssm`` kernels installed the fused training path reads ``out_proj.weight`` itself.
 
-``HYBRID_TP_REFUSALS`` names the hybrid types whose layers have no exact overlay yet, with the reason.
+The registry (``hf_dist.families``) names the hybrid types whose layers have no exact overlay yet, with the reason.
 Pure data and small functions of a config. Not for: applying (``apply.py``) or the support decision.
 """
 
@@ -77,18 +77,6 @@ HYBRID_TP: dict[str, dict[str, str]] = {
 }
 """Model type -> ``{pattern: style name}`` laid over the model's own plan (the whole plan where it has none)."""
 
-_MAMBA2 = "Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet"
-_SHARED = "shared attention blocks called from several decoder layers"
-HYBRID_TP_REFUSALS: dict[str, str] = {
-    "granitemoehybrid": _MAMBA2,
-    "nemotron_h": _MAMBA2,
-    "zamba2": f"{_SHARED} and Mamba2 mixers have no TP overlay yet",
-    "qwen3_next": "Gated DeltaNet with q/k/v/z fused per key head (in_proj_qkvz) has no TP overlay yet",
-    "olmo_hybrid": "Gated DeltaNet has no TP overlay yet for OLMo-hybrid's layer (only for qwen3_5_text)",
-}
-"""Hybrid model types refused under TP, with the reason (checked before the generic layer-kind refusal)."""
-
-
 def _gdn_parts(config) -> tuple[int, int, int]:
     key = config.linear_num_key_heads * config.linear_key_head_dim
     return key, key, config.linear_num_value_heads * config.linear_value_head_dim
@@ -145,9 +133,11 @@ HYBRID_STYLES: frozenset[str] = frozenset(HYBRID_STYLE_BUILDERS)
 def hybrid_tp_refusal(config) -> str | None:
     """Why the overlay of ``config``'s type is not exact here, or ``None``: the named refusals, and the fused
     Mamba2 training kernel of ``mamba_ssm``, which reads ``out_proj.weight`` itself past the row split."""
+    from hf_dist.families import family
+
     model_type = getattr(config, "model_type", None)
-    if model_type in HYBRID_TP_REFUSALS:
-        return HYBRID_TP_REFUSALS[model_type]
+    if "tp" in family(model_type).refused:  # named in the registry
+        return family(model_type).refused["tp"]
     if HYBRID_TP.get(model_type) is _MAMBA2_HYBRID and importlib.util.find_spec("mamba_ssm") is not None:
         return ("mamba_ssm is installed: its fused Mamba2 training kernel applies out_proj.weight whole, past "
                 "the TP split")

@@ -3,9 +3,8 @@
 A model type is supported when transformers ships a ``base_model_tp_plan`` for it (or, for the classic types
 transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
 into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
-classic plan names as inexact, and a TP=2 parity test against one process passes for it
-(``tests/test_tp_sweep.py``, listed in ``TP_TESTED_MODEL_TYPES``; MoE types: ``tests/test_moe_tp.py``,
-``TP_TESTED_MOE_TYPES``).
+classic plan names as inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2 parity test against one process passes for it
+(``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
 MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
 dimension by ``moe.py``) and their parity test passes; other MoE layouts (zero experts, no such entry) are refused.
 Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
@@ -17,22 +16,15 @@ group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).
 
 from __future__ import annotations
 
+from hf_dist.families import expert_count_field, family, proven_types
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
 from hf_dist.tensor_parallel.moe import MOE_STYLES, own_plan
 from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, hybrid_overlay, hybrid_tp_refusal
 
-TP_TESTED_MODEL_TYPES: frozenset[str] = frozenset({
-    "gpt2", "falcon", "opt", "bloom", "gpt_bigcode", "gptj", "stablelm", "persimmon", "mpt",
-    "apertus", "arcee", "cohere", "cohere2", "cohere_compass_text", "cwm", "ernie4_5", "exaone4", "gemma",
-    "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "helium", "hrm_text", "hyperclovax",
-    "internlm3", "iquestcoder", "jais2", "llama", "ministral", "ministral3", "mistral", "nanochat", "nemotron",
-    "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "starcoder2", "vaultgemma",
-    "youtu", "gemma3n_text", "phi4_multimodal",
-    # hybrids: their linear-attention / short-conv / Mamba2 layers sharded by hf_dist's overlays (hybrid.py)
-    "qwen3_5_text", "lfm2", "falcon_h1", "bamba",
-})
-"""Model types whose TP=2 run equals one process (loss, gradients, parameters) in a parity test."""
-TP_TESTED_MOE_TYPES: frozenset[str] = frozenset({"qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"})
+TP_TESTED_MODEL_TYPES: frozenset[str] = proven_types("tp", kinds=("dense", "classic", "hybrid"))
+"""Model types whose registry records prove TP: their TP=2 run equals one process (loss, gradients, parameters) in
+``tests/test_tp_sweep.py`` (hybrids: their linear-attention / short-conv / Mamba2 layers sharded by ``hybrid.py``)."""
+TP_TESTED_MOE_TYPES: frozenset[str] = proven_types("tp", kinds=("moe",))
 """MoE types whose TP=2 run (routed experts split by ``moe.py``, router aux loss on) equals one process over 3
 AdamW steps with clipping active (``tests/test_moe_tp.py``)."""
 
@@ -104,16 +96,15 @@ def _layer_kinds(config) -> set[str]:
     return {kind for kind in kinds if isinstance(kind, str)} - _ATTENTION_LAYERS - {"attention"}
 
 
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 _STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "attention_hidden_size")
 
 
 def _family_refusal(config, plan: dict[str, str]) -> str | None:
     """MoE (unless the plan's experts are split by ``moe.py``) and state-space / hybrid models, named as such
     whether or not they ship a plan."""
-    moe = [f"{name}={getattr(config, name)}" for name in _MOE_FIELDS if (getattr(config, name, None) or 0) > 1]
+    moe = expert_count_field(config)
     if moe and not moe_experts_patterns(plan):
-        return f"{_MOE}: {moe[0]}"
+        return f"{_MOE}: {moe}"
     model_type = getattr(config, "model_type", None)
     if hybrid := hybrid_tp_refusal(config):
         return hybrid
@@ -138,8 +129,8 @@ def tp_refusal(config) -> str | None:
     reasons = sorted({_STYLE_REASONS[s] for p, s in plan.items() if s in _STYLE_REASONS and p not in moe})
     if reasons:
         return "; ".join(reasons)
-    if family := _family_refusal(config, plan):
-        return family
+    if kind_reason := _family_refusal(config, plan):
+        return kind_reason
     classic = classic_plan(config)
     if classic is not None and (reason := classic.refusal(config)):
         return reason
@@ -150,10 +141,11 @@ def tp_refusal(config) -> str | None:
     unknown = sorted({name for p, s in plan.items() if p not in moe for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
-    if moe and model_type not in TP_TESTED_MOE_TYPES:
+    record = family(model_type)
+    if moe and not (record.proves("tp") and record.kind == "moe"):
         return (f"MoE experts: no TP parity test in hf_dist for model_type={model_type!r} yet (routed experts under "
                 f"TP are proven for {', '.join(sorted(TP_TESTED_MOE_TYPES))}; expert parallelism: --ep_size)")
-    if model_type not in TP_TESTED_MODEL_TYPES | TP_TESTED_MOE_TYPES:
+    if not record.proves("tp"):
         return f"no TP parity test in hf_dist for model_type={model_type!r} yet"
     return None
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hf_dist.families import num_experts as expert_count
 from hf_dist.models.router import load_balancing_fn
 
 SCOPES = ("micro_batch", "global_batch")
@@ -83,7 +84,7 @@ def global_batch_aux(model, outputs, inputs, group) -> torch.Tensor:
     per_layer = tuple(outputs["router_logits"])
     if group is not None and dist.get_world_size(group) > 1:
         per_layer, mask = _gather_rows(per_layer, mask, group)
-    num_experts = getattr(model, "num_experts", None) or model.config.num_local_experts
+    num_experts = getattr(model, "num_experts", None) or expert_count(model.config)
     fn = load_balancing_fn(model)
     if fn is None:
         raise ValueError(f"router_aux_loss_scope='global_batch': {type(model).__name__} has no "

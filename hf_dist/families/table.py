@@ -1,0 +1,108 @@
+"""The registry's data: one ``Family`` record per model type hf_dist knows something about.
+
+Adding a model type, or proving a parallelism for one, is one row here plus its parity case in the test the row
+names (``tests/test_families.py`` checks that every proven cell has its case). Types absent from this table are
+``unknown``: every parallelism beyond data parallelism is refused for them by name.
+"""
+
+from __future__ import annotations
+
+from hf_dist.families.records import Family
+
+TP_SWEEP = "tests/test_tp_sweep.py"
+TP_MOE = "tests/test_moe_tp.py"
+PP_SWEEP = "tests/test_pp_sweep.py"
+PP_MOE = "tests/test_pp_moe.py"
+EP_TESTS = "tests/test_expert_parallel.py"
+CP_TESTS = "tests/test_context_parallel.py"
+
+def _row(kind: str):
+    def make(model_type: str, *, tp=None, pp=None, ep=None, cp=None, refused=None, notes=None,
+             pp_layer_output: int = 0) -> Family:
+        proven = {name: test for name, test in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)) if test}
+        return Family(model_type=model_type, kind=kind, proven=proven, refused=refused or {}, notes=notes or {},
+                      pp_layer_output=pp_layer_output)
+    return make
+
+
+_dense, _moe, _hybrid, _classic = _row("dense"), _row("moe"), _row("hybrid"), _row("classic")
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    _dense("apertus", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("arcee", tp=TP_SWEEP, pp=PP_SWEEP),
+    _hybrid("bamba", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=2),
+    _classic("bloom", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _classic("codegen", pp=PP_SWEEP, pp_layer_output=1),
+    _dense("cohere", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("cohere2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("cohere_compass_text", tp=TP_SWEEP),
+    _dense("cwm", tp=TP_SWEEP, pp=PP_SWEEP),
+    _moe("deepseek_v3", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS),
+    _dense("doge", pp=PP_SWEEP),
+    _dense("ernie4_5", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("exaone4", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("falcon", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _hybrid("falcon_h1", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _dense("gemma", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("gemma2", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS,
+           notes=dict(cp="all-to-all (soft-capping and alternating windows stay the model's eager code)")),
+    _dense("gemma3_text", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("gemma3n_text", tp=TP_SWEEP),
+    _dense("glm", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("glm4", tp=TP_SWEEP, pp=PP_SWEEP),
+    _moe("glm4_moe", ep=EP_TESTS),
+    _classic("gpt2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("gpt_bigcode", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("gpt_neox", tp=TP_SWEEP, pp=PP_SWEEP),
+    _moe("gpt_oss", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS),
+    _classic("gptj", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _dense("granite", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("granite_swa", pp=PP_SWEEP),
+    _moe("granitemoe", ep=EP_TESTS),
+    _hybrid("granitemoehybrid", refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
+    _dense("helium", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("hrm_text", tp=TP_SWEEP),
+    _dense("hyperclovax", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("internlm3", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("iquestcoder", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("jais2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _hybrid("lfm2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("llama", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS,
+           notes=dict(cp='all-to-all')),
+    _dense("minicpm3", pp=PP_SWEEP),
+    _dense("ministral", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("ministral3", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("mistral", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS,
+           notes=dict(cp="all-to-all (sliding window from the model's mask)")),
+    _moe("mixtral", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS),
+    _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _dense("nanochat", tp=TP_SWEEP),
+    _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP),
+    _hybrid("nemotron_h", refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
+    _dense("olmo", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("olmo2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("olmo3", tp=TP_SWEEP, pp=PP_SWEEP),
+    _hybrid("olmo_hybrid", pp=PP_SWEEP, refused=dict(tp="Gated DeltaNet has no TP overlay yet for OLMo-hybrid's layer (only for qwen3_5_text)")),
+    _moe("olmoe", ep=EP_TESTS),
+    _classic("opt", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("persimmon", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("phi", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("phi3", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("phi4_multimodal", tp=TP_SWEEP),
+    _moe("phimoe", ep=EP_TESTS),
+    _dense("qwen2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _moe("qwen2_moe", ep=EP_TESTS),
+    _dense("qwen3", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS,
+           notes=dict(cp='all-to-all (q/k norms before the exchange)')),
+    _hybrid("qwen3_5_text", tp=TP_SWEEP, pp=PP_SWEEP),
+    _moe("qwen3_moe", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS),
+    _hybrid("qwen3_next", pp=PP_SWEEP, refused=dict(tp='Gated DeltaNet with q/k/v/z fused per key head (in_proj_qkvz) has no TP overlay yet')),
+    _dense("seed_oss", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("smollm3", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("stablelm", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("starcoder2", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("vaultgemma", tp=TP_SWEEP, pp=PP_SWEEP),
+    _dense("youtu", tp=TP_SWEEP, pp=PP_SWEEP),
+    _hybrid("zamba", refused=dict(pp='its decoder layers call one shared attention block whose weights would be copied onto every stage')),
+    _hybrid("zamba2", refused=dict(tp='shared attention blocks called from several decoder layers and Mamba2 mixers have no TP overlay yet', pp='its decoder layers call shared attention blocks whose weights would be copied onto every stage')),
+)}
