@@ -210,8 +210,6 @@ class Layout:
                                                        "yet; drop tp_vocab_parallel"),
             "fsdp_hybrid_shard": (self.strategy == "fsdp_hybrid_shard",
                                   "HSDP x CP has no parity test in hf_dist yet; use fsdp_full_shard (dp_replicate=1)"),
-            "lora_rank": (self.lora_rank > 0, "LoRA x CP has no parity test in hf_dist yet; fine-tune fully or "
-                                              "drop cp_size"),
         }
         for name, (refused, why) in reasons.items():
             if refused:

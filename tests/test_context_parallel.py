@@ -259,7 +259,6 @@ def test_dist_trainer_cp_equals_one_process(trainer_runs, case):
     (dict(strategy="fsdp_full_shard", tp=2, num_gpus=4, sequence_parallel=True),
      "cp_size=2 with tp_sequence_parallel=True"),
     (dict(strategy="fsdp_hybrid_shard", num_gpus=2, num_nodes=2), "cp_size=2 with fsdp_hybrid_shard"),
-    (dict(strategy="ddp", lora_rank=8), "cp_size=2 with lora_rank=8"),
     (dict(strategy="ddp", num_gpus=3), "cp_size=2 does not divide the world size 3"),
 ])
 def test_layout_refuses_cp_products_it_does_not_run(fields, match):

@@ -1,6 +1,7 @@
 """LoRA through ``hf_dist.from_pretrained`` + ``DistTrainer``: one command gives one model whatever the layout.
 
-On 2 gloo ranks (DDP: transformers' loader; FSDP2 and TP=2: the streaming load on ``meta``) against one process:
+On 2 gloo ranks (DDP and CP=2: transformers' loader; FSDP2 and TP=2: the streaming load on ``meta``) against one
+process (CP: the cp ranks share each batch, each computing the loss of its half of the sequence):
 the initial adapters (gathered) are equal exactly, the losses and trained adapters of 3 steps within 1e-5, and the
 greedy tokens the in-memory model generates before and after training are the same (under FSDP2 a ``PeftModel``'s
 ``generate`` used to meet sharded embeddings). A full fine-tune's FSDP2 ``generate`` is checked alongside. One
@@ -22,6 +23,7 @@ LAYOUTS = {
     "ddp": {},
     "fsdp2": {"fsdp": "full_shard", "fsdp_config": {"version": 2}},
     "tp2": {"tp_size": 2},
+    "cp2": {"cp_size": 2},
 }
 
 
@@ -79,7 +81,7 @@ def _layout_run(checkpoint: str, out: str, layout: str) -> dict:
     before = _tokens(in_memory)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    return {"initial": initial, "before": before, "losses": losses, "after": _tokens(in_memory),
+    return {"layout": trainer.args.layout.name, "initial": initial, "before": before, "losses": losses, "after": _tokens(in_memory),
             "trained": _adapters(in_memory)}
 
 
@@ -96,19 +98,20 @@ def _full_fsdp2_tokens(checkpoint: str, out: str) -> list[int]:
 
 
 def _group(rank, world_size, checkpoint, out):
-    results = {layout: _layout_run(checkpoint, out, layout) for layout in ("ddp", "fsdp2", "tp2")}
+    results = {layout: _layout_run(checkpoint, out, layout) for layout in ("ddp", "fsdp2", "tp2", "cp2")}
     results["full_fsdp2_tokens"] = _full_fsdp2_tokens(checkpoint, out)
     return results
 
 
-def test_lora_is_one_model_on_one_process_ddp_fsdp2_and_tp2(checkpoint, tmp_path):
+def test_lora_is_one_model_on_one_process_ddp_fsdp2_tp2_and_cp2(checkpoint, tmp_path):
     reference = _layout_run(checkpoint, str(tmp_path / "ref"), "one")
     assert reference["after"] != reference["before"]  # training changed the answer: the comparison has teeth
     assert any(v.abs().sum() > 0 for k, v in reference["trained"].items() if "lora_B" in k)
     per_rank = run_distributed(_group, 2, checkpoint, str(tmp_path), timeout_s=900)
     for rank, results in enumerate(per_rank):
-        for layout in ("ddp", "fsdp2", "tp2"):
+        for layout in ("ddp", "fsdp2", "tp2", "cp2"):
             got, msg = results[layout], f"rank {rank} {layout}"
+            assert layout == "ddp" or layout.removesuffix("2") in got["layout"], (msg, got["layout"])  # no fallback
             assert sorted(got["initial"]) == sorted(reference["initial"]), msg
             for key, value in reference["initial"].items():
                 torch.testing.assert_close(got["initial"][key], value, rtol=0, atol=0, msg=f"{msg} {key}")
