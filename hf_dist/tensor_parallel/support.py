@@ -19,7 +19,7 @@ from __future__ import annotations
 from hf_dist.families import expert_count_field, family, proven_types
 from hf_dist.tensor_parallel.classic import CLASSIC_STYLES, classic_plan
 from hf_dist.tensor_parallel.moe import MOE_STYLES, own_plan
-from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, HYBRID_TP, hybrid_overlay, hybrid_tp_refusal
+from hf_dist.tensor_parallel.hybrid import HYBRID_STYLES, hybrid_overlay, hybrid_tp_refusal
 
 TP_TESTED_MODEL_TYPES: frozenset[str] = proven_types("tp", kinds=("dense", "classic", "hybrid"))
 """Model types whose registry records prove TP: their TP=2 run equals one process (loss, gradients, parameters) in
@@ -105,10 +105,9 @@ def _family_refusal(config, plan: dict[str, str]) -> str | None:
     moe = expert_count_field(config)
     if moe and not moe_experts_patterns(plan):
         return f"{_MOE}: {moe}"
-    model_type = getattr(config, "model_type", None)
     if hybrid := hybrid_tp_refusal(config):
         return hybrid
-    if model_type in HYBRID_TP:
+    if hybrid_overlay(config):
         return None  # its non-attention layers are sharded by the overlay
     if kinds := _layer_kinds(config):
         return f"linear-attention, recurrent or state-space layers ({', '.join(sorted(kinds))}) that TP does not shard"
