@@ -1,0 +1,48 @@
+"""docs/coverage.md and the README's coverage counts are what the registry and the support decisions say today.
+
+The table is regenerated from the code (``bench/coverage.py``: each type's default config through the same
+refusals the run makes) and compared with the committed files, the generation date aside. A support change that
+is not written into the docs fails here; regenerate with
+``python bench/coverage.py --write docs/coverage.md --readme README.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATE = re.compile(r" on \d{4}-\d{2}-\d{2}\.")
+
+
+def _coverage_module():
+    spec = importlib.util.spec_from_file_location("bench_coverage", ROOT / "bench" / "coverage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def generated() -> str:
+    import transformers
+
+    doc = (ROOT / "docs" / "coverage.md").read_text()
+    if f"transformers {transformers.__version__} " not in doc:
+        pytest.skip(f"docs/coverage.md was generated for another transformers than {transformers.__version__}")
+    coverage = _coverage_module()
+    return coverage.render(coverage.coverage_rows()) + coverage.render_context_parallel()
+
+
+def test_coverage_doc_is_the_registry_today(generated):
+    doc = (ROOT / "docs" / "coverage.md").read_text()
+    body = doc.split("\n\n", 1)[1]  # after the title
+    assert DATE.sub(" on DATE.", body) == DATE.sub(" on DATE.", generated)
+
+
+def test_readme_counts_are_the_registry_today(generated):
+    readme = (ROOT / "README.md").read_text()
+    summary = readme.split("<!-- coverage table: start -->\n")[1].split("<!-- coverage table: end -->")[0]
+    assert DATE.sub(" on DATE.", summary.strip()) == DATE.sub(" on DATE.", generated.splitlines()[0])
