@@ -38,6 +38,9 @@ from hf_dist.models import tiny_llama_config
 from hf_dist.trainer import resume
 from hf_dist.trainer.args import fp16_without_gpu
 
+TINY_VOCAB = 1024
+"""Tokens of the tokenizer the random-init model's run trains on its synthetic transcripts."""
+
 # Each preset is a list of command-line defaults; flags given by the user come later and win.
 PRESETS: dict[str, list[str]] = {
     "13b": [
@@ -112,6 +115,7 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
     if why := fp16_without_gpu(args):  # the Trainer only warns; the recipe never trains in another precision
         raise ValueError(why)
     check_resume_path(args.resume_from_checkpoint, args.output_dir)
+    check_model(script, args)  # from the config alone: EP on a dense model, CP on a type or head count it cannot run
     return script, args
 
 
@@ -188,7 +192,7 @@ def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
         source = script.data_path or out / "transcripts.jsonl"
         if script.data_path is None and writer:
             if script.model_name_or_path is None:  # the random-init model gets a tokenizer trained on the data
-                data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
+                data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed, vocab_size=TINY_VOCAB)
             else:  # a pretrained model brings its own tokenizer
                 data.write_jsonl(source, script.num_conversations, args.seed)
         if script.model_name_or_path is None:  # written by the main process, which went first
@@ -216,16 +220,36 @@ def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer)
     else:
         from hf_dist.models import build_tiny_model
 
-        config = tiny_llama_config(
-            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=max(512, script.max_seq_len),
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        model = build_tiny_model(config, seed=args.seed)
+        model = build_tiny_model(tiny_config(script, tokenizer), seed=args.seed)
     if script.lora:
         model = add_lora(model, script, args)
     return model
+
+
+def tiny_config(script: ScriptArguments, tokenizer=None):
+    """The random-init model's config: a small Llama over the tokenizer trained on the data (before the data is
+    prepared, ``tokenizer=None``: the size that tokenizer is trained to, for the checks)."""
+    special = {} if tokenizer is None else dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    return tiny_llama_config(
+        vocab_size=TINY_VOCAB if tokenizer is None else len(tokenizer), hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(512, script.max_seq_len), **special,
+    )
+
+
+def check_model(script: ScriptArguments, args: DistTrainingArguments) -> None:
+    """Whether the model may run the layout (``hf_dist.check_model_support``), from its config alone: before the
+    data is prepared into ``--output_dir`` and before any weights load."""
+    from transformers import AutoConfig
+
+    import hf_dist
+
+    if script.model_name_or_path is None:
+        config = tiny_config(script)
+    else:
+        config = AutoConfig.from_pretrained(script.model_name_or_path)
+    hf_dist.check_model_support(config, args)
 
 
 def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
