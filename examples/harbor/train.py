@@ -290,6 +290,7 @@ def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | No
         line = f"AutoPeftModelForCausalLM.from_pretrained: ok ({trainable:,} adapter parameters)"
         if prompts:
             merged_dir = final_dir.with_name(final_dir.name + "-merged")
+            resume.move_earlier_model(merged_dir)  # an earlier run's merge, sharded otherwise, must not mix in
             model.merge_and_unload().save_pretrained(merged_dir)
             give_user_mode(merged_dir)
             tokenizer.save_pretrained(merged_dir)

@@ -323,6 +323,13 @@ class DistTrainer(Trainer):
             return super()._load_best_model()
         checkpoint_glue.load_best_model(self)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's save, after the model files an earlier save left in the folder are moved into its
+        ``previous_run-<time>/`` (``resume.keep_earlier_model``): a full model saved over an adapter would otherwise
+        reload as the old adapter on its base, and an adapter over a full model's files beside them."""
+        resume.keep_earlier_model(self, output_dir or self.args.output_dir)
+        super().save_model(output_dir, _internal_call)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, a normal HF directory (or PEFT adapter) without gathering the whole model;
         under PP the stage that owns a tensor sends it to rank 0. Tokenizer and arguments as the Trainer writes them."""
