@@ -112,6 +112,7 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
     # Before any process group or data: an output path that is a file, or a resume flag naming no checkpoint
     check_output_path(args.output_dir)
     check_show_answers(script, args)
+    check_sequence_length(script, args)
     if why := fp16_without_gpu(args):  # the Trainer only warns; the recipe never trains in another precision
         raise ValueError(why)
     check_resume_path(args.resume_from_checkpoint, args.output_dir)
@@ -180,6 +181,19 @@ def check_show_answers(script: ScriptArguments, args: DistTrainingArguments) -> 
             f"--show_answers {script.show_answers} with --pp_size {args.pp_size}: a pipeline-parallel model holds only "
             f"its own stages on each rank and cannot answer in memory; drop --show_answers (and answer with the saved "
             f"model reloaded from <output_dir>/final) or use a layout without pipeline parallelism"
+        )
+
+
+def check_sequence_length(script: ScriptArguments, args: DistTrainingArguments) -> None:
+    """Context parallelism gives each rank an equal slice of every sequence: the collator pads each batch to a
+    multiple of cp_size, which must not take a row past ``--max_seq_len`` (pure, before any data or model)."""
+    cp = args.layout.cp
+    if cp > 1 and script.max_seq_len % cp:
+        below, above = script.max_seq_len // cp * cp, -(-script.max_seq_len // cp) * cp
+        raise ValueError(
+            f"--max_seq_len {script.max_seq_len} with cp_size={cp}: context parallelism splits every sequence into "
+            f"{cp} equal slices, so batches are padded to a multiple of {cp} and a row of {script.max_seq_len} "
+            f"tokens would become {above}, longer than --max_seq_len; use --max_seq_len {below} or {above}"
         )
 
 
@@ -332,8 +346,9 @@ def main(argv: list[str]) -> int:
     model = build_model(script, args, tokenizer)
     trainer = DistTrainer(
         model=model, args=args, train_dataset=train, eval_dataset=eval_, processing_class=tokenizer,
-        data_collator=data.data_collator(
-            tokenizer, packed=script.packed, attn_implementation=model.config._attn_implementation
+        data_collator=data.data_collator(  # with CP every batch padded to a multiple of cp_size (labels -100)
+            tokenizer, packed=script.packed, attn_implementation=model.config._attn_implementation,
+            cp_size=args.layout.cp,
         ),
         preprocess_logits_for_metrics=data.preprocess_logits_for_metrics, compute_metrics=data.compute_metrics,
     )
