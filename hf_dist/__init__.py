@@ -3,7 +3,8 @@
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
 ``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
 ``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices),
-``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``).
+``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``),
+``check_model_support`` (whether a model's config runs the layout of its arguments, before anything loads).
 These are imported on first use, so the CLI and the pure planners start without transformers.
 """
 
@@ -18,6 +19,7 @@ __all__ = [
     "DistTrainingArguments",
     "FsdpRequest",
     "ParallelDims",
+    "check_model_support",
     "from_pretrained",
     "parallelize",
     "scale_learning_rate",
@@ -38,4 +40,8 @@ def __getattr__(name: str):
         from hf_dist.trainer.pretrained import from_pretrained
 
         return from_pretrained
+    if name == "check_model_support":
+        from hf_dist.trainer.model_support import check_model_support
+
+        return check_model_support
     raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

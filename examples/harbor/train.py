@@ -38,6 +38,9 @@ from hf_dist.models import tiny_llama_config
 from hf_dist.trainer import resume
 from hf_dist.trainer.args import fp16_without_gpu
 
+TINY_VOCAB = 1024
+"""Tokens of the tokenizer the random-init model's run trains on its synthetic transcripts."""
+
 # Each preset is a list of command-line defaults; flags given by the user come later and win.
 PRESETS: dict[str, list[str]] = {
     "13b": [
@@ -109,9 +112,11 @@ def parse(argv: list[str]) -> tuple[ScriptArguments, DistTrainingArguments]:
     # Before any process group or data: an output path that is a file, or a resume flag naming no checkpoint
     check_output_path(args.output_dir)
     check_show_answers(script, args)
+    check_sequence_length(script, args)
     if why := fp16_without_gpu(args):  # the Trainer only warns; the recipe never trains in another precision
         raise ValueError(why)
     check_resume_path(args.resume_from_checkpoint, args.output_dir)
+    check_model(script, args)  # from the config alone: EP on a dense model, CP on a type or head count it cannot run
     return script, args
 
 
@@ -179,6 +184,19 @@ def check_show_answers(script: ScriptArguments, args: DistTrainingArguments) -> 
         )
 
 
+def check_sequence_length(script: ScriptArguments, args: DistTrainingArguments) -> None:
+    """Context parallelism gives each rank an equal slice of every sequence: the collator pads each batch to a
+    multiple of cp_size, which must not take a row past ``--max_seq_len`` (pure, before any data or model)."""
+    cp = args.layout.cp
+    if cp > 1 and script.max_seq_len % cp:
+        below, above = script.max_seq_len // cp * cp, -(-script.max_seq_len // cp) * cp
+        raise ValueError(
+            f"--max_seq_len {script.max_seq_len} with cp_size={cp}: context parallelism splits every sequence into "
+            f"{cp} equal slices, so batches are padded to a multiple of {cp} and a row of {script.max_seq_len} "
+            f"tokens would become {above}, longer than --max_seq_len; use --max_seq_len {below} or {above}"
+        )
+
+
 def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
     """Tokenizer and datasets. The main process writes shared files first; the others then read them."""
     out = Path(args.output_dir) / "data"
@@ -188,7 +206,7 @@ def prepare_data(script: ScriptArguments, args: DistTrainingArguments):
         source = script.data_path or out / "transcripts.jsonl"
         if script.data_path is None and writer:
             if script.model_name_or_path is None:  # the random-init model gets a tokenizer trained on the data
-                data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed)
+                data.prepare_demo_data(out, n=script.num_conversations, seed=args.seed, vocab_size=TINY_VOCAB)
             else:  # a pretrained model brings its own tokenizer
                 data.write_jsonl(source, script.num_conversations, args.seed)
         if script.model_name_or_path is None:  # written by the main process, which went first
@@ -216,16 +234,36 @@ def build_model(script: ScriptArguments, args: DistTrainingArguments, tokenizer)
     else:
         from hf_dist.models import build_tiny_model
 
-        config = tiny_llama_config(
-            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=max(512, script.max_seq_len),
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        model = build_tiny_model(config, seed=args.seed)
+        model = build_tiny_model(tiny_config(script, tokenizer), seed=args.seed)
     if script.lora:
         model = add_lora(model, script, args)
     return model
+
+
+def tiny_config(script: ScriptArguments, tokenizer=None):
+    """The random-init model's config: a small Llama over the tokenizer trained on the data (before the data is
+    prepared, ``tokenizer=None``: the size that tokenizer is trained to, for the checks)."""
+    special = {} if tokenizer is None else dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    return tiny_llama_config(
+        vocab_size=TINY_VOCAB if tokenizer is None else len(tokenizer), hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(512, script.max_seq_len), **special,
+    )
+
+
+def check_model(script: ScriptArguments, args: DistTrainingArguments) -> None:
+    """Whether the model may run the layout (``hf_dist.check_model_support``), from its config alone: before the
+    data is prepared into ``--output_dir`` and before any weights load."""
+    from transformers import AutoConfig
+
+    import hf_dist
+
+    if script.model_name_or_path is None:
+        config = tiny_config(script)
+    else:
+        config = AutoConfig.from_pretrained(script.model_name_or_path)
+    hf_dist.check_model_support(config, args)
 
 
 def add_lora(model, script: ScriptArguments, args: DistTrainingArguments):
@@ -266,6 +304,7 @@ def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | No
         line = f"AutoPeftModelForCausalLM.from_pretrained: ok ({trainable:,} adapter parameters)"
         if prompts:
             merged_dir = final_dir.with_name(final_dir.name + "-merged")
+            resume.move_earlier_model(merged_dir)  # an earlier run's merge, sharded otherwise, must not mix in
             model.merge_and_unload().save_pretrained(merged_dir)
             give_user_mode(merged_dir)
             tokenizer.save_pretrained(merged_dir)
@@ -307,8 +346,9 @@ def main(argv: list[str]) -> int:
     model = build_model(script, args, tokenizer)
     trainer = DistTrainer(
         model=model, args=args, train_dataset=train, eval_dataset=eval_, processing_class=tokenizer,
-        data_collator=data.data_collator(
-            tokenizer, packed=script.packed, attn_implementation=model.config._attn_implementation
+        data_collator=data.data_collator(  # with CP every batch padded to a multiple of cp_size (labels -100)
+            tokenizer, packed=script.packed, attn_implementation=model.config._attn_implementation,
+            cp_size=args.layout.cp,
         ),
         preprocess_logits_for_metrics=data.preprocess_logits_for_metrics, compute_metrics=data.compute_metrics,
     )

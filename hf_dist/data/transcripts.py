@@ -195,6 +195,7 @@ def data_collator(
     pad_to: int | None = None,
     pad_to_multiple_of: int | None = None,
     attn_implementation: str | None = None,
+    cp_size: int = 1,
 ):
     """The collator for ``build_datasets`` output.
 
@@ -202,16 +203,20 @@ def data_collator(
     ``attention_mask`` with 0 and ``labels`` with -100), to the longest row or to ``pad_to`` tokens.
     Packed: ``hf_dist.data.PackedCollator``; pass the model's ``config._attn_implementation`` as
     ``attn_implementation`` so that flash attention gets its varlen boundaries (see ``hf_dist.data.packing``).
+    ``cp_size``: the run's context-parallel degree (``DistTrainingArguments.layout.cp``). Every rank holds an equal
+    slice of each sequence, so every batch is padded to a multiple of it as well (the padding is labelled -100 and
+    attended by no real token: the loss is that of the unpadded batch).
     """
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token) first")
+    multiple = pad_multiple(pad_to_multiple_of, cp_size)
     if packed:
         from hf_dist.data.packing import PackedCollator
 
         return PackedCollator(
             pad_token_id=tokenizer.pad_token_id,
             pad_to=pad_to,
-            pad_to_multiple_of=pad_to_multiple_of,
+            pad_to_multiple_of=multiple,
             flash_attn_kwargs="flash" in (attn_implementation or ""),
         )
     from transformers import DataCollatorForSeq2Seq
@@ -220,7 +225,18 @@ def data_collator(
         tokenizer,
         padding="max_length" if pad_to else "longest",
         max_length=pad_to,
-        pad_to_multiple_of=pad_to_multiple_of,
+        pad_to_multiple_of=multiple,
         label_pad_token_id=IGNORE_INDEX,
         return_tensors="pt",
     )
+
+
+def pad_multiple(pad_to_multiple_of: int | None, cp_size: int) -> int | None:
+    """The length every batch is padded to a multiple of: ``pad_to_multiple_of`` and ``cp_size`` both (None: any)."""
+    from math import lcm
+
+    for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer (or None / 1: no constraint)")
+    multiple = lcm(pad_to_multiple_of or 1, cp_size)
+    return multiple if multiple > 1 else None

@@ -23,6 +23,7 @@ from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.key_map import KeyMap, key_map
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.trainer.laid_out import LaidOut, stamp
+from hf_dist.trainer.model_support import check_model_support
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +83,10 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     directory = meta.checkpoint_dir(name_or_dir, resolve)
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
     dims = args.layout.dims  # the run's one Layout, resolved by DistTrainingArguments
+    config = meta.load_config(directory, model_kwargs, overrides)
+    check_model_support(config, args)  # from the config alone: before any weight loads or process group starts
     if not args.layout.streaming_load:
         return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config, args.seed)
-    config = meta.load_config(directory, model_kwargs, overrides)
-    if args.pp_size > 1:
-        from hf_dist.pipeline_parallel.support import check_pipeline_support
-
-        check_pipeline_support(config)  # before any process group
-    if args.ep_size > 1:
-        from hf_dist.expert_parallel import check_ep_support
-
-        check_ep_support(config, args.ep_size)  # before any process group
     device = args.device  # starts the process group
     model = meta.build_on_meta(config, dtype, model_kwargs, peft_config, seed=args.seed)
     names = _names_or_none(model, directory)

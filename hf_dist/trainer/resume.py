@@ -1,4 +1,5 @@
-"""Which checkpoint a run resumes from, and keeping an earlier run's checkpoints safe from a fresh start.
+"""Which checkpoint a run resumes from, and keeping an earlier run's checkpoints (and saved model) safe from a
+fresh start.
 
 ``--resume_from_checkpoint`` (``DistTrainingArguments.resume_from_checkpoint`` or ``DistTrainer.train``'s
 argument) takes:
@@ -17,6 +18,11 @@ argument) takes:
   and a resume from ``output_dir/checkpoint-N`` those of steps after N (an abandoned continuation: the new saves
   would replace them, and the Trainer's rotation keeps the highest step and deletes the new ones).
 
+A model saved into a folder (``DistTrainer.save_model``, e.g. a recipe's ``final/``) meets an earlier save's files the
+same way: its model files (weights, index, config; a PEFT adapter) are moved into ``folder/previous_run-<UTC time>/``
+first (``move_earlier_model``), so a full model saved over an adapter (or an adapter over a full model) never reloads
+mixed with the old one, and nothing written before is lost.
+
 Errors for a checkpoint that is not there start with the Trainer's own wording and add what to do.
 
 Not here: loading a checkpoint (``hf_dist.checkpoint``), the Trainer overrides that call this (``trainer``).
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 
 from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.export.folder import WEIGHT_PATTERNS
 from hf_dist.checkpoint.kind import TRAINER_KINDS, checkpoint_kind
 
 TRAINER_STATE = "trainer_state.json"
@@ -118,6 +125,28 @@ def move_aside(output_dir: str | Path, checkpoints: list[Path]) -> Path:
     for path in checkpoints:
         path.rename(dest / path.name)
     return dest
+
+
+# What a model save leaves that a loader picks up by name: transformers' weights, index and config, PEFT's adapter.
+# transformers' from_pretrained loads an adapter_config.json it finds (over its base, not the folder's weights), so
+# an adapter left beside a new full model's files would replace it; model.safetensors beside a new index wins too.
+SAVED_MODEL_PATTERNS = (*WEIGHT_PATTERNS, "adapter_model.bin", "config.json", "generation_config.json")
+
+
+def earlier_model_files(folder: str | Path) -> list[Path]:
+    """The model files (full model or adapter, ``SAVED_MODEL_PATTERNS``) an earlier save left in ``folder``."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    return sorted({p for pattern in SAVED_MODEL_PATTERNS for p in root.glob(pattern) if p.is_file()})
+
+
+def move_earlier_model(folder: str | Path) -> Path | None:
+    """Before a model is saved into ``folder``: move an earlier save's model files into
+    ``folder/previous_run-<UTC time>/`` (``move_aside``), so that the new save never loads mixed with them.
+    Returns that folder, or None when there was nothing (call on the main process only)."""
+    earlier = earlier_model_files(folder)
+    return move_aside(folder, earlier) if earlier else None
 
 
 def remove_checkpoints(checkpoints: list[Path]) -> None:
@@ -220,6 +249,15 @@ def keep_earlier_run(trainer, resume: bool | str | None) -> None:
               f"this run neither overwrites nor rotates them away (--resume_from_checkpoint {dest} resumes the "
               f"newest of them; --overwrite_output_dir deletes them instead)", flush=True)
     trainer.accelerator.wait_for_everyone()  # no rank saves, or looks for a checkpoint, before they are gone
+
+
+def keep_earlier_model(trainer, folder: str | Path) -> None:
+    """``DistTrainer.save_model``: an earlier save's model files in ``folder`` moved aside before this one writes."""
+    dest = move_earlier_model(folder) if trainer.args.should_save else None
+    if dest is not None:
+        print(f"hf_dist: {folder} held an earlier save's {_names(sorted(dest.iterdir()))}; moved them into {dest} so "
+              f"that the model saved now does not load mixed with them", flush=True)
+    trainer.accelerator.wait_for_everyone()  # no rank writes before they are gone
 
 
 def _names(paths: list[Path]) -> str:

@@ -25,21 +25,17 @@ import logging
 import torch
 from transformers import Trainer, TrainingArguments
 
-from hf_dist.expert_parallel import check_ep_support
 from hf_dist.file_modes import give_user_mode
 from hf_dist.loss.policy import loss_option_refusal
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.compile import compile_blocks
 from hf_dist.parallelism import find_blocks, parallelize
-from hf_dist.pipeline_parallel.support import check_pipeline_support
 from hf_dist.planner.flops import module_flop_counts
 from hf_dist.report.log_history import LogHistoryCallback
 from hf_dist.state_dict import save_gathered
-from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
-from hf_dist.context_parallel import check_cp_support
 from hf_dist.trainer import (
     checkpoint_glue, compile_glue, context, data, launch_env, preemption, resume, router_loss, step, teardown,
 )
@@ -47,6 +43,7 @@ from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels, local_t
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
+from hf_dist.trainer.model_support import check_model_support
 from hf_dist.trainer.layout import mark_distribution_owned
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
@@ -99,7 +96,7 @@ class DistTrainer(Trainer):
                                                                                           "compute_loss_func")):
             raise ValueError(why)  # before any process group
         if model is not None:  # before any process group (model_init's models are checked when made)
-            self._check_model(model, args)
+            check_model_support(getattr(model, "config", None), args)
         args.device  # initialises the process group with the backend launch_env chose
         teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
         self.pending_save = None  # the last asynchronous checkpoint, until committed (checkpoint_glue)
@@ -130,17 +127,6 @@ class DistTrainer(Trainer):
         if self.args.should_log:
             print(self.describe(), flush=True)
 
-    @staticmethod
-    def _check_model(model, args: DistTrainingArguments) -> None:
-        if args.pp_size > 1:  # stages must reproduce the model
-            check_pipeline_support(model.config)
-        if args.tp_size > 1:  # the model's own plan must be supported and fit
-            check_tp_sizes(model.config, args.tp_size, vocab_parallel=args.tp_vocab_parallel)
-        if args.ep_size > 1:  # a MoE model whose experts transformers' EP plan shards
-            check_ep_support(model.config, args.ep_size)
-        if args.layout.cp > 1:  # supported model type, heads divisible by cp
-            check_cp_support(model.config, args.layout.cp, args.layout.tp)
-
     def _prepare_model(self, model, args: DistTrainingArguments):
         """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
         laid_out = laid_out_by_hf_dist(model, self.dims)  # hf_dist.from_pretrained: the layout is applied already
@@ -167,7 +153,7 @@ class DistTrainer(Trainer):
     def call_model_init(self, trial=None):
         """``model_init``'s new model with the layout applied (at start, and again per train() / search trial)."""
         model = super().call_model_init(trial)
-        self._check_model(model, self.args)
+        check_model_support(getattr(model, "config", None), self.args)
         model = self._prepare_model(model, self.args)
         previous = getattr(self, "model", None)  # None during __init__; the replaced model in train()
         if self.dims.pp_enabled and previous is not None:
@@ -339,6 +325,13 @@ class DistTrainer(Trainer):
         if not checkpoint_glue.loads_with_hf_dist(self, self.state.best_model_checkpoint):
             return super()._load_best_model()
         checkpoint_glue.load_best_model(self)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's save, after the model files an earlier save left in the folder are moved into its
+        ``previous_run-<time>/`` (``resume.keep_earlier_model``): a full model saved over an adapter would otherwise
+        reload as the old adapter on its base, and an adapter over a full model's files beside them."""
+        resume.keep_earlier_model(self, output_dir or self.args.output_dir)
+        super().save_model(output_dir, _internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """For layouts hf_dist owns, a normal HF directory (or PEFT adapter) without gathering the whole model;
