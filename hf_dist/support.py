@@ -18,30 +18,36 @@ from __future__ import annotations
 
 
 def model_refusals(config, layout) -> list[str]:
-    """Why ``config``'s model cannot run ``layout``, one reason per refusing parallelism; empty when it can."""
-    from hf_dist.context_parallel.support import cp_refusal
-    from hf_dist.expert_parallel.support import ep_refusal
-    from hf_dist.pipeline_parallel.support import pipeline_refusal
+    """Why ``config``'s model cannot run ``layout``: one message per refusing parallelism (each the ``ValueError``
+    its own check raises, naming the value, the rule and the fix); empty when it can."""
+    from hf_dist.context_parallel.support import check_cp_support
+    from hf_dist.expert_parallel.support import check_ep_support
+    from hf_dist.pipeline_parallel.support import check_pipeline_support
     from hf_dist.tensor_parallel.checks import check_tp_sizes
 
-    reasons = []
+    checks = []
     if layout.pp > 1:
-        layers = getattr(config, "num_hidden_layers", None)
-        if why := pipeline_refusal(config):
-            reasons.append(f"pp_size={layout.pp}: {why}")
-        elif isinstance(layers, int) and layout.pp > layers:
-            reasons.append(f"pp_size={layout.pp} exceeds num_hidden_layers={layers}: each stage needs a layer; "
-                           f"use pp_size <= {layers}")
+        checks += [lambda: check_pipeline_support(config), lambda: _check_stage_count(config, layout.pp)]
     if layout.tp > 1:
+        checks.append(lambda: check_tp_sizes(config, layout.tp, vocab_parallel=getattr(layout, "vocab_parallel", False)))
+    if layout.ep > 1:
+        checks.append(lambda: check_ep_support(config, layout.ep))
+    if layout.cp > 1:
+        checks.append(lambda: check_cp_support(config, layout.cp, layout.tp))
+    reasons = []
+    for check in checks:
         try:
-            check_tp_sizes(config, layout.tp, vocab_parallel=getattr(layout, "vocab_parallel", False))
+            check()
         except ValueError as err:
-            reasons.append(f"tp_size={layout.tp}: {err}")
-    if layout.ep > 1 and (why := ep_refusal(config, layout.ep)):
-        reasons.append(f"ep_size={layout.ep}: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
-    if layout.cp > 1 and (why := cp_refusal(config, layout.cp, layout.tp)):
-        reasons.append(f"cp_size={layout.cp}: {why}")
+            reasons.append(str(err))
     return reasons
+
+
+def _check_stage_count(config, pp: int) -> None:
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and pp > layers:
+        raise ValueError(f"pp_size={pp} exceeds num_hidden_layers={layers}: each stage needs a layer; use "
+                         f"pp_size <= {layers}")
 
 
 def check_model_layout(config, layout) -> None:

@@ -25,9 +25,10 @@ FLAGS = [
     "--preset", "tiny", "--packed", "true", "--max_seq_len", "512", "--per_device_train_batch_size", "1",
     "--global_batch_size", "2", "--max_steps", "3", "--logging_steps", "1", "--warmup_steps", "0",
     "--lr_scheduler_type", "constant", "--base_learning_rate", "3e-3", "--base_batch_size", "2",
-    "--num_conversations", "60", "--eval_fraction", "0", "--train_sampling_strategy", "sequential",
+    "--num_conversations", "60", "--eval_fraction", "0.1", "--train_sampling_strategy", "sequential",
 ]
-"""No evaluation before training: under CP that inflates the first step (issue 27 case 1, a separate fix)."""
+"""With the recipe's evaluation before training: it leaves the model in eval mode, which under CP once made the first
+step count a micro-batch twice."""
 CP_REQUESTS = {"flag": (["--cp_size", "2"], {}),
                "accelerate_yaml": ([], {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"})}
 
