@@ -1,4 +1,4 @@
-"""The ``hf-dist plan`` commands the README and docs/commands.md show run as written, and choose what the docs say.
+"""The ``hf-dist plan`` commands the docs show (``DOCS``) run as written, and choose what the docs say they choose.
 
 A user copies these lines; each is taken from the Markdown itself (code blocks and inline code), ``$MODEL`` pointed at
 a tiny local config folder, and run through the command line's own entry point in this process. Where the docs say
@@ -17,7 +17,7 @@ import pytest
 from hf_dist.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/commands.md")
+DOCS = ("README.md", "docs/commands.md", "examples/harbor/README.md")
 
 
 def _plan_commands(text: str) -> list[tuple[str, str | None]]:
