@@ -9,7 +9,7 @@ time (``--dir``, reused when present). Each scenario is one ``torchrun`` launch;
 - ``peak``: the largest resident set while loading (``VmHWM``, reset after ``base``), and the load's wall time.
 Methods: ``stream`` = ``hf_dist.from_pretrained(dir, args)`` (meta init, layout, each rank reads its slices);
 ``from_pretrained`` = transformers' ``from_pretrained`` on every rank, then the same layout (DistTrainer's path).
-Target (issue 13): peak - base <= model bytes / N + the largest tensor, + 20 %.
+Target: peak - base <= model bytes / N + the largest tensor, + 20 %.
 ``save`` rows: rank 0's resident-set growth while ``DistTrainer.save_model`` writes the final model (FSDP2 and TP
 through ``hf_dist.state_dict.save_streaming``, PP through the pipeline's streamed save; 1 GiB output files).
 Each row is checked against the target: ``memory`` (peak - base as above) and, for the streaming load, ``time``

@@ -1,8 +1,11 @@
-"""The one writer of a Hub-format weights folder: shard plan, ``*.safetensors`` files and their index.
+"""hf_dist's writer of a Hub-format weights folder: shard plan, ``*.safetensors`` files and their index.
 
-Every path that writes model weights as ``save_pretrained`` would goes through ``write_weights``: the final save of
-a trained model (``hf_dist.state_dict``, from every rank, tensors fetched one at a time), the pipeline's save
-(``pipeline_parallel.save``) and every exporter (``hf_dist.checkpoint.export``, ``hf_dist.checkpoint.zero``). The
+hf_dist's own paths that write model weights as ``save_pretrained`` would go through ``write_weights``: the final
+save of a trained model (``hf_dist.state_dict``, from every rank, tensors fetched one at a time), the pipeline's save
+(``pipeline_parallel.save``) and the exporters (``hf_dist.checkpoint.export``, ``hf_dist.checkpoint.zero``). Two
+paths leave the writing to the libraries: ``state_dict.save_gathered`` saves a PEFT adapter with PEFT's
+``save_pretrained``, and the native exporter re-saves with transformers' ``save_pretrained`` a checkpoint whose
+tensors transformers assembles from several stored ones. The
 plan is huggingface_hub's own (``split_torch_state_dict_into_shards`` on ``meta`` tensors: names, global shapes and
 dtypes only, nothing allocated), so the file names, the split and the index are what ``save_pretrained`` writes.
 The tensors of one output file are then asked for, written and dropped, so a writer holds about one file.

@@ -1,4 +1,4 @@
-"""The one object that describes a parallel layout.
+"""The rank arithmetic of a parallel layout: degrees, groups and the named ``DeviceMesh``.
 
 ``ParallelDims`` says how the world is factored into data-parallel replicas
 (``dp_replicate``), data-parallel shards (``dp_shard``, what FSDP/ZeRO shards

@@ -1,4 +1,4 @@
-"""Apply a parallel layout to a model: the one place hf_dist changes a model for a layout, in one visible order.
+"""Apply a parallel layout to a model (or to one pipeline stage), in one visible order.
 
 ``parallelize(model, dims, ...)`` applies, in this order: tensor parallelism over the ``tp`` axis, expert
 parallelism over the ``ep`` axis (``hf_dist.expert_parallel``), context parallelism over the ``cp`` axis
@@ -85,7 +85,8 @@ class FsdpRequest:
 
     @classmethod
     def from_fields(cls, args) -> FsdpRequest | None:
-        """The request carried by ``args``' ``fsdp2*`` fields (the only reader of them); None without ``fsdp2``."""
+        """The request carried by ``args``' ``fsdp2*`` fields (``launch_env`` reads only the on/off
+        ``fsdp2`` flag); None without ``fsdp2``."""
         if not getattr(args, "fsdp2", False):
             return None
         return cls(

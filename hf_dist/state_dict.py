@@ -3,9 +3,9 @@
 ``full_state_dict`` turns every DTensor (FSDP2 shards, TP shards, both) into a whole tensor and puts fused
 projections that TP interleaved back in HF row order; every rank calls it (the gathers are collectives) and gets
 the same dict -- for the whole model only where that is small (tests), or for the few keys a PEFT adapter saves
-(``peft_saved_keys``). ``save_gathered`` makes the final save's one decision: a PEFT adapter's tensors, or the
-whole model streamed. The final save of a whole model never gathers it: ``write_streaming``
-fetches one whole tensor at a time into the current output file of the one Hub writer (``hf_dist.hub_writer``:
+(``peft_saved_keys``). ``save_gathered`` decides what the final save of a non-pipeline layout writes: a PEFT
+adapter's tensors, or the whole model streamed. The final save of a whole model never gathers it: ``write_streaming``
+fetches one whole tensor at a time into the current output file of hf_dist's Hub writer (``hf_dist.hub_writer``:
 shards planned by huggingface_hub from the global shapes first, so names and index are exact), so rank 0 holds one
 file plus one tensor. ``save_streaming`` feeds it from a model every rank holds a shard of; the pipeline's saver
 (``pipeline_parallel.save``) from the stage that owns each tensor. ``gather_meter`` counts the whole tensors a
@@ -152,7 +152,7 @@ def peft_saved_keys(model: nn.Module) -> list[str]:
 
 def save_gathered(model: nn.Module, save_directory: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write ``model`` (an HF model or a ``PeftModel``, parallelised or not) as a normal directory from rank 0,
-    never gathering more than the output needs: the final save's one decision (``DistTrainer._save`` uses it).
+    never gathering more than the output needs (``DistTrainer._save`` uses it; under PP, ``pipeline_parallel.save``).
 
     A ``PeftModel`` writes its adapter only, and only the tensors PEFT saves are gathered (``peft_saved_keys``);
     an HF model writes all weights and its config through ``save_streaming`` (one file plus one tensor on
@@ -221,7 +221,7 @@ def write_streaming(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
     """Write the tensors ``entries`` names (with their global shapes) and ``model``'s config as one HF directory
-    from rank 0, through the one Hub writer (``hf_dist.hub_writer``). Every rank calls it with the same ``entries``
+    from rank 0, through hf_dist's Hub writer (``hf_dist.hub_writer``). Every rank calls it with the same ``entries``
     and so calls ``fetch(key)`` for the same keys in the same (plan) order; ``fetch`` returns the whole tensor on
     rank 0 (None elsewhere), one at a time. Ends with a barrier."""
     is_main = not dist.is_initialized() or dist.get_rank() == 0

@@ -1,14 +1,17 @@
-"""The one strategy model: how a job is laid out, which layouts hf_dist runs, and how each maps to ParallelDims.
+"""How a job is laid out (``Layout``), which layouts hf_dist runs, and how each maps to ParallelDims.
 
-``Layout`` names a job's layout: the data-parallel flavour (``STRATEGIES``), GPUs per node and nodes, TP/PP
-degrees, offload, the TP options and LoRA. Its ``__post_init__`` holds every rule about which combinations
-hf_dist runs (a ``ValueError`` naming the value, the rule and the fix), and ``Layout.dims`` is the one mapping
-from a layout to ``ParallelDims``. The planner (``hf_dist.planner``) chooses among ``Layout``s, config
-generation (``hf_dist.configs``) writes the files that launch one, and a training run resolves its one ``Layout``
-from its arguments and launcher (``hf_dist.trainer.layout.resolve_layout``, in ``DistTrainingArguments``), which
-the trainer, ``hf_dist.from_pretrained`` and the checkpoint manifest use; ``precision_that_runs`` says which tensors are bf16 and which fp32 for a layout.
+``Layout`` names a job's layout: the data-parallel flavour (``STRATEGIES``), GPUs per node and nodes, TP/PP/EP/CP
+degrees, offload, the TP options and LoRA. Its ``__post_init__`` holds the rules about which combinations hf_dist
+runs (a ``ValueError`` naming the value, the rule and the fix); the launch-config readers of ``hf_dist.trainer``
+refuse a few requests before a ``Layout`` exists (DeepSpeed and FSDP together, DeepSpeed stage 0, accelerate's
+``parallelism_config_sp_size``). ``Layout.dims`` maps a layout to ``ParallelDims``. The planner
+(``hf_dist.planner``) chooses among ``Layout``s, config generation (``hf_dist.configs``) writes the files that
+launch one, and a training run resolves its one ``Layout`` from its arguments and launcher
+(``hf_dist.trainer.layout.resolve_layout``, in ``DistTrainingArguments``), which the trainer,
+``hf_dist.from_pretrained`` and the checkpoint manifest use; ``precision_that_runs`` says which tensors are bf16 and
+which fp32 for a layout.
 
-Not here: the model's shape rules for TP (``hf_dist.tensor_parallel.checks``), batch arithmetic
+Not here: what a given model can run (``hf_dist.support.model_refusals``, the registry), batch arithmetic
 (``hf_dist.batch``), memory, or files.
 """
 
@@ -320,8 +323,9 @@ class Layout:
         return "+".join(parts)
 
     def describe(self, backend: str | None = None) -> str:
-        """The layout for people, e.g. ``FSDP2 FULL_SHARD (hf_dist fully_shard) x TP2 (sequence parallel)``: the one
-        description the trainer's table, ``hf-dist config`` and the planner print. ``backend`` names what runs the
+        """The layout for people, e.g. ``FSDP2 FULL_SHARD (hf_dist fully_shard) x TP2 (sequence parallel)``: the
+        description the trainer's table prints, ``launch.sh`` (``hf-dist config``, ``hf-dist plan --out``) opens with
+        and checkpoint manifests record. ``backend`` names what runs the
         data-parallel part, when known (the trainer passes accelerate's distributed type for DDP)."""
         if self.is_fsdp:
             kind = "FSDP2 " + _FSDP_KIND[self.strategy]

@@ -1,4 +1,4 @@
-"""May this model run this layout? One question, one entry point: ``model_refusals(config, layout)``.
+"""May this model run this layout? ``model_refusals(config, layout)`` asks every parallelism's rule at once.
 
 It asks each parallelism's own rule for the sizes of ``layout`` (a ``hf_dist.strategy.Layout``, or anything with
 ``tp``, ``pp``, ``ep``, ``cp`` and ``vocab_parallel``), from the model's config alone, and each rule reads the
@@ -9,9 +9,10 @@ model-family registry (``hf_dist.families``) for what is proven:
 - ep: ``expert_parallel.support.ep_refusal``;
 - cp: ``context_parallel.support.cp_refusal`` (heads divide tp x cp).
 
-``DistTrainer``, ``hf_dist.from_pretrained``, the recipe, the planner and ``hf-dist config`` ask it, so a cell the
-run refuses is never proposed, and a cell the planner proposes is never refused at launch. Pure: no process group,
-no weights (``AutoConfig.from_pretrained`` is enough).
+The planner asks it (``planner.chooser``), so it never proposes a cell these rules refuse. ``DistTrainer`` asks the
+same four rules of its model directly (``DistTrainer._check_model``), and ``hf_dist.from_pretrained`` the PP and EP
+ones before loading; ``hf-dist config`` checks no model. Pure: no process group, no weights
+(``AutoConfig.from_pretrained`` is enough).
 """
 
 from __future__ import annotations

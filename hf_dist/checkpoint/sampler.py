@@ -1,4 +1,4 @@
-"""A deterministic, resumable data order that survives a change of data-parallel degree: the one data sharding.
+"""A deterministic, resumable data order that survives a change of data-parallel degree.
 
 The global order is a stream of epochs, each a permutation of ``range(num_samples)`` drawn from
 ``seed + epoch`` (or ``range(num_samples)`` itself, unshuffled). Training consumes it in rounds of ``micro_batch_size x dp`` samples (one micro step on every

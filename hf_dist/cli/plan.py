@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--model", required=True, help="catalogue name (e.g. llama-2-13b) or a local HF config dir")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    parser.add_argument("--gpu", required=True, help="GPU kind, e.g. a100-80gb, h100, l4")
+    parser.add_argument("--gpu", default=None,
+                        help="GPU kind, e.g. a100-80gb, h100, l4 (default: this machine's GPU, said on stderr)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, said on stderr)")
     parser.add_argument("--global-batch", type=int, default=None,
@@ -74,9 +75,31 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def local_gpu_kind() -> str:
+    """The catalogue kind of this machine's first GPU, for a ``plan`` without ``--gpu``; ``ValueError`` naming the
+    kinds when there is no GPU here or its kind is not in the catalogue."""
+    import torch
+
+    from hf_dist.planner.catalogue import GPU_CATALOGUE, gpu_from_device_name
+
+    kinds = ", ".join(GPU_CATALOGUE)
+    if not torch.cuda.is_available():
+        raise ValueError(f"--gpu is not given and this machine has no CUDA GPU to plan for; name the GPU kind the run "
+                         f"will use, e.g. --gpu h100 (one of {kinds})")
+    name = torch.cuda.get_device_name(0)
+    spec = gpu_from_device_name(name)
+    if spec is None:
+        raise ValueError(f"--gpu is not given and this machine's GPU ({name}) is not in the GPU catalogue; name the "
+                         f"nearest kind with --gpu (one of {kinds})")
+    return spec.name
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
-    """A sequence length and global batch when the command does not give them, said once on stderr."""
+    """The GPU kind, sequence length and global batch when the command does not give them, said once on stderr."""
     assumed = []
+    if args.gpu is None:
+        args.gpu = local_gpu_kind()
+        assumed.append(f"--gpu {args.gpu} (this machine's GPU)")
     if args.seq_len is None:
         args.seq_len = DEFAULT_SEQ_LEN
         assumed.append(f"--seq-len {args.seq_len}")

@@ -43,7 +43,7 @@ def plan_for(args: argparse.Namespace):
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(args.model))
-    check_pipeline_support(model.config)  # the one support decision: never plan what training refuses
+    check_pipeline_support(model.config)  # training's own PP rule: never plan what training refuses
     layers, embed, head = stage_units(model)
     embed_fqns, head_fqns = stage_fqns(model)
     return plan_stages(

@@ -1,6 +1,7 @@
-"""A named layout (strategy x GPUs x nodes x batch x TP/PP) turned into the files that launch it.
+"""A named layout (strategy x GPUs x nodes x batch x TP/PP/EP/CP) turned into the files that launch it.
 
-``LaunchSpec`` (a ``hf_dist.strategy.Layout`` plus batch, precision and FSDP wrapping) is the one input;
+``LaunchSpec`` (a ``hf_dist.strategy.Layout`` plus batch, precision and FSDP wrapping) is what every function here
+reads;
 ``layout_files(spec, out_dir)`` returns ``{file name: text}`` (pure) and ``write_layout_configs(out_dir, ...)``
 writes them. An output folder holds:
 
@@ -40,7 +41,7 @@ _LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 
 @dataclass(kw_only=True, frozen=True)
 class LaunchSpec:
-    """A ``Layout`` (the one strategy model) with what launching it needs: batch, precision, FSDP wrapping.
+    """A ``Layout`` (``hf_dist.strategy``) with what launching it needs: batch, precision, FSDP wrapping.
 
     What ``hf-dist config`` takes and what ``hf_dist.yaml`` stores (flat: the layout's keys and these).
     """

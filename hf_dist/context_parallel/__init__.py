@@ -1,7 +1,7 @@
 """Context parallelism: each sequence split over ``cp_size`` ranks, attention by all-to-all around the model's own
 attention function (``attention``), targets and loss weighting (``inputs``), which models run it (``support``).
 
-Applied by ``hf_dist.parallelize`` (the one apply path) when ``ParallelDims.cp > 1``; the Trainer glue (splitting
+Applied by ``hf_dist.parallelize`` (its only caller) when ``ParallelDims.cp > 1``; the Trainer glue (splitting
 the targets in the training step) is ``hf_dist.trainer.context``.
 """
 

@@ -1,7 +1,7 @@
 """Which models run with context parallelism, and why the others are refused -- before any process group starts.
 
-Used by ``hf_dist.support.model_refusals`` (the trainer, ``from_pretrained``, the planner) and by ``docs/coverage.md``
-(``cp_support_table``):
+Used by ``DistTrainer`` (``check_cp_support``), ``hf_dist.support.model_refusals`` (the planner) and
+``docs/coverage.md`` (``cp_support_table``):
 
 - the model type's registry record proves CP (``hf_dist.families``; ``CP_MODEL_TYPES`` is that view: its decoder layers take
   ``position_embeddings`` from the model, its attention goes through transformers' attention registry, and no

@@ -2,7 +2,7 @@
 
 ``stream_weights`` fills any laid-out model from a safetensors directory, whatever laid it out (``stream.py``);
 ``build_on_meta`` builds the model to lay out (``meta.py``). Saving one gathered tensor at a time is
-``hf_dist.state_dict.save_streaming`` (the one gatherer). The entry point that ties loading to
+``hf_dist.state_dict.save_streaming``. The entry point that ties loading to
 ``DistTrainingArguments`` is ``hf_dist.from_pretrained`` (``hf_dist/trainer/pretrained.py``).
 """
 

@@ -43,7 +43,7 @@ def fold_accumulation_into_pipeline(args) -> None:
         contract = _split_micro_batch(args, explicit=m is not None)
     PipelineConfig(schedule=args.pp_schedule, microbatches=contract.gradient_accumulation_steps)  # validate early
     # Idempotent: re-creating the arguments from these values (to_dict, resume) resolves the same contract.
-    # The data loader's batch (micro x micro-batches) is set on the Trainer in finish_init.
+    # The data loader's batch (micro x micro-batches) is set on the Trainer by hf_dist.trainer.data.use_dp_group.
     args.pp_microbatches = contract.gradient_accumulation_steps
     args.gradient_accumulation_steps = 1
 

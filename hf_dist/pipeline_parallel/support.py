@@ -1,5 +1,6 @@
-"""Which models pipeline parallelism supports: the one support decision, used by DistTrainer, the planner and
-``hf-dist pp``/``plan`` alike, so the CLI never offers what training refuses.
+"""Which models pipeline parallelism supports: ``pipeline_refusal``, asked by DistTrainer, ``hf_dist.from_pretrained``,
+``hf-dist pp`` and the planner (through ``hf_dist.support.model_refusals``), so the CLI never offers what training
+refuses.
 
 ``CausalLMStage`` runs each stage through the model's own forward, so a model type is supported when
 
@@ -16,7 +17,7 @@
   is proven equal to one process by ``tests/test_pp_sweep.py`` (``PIPELINE_PROVEN_MODEL_TYPES``).
 
 The config actually trained is checked once more at launch by the layout canary (``canary``).
-Pure: a config in, ``None`` or a ``ValueError`` out; ``pipeline_coverage`` for the README table.
+Pure: a config in, ``None`` or a ``ValueError`` out; ``pipeline_coverage`` for docs/coverage.md.
 Not for: splitting layers (``splitter``) or running stages (``stage_module``).
 """
 

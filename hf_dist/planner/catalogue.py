@@ -36,7 +36,7 @@ class ModelSpec:
     name: str
     """Catalogue name or the source it was read from."""
     model_type: str
-    """HF ``model_type``: llama, mistral or qwen2."""
+    """HF ``model_type`` (one of ``_DECODER_CLASS``)."""
     hidden_size: int
     """Width of the residual stream (h)."""
     num_hidden_layers: int

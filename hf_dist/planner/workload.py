@@ -1,7 +1,7 @@
 """The inputs of a memory estimate: what is trained (``Workload``) and how it is laid out (``Layout``).
 
 ``Workload`` is the per-rank training setup: sequence length, micro batch, precision, attention kernel and
-activation checkpointing. ``Layout`` is the one strategy model (``hf_dist.strategy``), shared with config
+activation checkpointing. ``Layout`` is ``hf_dist.strategy``'s, shared with config
 generation and the trainer; ``make_layout`` builds one from a world size.
 
 Precision presets (what sits in memory; ``hf_dist.strategy.precision_that_runs`` says which one a layout runs):
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hf_dist.strategy import (  # noqa: F401 -- the one strategy model, re-exported for the planner
+from hf_dist.strategy import (  # noqa: F401 -- re-exported for the planner
     FSDP_STRATEGIES,
     PRECISIONS,
     STRATEGIES,

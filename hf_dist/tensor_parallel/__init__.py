@@ -2,9 +2,12 @@
 
 The plan comes from the model itself (its config's ``base_model_tp_plan`` and its head's ``_tp_plan``, turned
 into DTensor styles in ``plans.py``) with hf_dist's overlays on top (fused projections split part by part,
-sequence/vocab parallelism, replicated KV heads, LoRA). ``support.py`` decides, from the config alone, which
-model types may use it (those with a TP=2 parity test; MoE, latent attention, sinks and hybrid/SSM layers are
-refused by name). Any other model: pass ``plan={pattern: ParallelStyle}``.
+sequence/vocab parallelism, replicated KV heads, LoRA; MoE experts split by ``moe.py``, the linear-attention,
+short-conv and Mamba2 layers of hybrids by ``hybrid.py``, classic types' plans written by ``classic.py``).
+``support.py`` decides, from the config alone, which model types may use it: those whose registry record
+(``hf_dist.families``) names a TP=2 parity test -- dense, classic, hybrid and MoE types alike (docs/coverage.md
+lists them). The others are refused by name with the reason (e.g. experts or layers no parity test covers, latent
+attention, attention sinks, no plan). Any other model: pass ``plan={pattern: ParallelStyle}``.
 
     dims = ParallelDims(world_size=4, tp=2, dp_shard=2)
     dims.build_mesh("cpu")

@@ -2,13 +2,14 @@
 
 A model type is supported when transformers ships a ``base_model_tp_plan`` for it (or, for the classic types
 transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
-into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
-classic plan names as inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2 parity test against one process passes for it
-(``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
+into DTensor styles (``plans.py``), its layers are attention layers or ones ``hybrid.py``'s overlay shards
+(linear attention, short convolutions, Mamba2), its config has none of the values the classic plan names as
+inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2 parity test against one process passes
+for it (``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
 MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
 dimension by ``moe.py``) and their parity test passes; other MoE layouts (zero experts, no such entry) are refused.
-Everything else is refused by name with the reason: MoE experts, latent attention, attention sinks,
-linear-attention or state-space layers, no plan, no parity test yet.
+Everything else is refused by name with the reason: MoE experts without a case, latent attention, attention sinks,
+linear-attention or state-space layers no overlay shards, no plan, no parity test yet.
 
 Pure: a config in, a reason or ``None`` out; ``check_tp_support`` raises the ``ValueError`` before any process
 group starts. Not for: sizes (``checks.py``) or building plans (``plans.py``).

@@ -7,8 +7,8 @@ Trainer's own skipping of trained batches on resume then continues at the same g
 Datasets without a length, and the ``group_by_length`` / ``batch_rebalance`` strategies, keep the Trainer's path.
 
 Evaluation: accelerate shards eval loaders and gathers eval results over every process; under TP or PP both are
-done over the dp group instead: ``use_dp_group`` is the one hook through which a layout whose ranks share a batch
-(TP, PP) hands its data-parallel group to the Trainer.
+done over the dp group instead, by ``use_dp_group``, which hands the data-parallel group to the Trainer for the
+layouts whose ranks share a batch (TP, PP, CP).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def shard_data_by_dp(trainer) -> None:
 
 
 def use_dp_group(trainer) -> None:
-    """After ``Trainer.__init__``, for layouts whose ranks share a batch (TP, PP): eval loaders shard by the dp rank
+    """After ``Trainer.__init__``, for layouts whose ranks share a batch (TP, PP, CP): eval loaders shard by the dp rank
     and eval results gather over dp only. Under PP the train loader's batch is micro x micro-batches."""
     shard_data_by_dp(trainer)
     if trainer.dims.pp_enabled:  # accumulation runs inside the pipeline: one loader batch per optimizer step

@@ -11,13 +11,13 @@ The traps this module closes (each measured on a machine without GPUs, see ENVIR
   over and applies ``fully_shard`` itself (``hf_dist.parallelize``) on CPU and GPU alike; an FSDP **v1**
   request without GPUs is refused with the fix.
 
-The launch environment is read, never changed: ``read_fsdp_request`` parses it (or ``TrainingArguments.fsdp``)
-once into the typed ``fsdp2*`` fields of ``DistTrainingArguments`` (``FsdpRequest.as_fields``/``from_fields`` are
-the one writer and the one reader of those fields), so a second arguments object, ``dataclasses.replace`` or a
-re-parse sees the same request. accelerate decides from its own flags whether to build an FSDP plugin (and on GPU
-wrap the model a second time); ``accelerate_view`` masks those flags only while the Trainer builds its
-``Accelerator`` and restores them at once. After the Trainer is built, ``verify_backend`` checks that the
-accelerator really is what was asked for.
+The launch environment is read, never changed: ``read_fsdp_request`` parses it (or ``TrainingArguments.fsdp``) once
+into the typed ``fsdp2*`` fields of ``DistTrainingArguments`` (``FsdpRequest.as_fields`` writes them and
+``from_fields`` reads the request back; this module reads only the on/off ``fsdp2`` flag itself), so a second
+arguments object, ``dataclasses.replace`` or a re-parse sees the same request. accelerate decides from its own flags
+whether to build an FSDP plugin (and on GPU wrap the model a second time); ``accelerate_view`` masks those flags
+only while the Trainer builds its ``Accelerator`` and restores them at once. After the Trainer is built,
+``verify_backend`` checks that the accelerator really is what was asked for.
 """
 
 from __future__ import annotations

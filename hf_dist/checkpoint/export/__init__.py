@@ -2,8 +2,9 @@
 
 It asks ``checkpoint_kind`` what wrote the folder and picks the exporter: hf_dist checkpoints (``dcp``, or ``lora``
 with ``adapter=``), Trainer-native checkpoints and plain ``save_pretrained`` folders (``native``), DeepSpeed ZeRO
-folders (``zero``). Every exporter writes its weights through the one Hub writer
-(``folder.write_model_weights`` on ``hf_dist.hub_writer``).
+folders (``zero``). The exporters write their weights through hf_dist's Hub writer
+(``folder.write_model_weights`` on ``hf_dist.hub_writer``), except where ``native`` re-saves a checkpoint whose tensors
+transformers assembles from several stored ones (transformers' ``save_pretrained``).
 
 Modules: ``folder`` (the output folder, ``ExportReport``), one exporter per kind (``dcp``, ``lora``, ``native``,
 ``zero``), and the bounded verification of what they wrote (``verify``, ``lora_verify``).

@@ -2,7 +2,7 @@
 
 The output is what ``save_pretrained`` writes: ``model-0000k-of-0000n.safetensors`` + index, ``config.json``,
 ``generation_config.json`` and the tokenizer. Every checkpoint file is first checked against its SHA-256 in the
-manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, through the one Hub writer,
+manifest. The shard plan comes from the DCP metadata alone (global shapes and dtypes, through hf_dist's Hub writer,
 ``hf_dist.hub_writer``); each shard's tensors are then read from the DCP files by key, written, and dropped, so
 the export itself holds about one shard in memory. Verification (``verify``) then checks, by default, the
 folder's structure on ``meta`` and every exported tensor against the DCP checkpoint, one tensor at a time;

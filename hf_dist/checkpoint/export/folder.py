@@ -1,4 +1,4 @@
-"""The output side of every export: the folder prepared, the weights written by the one Hub writer, the report.
+"""The output side of every export: the folder prepared, the weights written by the Hub writer, the report.
 
 Shared by all exporters (``dcp``, ``lora``, ``native``, ``hf_dist.checkpoint.zero``): what an export wrote
 (``ExportReport``), the refusal to mix a new export with an old one (``prepare_out``), the weights written through
@@ -50,7 +50,7 @@ def write_model_weights(
     *,
     filename_pattern: str = MODEL_FILES,
 ) -> None:
-    """The model's weights into ``out`` through the one Hub writer (``produce(names)``: one output shard's tensors,
+    """The model's weights into ``out`` through ``hf_dist.hub_writer`` (``produce(names)``: one output shard's tensors,
     so about one shard is in memory), recorded in ``report``. ``max_shard_size``, ``filename_pattern``: as
     ``hf_dist.hub_writer.plan_shards``'s."""
     written = write_weights(out, entries, produce, max_shard_size=max_shard_size, filename_pattern=filename_pattern)

@@ -1,7 +1,7 @@
 """Export a DeepSpeed ZeRO checkpoint folder to a Hub-ready folder, one output shard materialised at a time.
 
 The tensors come from DeepSpeed's own ``zero_to_fp32`` in its lazy mode (``hf_dist.checkpoint.zero.lazy_state``,
-which asks the caller to trust the folder's pickles) and are written through the one Hub writer; the config comes
+which asks the caller to trust the folder's pickles) and are written through hf_dist's Hub writer; the config comes
 from the folder or ``config_dir``. Verification (``verify``) checks every tensor against ``zero_to_fp32``'s.
 
 Not here: converting a ZeRO checkpoint into an hf_dist one to resume (``hf_dist.checkpoint.zero``).
