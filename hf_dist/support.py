@@ -4,15 +4,16 @@ It asks each parallelism's own rule for the sizes of ``layout`` (a ``hf_dist.str
 ``tp``, ``pp``, ``ep``, ``cp`` and ``vocab_parallel``), from the model's config alone, and each rule reads the
 model-family registry (``hf_dist.families``) for what is proven:
 
-- pp: ``pipeline_parallel.support.pipeline_refusal`` (and no more stages than layers);
+- pp: ``pipeline_parallel.support.check_pipeline_support`` (and no more stages than layers);
 - tp: ``tensor_parallel.checks.check_tp_sizes`` (support, then the sizes its plan shards);
-- ep: ``expert_parallel.support.ep_refusal``;
-- cp: ``context_parallel.support.cp_refusal`` (heads divide tp x cp).
+- ep: ``expert_parallel.support.check_ep_support``;
+- cp: ``context_parallel.support.check_cp_support`` (heads divide tp x cp).
 
-The planner asks it (``planner.chooser``), so it never proposes a cell these rules refuse. ``DistTrainer`` asks the
-same four rules of its model directly (``DistTrainer._check_model``), and ``hf_dist.from_pretrained`` the PP and EP
-ones before loading; ``hf-dist config`` checks no model. Pure: no process group, no weights
-(``AutoConfig.from_pretrained`` is enough).
+``DistTrainer`` (its model, and each ``model_init`` model), ``hf_dist.from_pretrained`` (the config, before any
+weight) and the Harbor recipe (before it writes data) ask it through ``hf_dist.trainer.model_support``; the planner
+asks it directly (``planner.chooser``), so it never proposes a cell the run refuses. ``tests/test_families.py``
+checks over every causal-LM type that a cell it accepts is one the registry proves. ``hf-dist config`` checks no
+model. Pure: no process group, no weights (``AutoConfig.from_pretrained`` is enough).
 """
 
 from __future__ import annotations
