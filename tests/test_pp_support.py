@@ -82,3 +82,11 @@ def test_dist_trainer_refuses_before_the_process_group(tmp_path):
     with pytest.raises(ValueError, match="model_type='qwen2_moe' is a mixture-of-experts model"):
         DistTrainer(model=model, args=args)
     assert not dist.is_initialized()
+
+
+def test_opt_layerdrop_is_refused_by_name():
+    """OPT's base model draws LayerDrop's skips in its own layer loop, stand-ins of other stages' layers included:
+    a stage can lose the hidden states it received, or run into a module another stage owns."""
+    check_pipeline_support(AutoConfig.for_model("opt", **SMALL, layerdrop=0.0, dropout=0.1))  # dropout is fine
+    with pytest.raises(ValueError, match=r"model_type='opt' has layerdrop=0.1: .*LayerDrop.*set layerdrop=0.*pp_size=1"):
+        check_pipeline_support(AutoConfig.for_model("opt", **SMALL, layerdrop=0.1))
