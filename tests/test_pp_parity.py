@@ -171,6 +171,9 @@ def test_lora_adapter_from_stages_loads_on_a_plain_model(two_rank_run):
         assert_close(got_lora[key], value, atol=1e-4, rtol=0)
 
 
+OPT_STEPS, OPT_LR = 3, 0.5
+
+
 def _opt_model(**overrides):
     """OPT as its checkpoints are laid out -- tied embeddings, LayerNorm before each block and a final one before
     ``project_out``, biases, pad id 1 (a ``padding_idx`` in the tied embedding), positions from the mask's cumsum --
@@ -178,14 +181,15 @@ def _opt_model(**overrides):
     unless overridden: OPT's default is 0.1, and no layout draws one process's masks."""
     from transformers import AutoModelForCausalLM, OPTConfig
 
-    config = OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-                       word_embed_proj_dim=32, max_position_embeddings=2 * SEQ, **{"dropout": 0.0, **overrides})
+    config = OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=96, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=2 * SEQ,
+                       **{"dropout": 0.0} | overrides)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
 
 
 def _sgd_run(model, steps, step_fn):
-    """``(losses, first step's gradients by HF name, every name of a tied weight)`` over plain SGD steps."""
+    """``(losses, first step's gradients by HF name)`` over plain SGD steps (a tied weight under each of its names)."""
     if isinstance(model, torch.nn.Module):
         named = list(model.named_parameters(remove_duplicate=False))
     else:  # a PipelinedCausalLM: this rank's parameters (the tied copy of its stage)
@@ -258,9 +262,6 @@ def _opt():
     held.train()
     results["masks"], results["one_draw"] = _dropout_masks(held.pipeline)
     return results
-
-
-OPT_STEPS, OPT_LR = 3, 0.5
 
 
 def test_opt_matches_one_process(two_rank_run):

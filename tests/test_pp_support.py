@@ -88,5 +88,6 @@ def test_opt_layerdrop_is_refused_by_name():
     """OPT's base model draws LayerDrop's skips in its own layer loop, stand-ins of other stages' layers included:
     a stage can lose the hidden states it received, or run into a module another stage owns."""
     check_pipeline_support(AutoConfig.for_model("opt", **SMALL, layerdrop=0.0, dropout=0.1))  # dropout is fine
-    with pytest.raises(ValueError, match=r"model_type='opt' has layerdrop=0.1: .*LayerDrop.*set layerdrop=0.*pp_size=1"):
+    refusal = r"model_type='opt' has layerdrop=0.1: .*LayerDrop.*set layerdrop=0.*pp_size=1"
+    with pytest.raises(ValueError, match=refusal):
         check_pipeline_support(AutoConfig.for_model("opt", **SMALL, layerdrop=0.1))

@@ -5,7 +5,7 @@ run their stages on micro-batches of one shape. Drawing from the global generato
 therefore drew exactly the masks of the first stage's layers, micro-batch by micro-batch (with 2 stages of 2
 layers, layer 2 dropped the same positions as layer 0): not the independent masks of one process. So the schedule
 runs inside ``pipeline_random_stream``: for each step the pipeline draws one number from the global generator
-(the same on every rank: the user's seed, restored on resume with the Trainer's RNG state) and seeds a stream from
+(the same on every rank: the user's seed, and a checkpoint's RNG state on resume) and seeds a stream from
 it and the rank's pp coordinate, as torchtitan's ``set_determinism`` and Megatron-LM give each pipeline rank its
 own seed. Tensor-parallel ranks of a stage share the stream (their replicated activations need the same masks);
 data-parallel replicas share it as every DDP rank shares one seed. The global generator is left as it was, one
