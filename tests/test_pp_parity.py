@@ -13,7 +13,9 @@ import torch
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from pp_harness import LAYERS, batches, padded_batch, pipelined_run, portable, reference_run, tiny_model, tiny_phi3
+from pp_harness import (
+    HIDDEN, LAYERS, SEQ, VOCAB, batches, padded_batch, pipelined_run, portable, reference_run, tiny_model, tiny_phi3,
+)
 
 SCHEDULE_MICROBATCHES = {"gpipe": 4, "1f1b": 4, "interleaved_1f1b": 8, "interleaved_zb": 8, "zbv": 8}
 GLOBAL_BATCH = 8
@@ -34,10 +36,11 @@ def _lora_model():
 
 
 def _two_ranks(rank, world_size, out_dir):
-    """Every schedule, then tied embeddings, then LoRA, in one 2-rank group (pp=2)."""
+    """Every schedule, then tied embeddings, then LoRA, then OPT, in one 2-rank group (pp=2)."""
     results = _schedules(out_dir)
     results["tied"] = _tied(os.path.join(out_dir, "tied"))
     results["lora"] = _lora(os.path.join(out_dir, "adapter"))
+    results["opt"] = _opt()
     return results
 
 
@@ -166,6 +169,138 @@ def test_lora_adapter_from_stages_loads_on_a_plain_model(two_rank_run):
     assert set(got_lora) == set(ref_lora) and len(ref_lora) == 2 * 3 * LAYERS
     for key, value in ref_lora.items():
         assert_close(got_lora[key], value, atol=1e-4, rtol=0)
+
+
+OPT_STEPS, OPT_LR = 3, 0.5
+
+
+def _opt_model(**overrides):
+    """OPT as its checkpoints are laid out -- tied embeddings, LayerNorm before each block and a final one before
+    ``project_out``, biases, pad id 1 (a ``padding_idx`` in the tied embedding), positions from the mask's cumsum --
+    with a projection (``word_embed_proj_dim`` 32 != hidden) and an MLP width that is not 4 x hidden. Dropout 0
+    unless overridden: OPT's default is 0.1, and no layout draws one process's masks."""
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    config = OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=96, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=2 * SEQ,
+                       **{"dropout": 0.0} | overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def _sgd_run(model, steps, step_fn):
+    """``(losses, first step's gradients by HF name)`` over plain SGD steps (a tied weight under each of its names)."""
+    if isinstance(model, torch.nn.Module):
+        named = list(model.named_parameters(remove_duplicate=False))
+    else:  # a PipelinedCausalLM: this rank's parameters (the tied copy of its stage)
+        named = list(model.named_parameters())
+    optimizer = torch.optim.SGD(list(model.parameters()), lr=OPT_LR)
+    losses, grads = [], None
+    for batch in steps:
+        losses.append(float(step_fn(batch)))
+        grads = grads or {n: p.grad.detach().clone().numpy() for n, p in named if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads
+
+
+def _opt_reference():
+    model = _opt_model()
+
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach()
+
+    losses, grads = _sgd_run(model, batches(GLOBAL_BATCH, steps=OPT_STEPS), step)
+    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _dropout_masks(pipe) -> tuple[list, bool]:
+    """The keep-masks of every dropout this rank draws in one training step, and whether the step took exactly
+    one number from the global generator (the step's seed) and left it otherwise as it was."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    masks, dropout = [], F.dropout
+
+    def recording(input, p=0.5, training=True, inplace=False):  # the same draw as F.dropout: one mask per call
+        keep = dropout(torch.ones_like(input), p, training)
+        if training and p > 0:
+            masks.append(keep != 0)
+        return input * keep
+
+    expected = torch.Generator()
+    expected.set_state(torch.get_rng_state())
+    torch.randint(0, 2**62, (), generator=expected)
+    with mock.patch("torch.nn.functional.dropout", recording):
+        pipe.train_step(padded_batch(GLOBAL_BATCH, seed=5))
+    return [m.numpy() for m in masks], bool(torch.equal(torch.get_rng_state(), expected.get_state()))
+
+
+def _opt():
+    """OPT (``_opt_model``) under 1F1B: SGD losses and first-step gradients; with dropout, each stage's masks; the
+    train/eval mode of each stage's view of the base model after ``PipelineModel.train()`` / ``eval()``."""
+    from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict
+    from hf_dist.pipeline_parallel.model import PipelineModel
+
+    dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
+    dims.build_mesh("cpu")
+    config = PipelineConfig(schedule="1f1b", microbatches=4)
+    pipe = PipelinedCausalLM(_opt_model(), dims=dims, config=config)
+    losses, grads = _sgd_run(pipe, batches(GLOBAL_BATCH, steps=OPT_STEPS), pipe.train_step)
+    results = {"losses": losses, "grads": grads, "state": portable(gather_state_dict(pipe))}
+    loaded = _opt_model(dropout=0.1).eval()  # as from_pretrained returns it
+    held = PipelineModel(PipelinedCausalLM(loaded, dims=dims, config=config))
+    base_views = [m.get_submodule("model.decoder") for m in held.pipeline.modules]
+    held.train()
+    results["modes"] = [all(v.training for v in base_views)]
+    held.eval()
+    results["modes"].append(not any(v.training for v in base_views))
+    held.train()
+    results["masks"], results["one_draw"] = _dropout_masks(held.pipeline)
+    return results
+
+
+def test_opt_matches_one_process(two_rank_run):
+    """OPT's checkpoint layout (tied, final norm before project_out, pad id 1, learned positions from the mask)
+    under PP2: losses and first-step gradients to 1e-5, parameters after plain SGD steps to 1e-5."""
+    results, _ = two_rank_run
+    ref_losses, ref_grads, ref_state = _opt_reference()
+    for rank in (0, 1):
+        assert_close(results[rank]["opt"]["losses"], ref_losses, atol=1e-5, rtol=0, msg=f"OPT loss, rank {rank}")
+    grads = {**results[0]["opt"]["grads"], **results[1]["opt"]["grads"]}  # lm_head: the last stage's tied copy
+    assert set(grads) == set(ref_grads)
+    for name, value in ref_grads.items():
+        assert_close(torch.from_numpy(grads[name]), torch.from_numpy(value), atol=1e-5, rtol=0, msg=f"OPT grad {name}")
+    state = results[0]["opt"]["state"]
+    assert set(state) == set(ref_state)
+    for key, value in ref_state.items():
+        assert_close(torch.from_numpy(state[key]), value, atol=1e-5, rtol=0, msg=f"OPT SGD {key}")
+
+
+def test_opt_dropout_masks_differ_between_stages(two_rank_run):
+    """OPT's default dropout 0.1: every rank is seeded alike and both stages run micro-batches of one shape, so
+    from the global generator the second stage's layers drew the first stage's masks, layer for layer. Each pp
+    rank now has its own stream; the global generator moves by one draw per step (the step's seed)."""
+    results, _ = two_rank_run
+    first, second = results[0]["opt"]["masks"], results[1]["opt"]["masks"]
+    assert first and second
+    for i, mask in enumerate(second):
+        same = [j for j, other in enumerate(first) if other.shape == mask.shape and (other == mask).all()]
+        assert not same, f"the second stage's dropout mask {i} repeats the first stage's mask {same[0]}"
+    keep = sum(m.sum() for m in first + second) / sum(m.size for m in first + second)
+    assert abs(keep - 0.9) < 0.01  # still dropout 0.1
+    assert results[0]["opt"]["one_draw"] and results[1]["opt"]["one_draw"]
+
+
+def test_opt_base_model_view_follows_train_and_eval(two_rank_run):
+    """A model loaded in eval mode: ``PipelineModel.train()`` must reach each stage's view of the base model
+    (OPT's LayerDrop reads its ``training``), and ``eval()`` must turn it off again."""
+    results, _ = two_rank_run
+    assert results[0]["opt"]["modes"] == results[1]["opt"]["modes"] == [True, True]
 
 
 FOUR_RANK_LAYOUTS = {  # name: (ParallelDims sizes besides pp=2, schedule, model builder)

@@ -77,8 +77,20 @@ def test_dist_trainer_refuses_before_the_process_group(tmp_path):
     config = AutoConfig.for_model("qwen2_moe", **SMALL, num_experts=4, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=32)
     model = AutoModelForCausalLM.from_config(config)
+    import dataclasses
+
     args = DistTrainingArguments(output_dir=str(tmp_path), pp_size=1, use_cpu=True, report_to=[])
-    args.pp_size = 2  # as a launcher with 2 ranks would have it; the check reads the model, not the world
+    # the layout a launcher with 2 ranks would resolve; the check reads the model and the layout, not the world
+    args.layout = dataclasses.replace(args.layout, pp=2, num_gpus=2)
     with pytest.raises(ValueError, match="model_type='qwen2_moe' is a mixture-of-experts model"):
         DistTrainer(model=model, args=args)
     assert not dist.is_initialized()
+
+
+def test_opt_layerdrop_is_refused_by_name():
+    """OPT's base model draws LayerDrop's skips in its own layer loop, stand-ins of other stages' layers included:
+    a stage can lose the hidden states it received, or run into a module another stage owns."""
+    check_pipeline_support(AutoConfig.for_model("opt", **SMALL, layerdrop=0.0, dropout=0.1))  # dropout is fine
+    refusal = r"model_type='opt' has layerdrop=0.1: .*LayerDrop.*set layerdrop=0.*pp_size=1"
+    with pytest.raises(ValueError, match=refusal):
+        check_pipeline_support(AutoConfig.for_model("opt", **SMALL, layerdrop=0.1))

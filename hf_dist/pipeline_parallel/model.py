@@ -42,6 +42,15 @@ class PipelineModel(nn.Module):
                 parent.add_module(leaf, module)
         self.config = pipe.modules[0].config
 
+    def train(self, mode: bool = True) -> PipelineModel:
+        """Train or eval mode for the local parameters *and* each stage's view of the base model, which is not a
+        child here: a model loaded in eval mode (``from_pretrained``) would otherwise keep its base model's forward
+        in eval mode while training (OPT's LayerDrop reads it), and one built in train mode in training while
+        evaluating."""
+        super().train(mode)
+        self.pipeline.train(mode)
+        return self
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **_ignored) -> None:
         """Called by ``Trainer.train``; ``apply_pipeline`` already enabled it per layer before the split."""
         layers = [layer for stage in self.pipeline.modules for layer in stage.owned_layers()]

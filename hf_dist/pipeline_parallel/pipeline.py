@@ -29,6 +29,7 @@ from torch import nn
 from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
 from hf_dist.loss.policy import dims_refusal
 from hf_dist.parallel_dims import ParallelDims
+from hf_dist.pipeline_parallel.rng import pipeline_random_stream
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
 from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
 from hf_dist.pipeline_parallel.tied import TiedEmbeddingSync, is_tied
@@ -241,7 +242,8 @@ class PipelinedCausalLM:
             kwargs["labels"] = labels  # every stage gets them; a chunked last stage returns its loss sum
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
-        schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        with pipeline_random_stream(self.pp_rank, self.device):  # dropout: stages must not draw the same masks
+            schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         if self.tied_sync is not None:
             self.tied_sync.sync_grads(self.modules)
         self._allreduce_grads()

@@ -12,7 +12,8 @@ refuses.
   builds their per-layer-type masks on every stage, and without a cache their recurrent state lives inside one
   layer's forward, never across a stage boundary;
 - it adds nothing to the loss outside the logits and the router aux loss (Bamba's ``z_loss_coefficient`` is refused
-  while non-zero);
+  while non-zero), and skips no layers at random (OPT's ``layerdrop`` is refused while non-zero; dropout is fine,
+  each pipeline rank drawing its own masks, ``rng``);
 - and PP=2 training of a tiny config with non-default values of every field read outside the decoder layers
   is proven equal to one process by ``tests/test_pp_sweep.py`` (``PIPELINE_PROVEN_MODEL_TYPES``).
 
@@ -38,6 +39,12 @@ PIPELINE_PROVEN_MOE_TYPES = proven_types("pp", kinds=("moe",))
 tests/test_pp_moe.py (fp32, 1e-5, non-default router values; cases in tests/pp_sweep_cases.MOE)."""
 # Config fields that add a loss term the pipeline's token-weighted cross entropy does not compute.
 _EXTRA_LOSS_FIELDS = ("z_loss_coefficient",)
+# Config fields that, while non-zero, make the base model's own forward do what stages cannot reproduce.
+_RANDOM_LAYER_FIELDS = {
+    "layerdrop": "the base model's own layer loop draws which layers LayerDrop skips on every stage, the other "
+                 "stages' stand-ins included, so a stage can skip the hidden states it received (zeros, with "
+                 "OPT's project_in) or run past its last layer",
+}
 _ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
@@ -63,6 +70,9 @@ def pipeline_refusal(config) -> str | None:
     if extra:
         return (f"model_type={model_type!r} adds a loss term ({', '.join(extra)}) the pipeline stages do not "
                 f"compute; set it to 0")
+    for field, reason in _RANDOM_LAYER_FIELDS.items():
+        if getattr(config, field, None):
+            return f"model_type={model_type!r} has {field}={getattr(config, field)}: {reason}; set {field}=0"
     other = _other_layer_kinds(config)
     if other and not (record.proves("pp") and record.kind == "hybrid"):
         return (f"model_type={model_type!r} has non-attention layers {other} with no PP parity case in "
