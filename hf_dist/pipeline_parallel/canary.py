@@ -46,8 +46,9 @@ def _build_twin(config, dims, num_stages: int):
     from hf_dist.models.twin import tiny_twin
 
     twin_config = tiny_twin(config, layers=max(4, num_stages), width=dims.tp)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(twin_config).float()
+    with torch.random.fork_rng(devices=[]):  # the same twin on every rank; the caller's generator left as it was
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(twin_config).float()
 
 
 def _worst_gradient(pipe, ref_grads: dict[str, torch.Tensor]) -> tuple[float, str]:
