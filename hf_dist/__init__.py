@@ -4,7 +4,9 @@ Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and L
 ``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
 ``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices),
 ``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``),
-``check_model_support`` (whether a model's config runs the layout of its arguments, before anything loads).
+``apply_layout`` / ``ApplyPlan`` (the same, pipelines included, as DistTrainer does it: ``hf_dist.apply``),
+``model_refusals`` (why a model's config cannot run a layout: ``hf_dist.support``) and ``check_model_support``
+(the same for the layout of training arguments, before anything loads).
 These are imported on first use, so the CLI and the pure planners start without transformers.
 """
 
@@ -14,13 +16,16 @@ from hf_dist.parallel_dims import ParallelDims
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApplyPlan",
     "BatchContract",
     "DistTrainer",
     "DistTrainingArguments",
     "FsdpRequest",
     "ParallelDims",
+    "apply_layout",
     "check_model_support",
     "from_pretrained",
+    "model_refusals",
     "parallelize",
     "scale_learning_rate",
     "__version__",
@@ -36,6 +41,14 @@ def __getattr__(name: str):
         from hf_dist import parallelism
 
         return getattr(parallelism, name)
+    if name in ("apply_layout", "ApplyPlan"):
+        from hf_dist import apply
+
+        return getattr(apply, name)
+    if name == "model_refusals":
+        from hf_dist.support import model_refusals
+
+        return model_refusals
     if name == "from_pretrained":
         from hf_dist.trainer.pretrained import from_pretrained
 

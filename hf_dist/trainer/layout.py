@@ -18,9 +18,11 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from hf_dist.models.peft_utils import unwrap_peft
+from hf_dist.apply import ApplyPlan, apply_layout
+from hf_dist.parallel_dims import ParallelDims
 from hf_dist.strategy import Layout
 
 
@@ -110,7 +112,29 @@ def resolve_layout(args) -> Layout:
     return Layout(**fields)
 
 
-def mark_distribution_owned(model: nn.Module) -> None:
-    """Tell the Trainer that the model owns placement and gradient reduction (no DDP wrap, no re-sharding)."""
-    target = unwrap_peft(model)
-    target._is_distributed_loading_by_transformers = True
+def apply_plan(args) -> ApplyPlan:
+    """What applying the layout needs from ``args`` (``hf_dist.apply.ApplyPlan``), read once here."""
+    from hf_dist.pipeline_parallel.apply import chunked_loss_wanted
+    from hf_dist.trainer.compile_glue import compile_request
+
+    fsdp = args.hf_dist_fsdp
+    return ApplyPlan(
+        device=args.device,
+        param_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+        activation_checkpointing=bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing)),
+        fsdp=fsdp,
+        sequence_parallel=args.tp_sequence_parallel,
+        vocab_parallel=args.tp_vocab_parallel,
+        compile_request=compile_request(args),
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
+        layout_canary=bool(getattr(args, "layout_canary", True)),
+        chunked_loss=chunked_loss_wanted(args.chunked_loss, args.layout),
+    )
+
+
+def apply_owned_layout(model: nn.Module, args, dims: ParallelDims) -> nn.Module:
+    """Lay ``model`` out for ``dims`` as ``args`` ask (FSDP2 / TP / PP / EP / CP, the layouts hf_dist owns):
+    ``hf_dist.apply_layout`` with the plan read from ``args``; DistTrainer and ``hf_dist.from_pretrained`` use it."""
+    return apply_layout(model, dims, apply_plan(args))
+

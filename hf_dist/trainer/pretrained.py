@@ -77,7 +77,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     rank, with a warning, and laid out by DistTrainer.
     """
     from hf_dist.planner.flops import module_flop_counts
-    from hf_dist.trainer.trainer import apply_owned_layout
+    from hf_dist.trainer.layout import apply_owned_layout
 
     resolve, model_kwargs, dtype, overrides = meta.split_kwargs(dict(from_pretrained_kwargs))
     directory = meta.checkpoint_dir(name_or_dir, resolve)

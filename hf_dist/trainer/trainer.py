@@ -44,7 +44,7 @@ from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.trainer.model_support import check_model_support
-from hf_dist.trainer.layout import mark_distribution_owned
+from hf_dist.trainer.layout import apply_owned_layout
 from hf_dist.trainer.throughput import ThroughputMeter, default_peak_flops
 
 logger = logging.getLogger(__name__)
@@ -58,32 +58,6 @@ def as_dist_args(args: TrainingArguments | None) -> DistTrainingArguments:
         return args
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     return DistTrainingArguments(**values)
-
-
-def apply_owned_layout(model, args: DistTrainingArguments, dims: ParallelDims):
-    """Lay ``model`` out for ``dims`` (FSDP2 / TP / PP, the layouts hf_dist owns): the one path DistTrainer and
-    ``hf_dist.from_pretrained`` use. A model on ``meta`` stays there (it is filled after the layout)."""
-    device = args.device
-    dims.build_mesh(device.type)
-    if any(p.is_meta for p in model.parameters()):  # built on meta: move what already holds values (buffers, adapters)
-        model._apply(lambda t: t if t.is_meta else t.to(device))
-    else:
-        model = model.to(device)
-    if dims.pp_enabled:  # split into this rank's stages (TP/FSDP inside the stages)
-        return apply_pipeline(dims, model, args)
-    param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    model = parallelize(
-        model,
-        dims,
-        fsdp=args.hf_dist_fsdp,
-        activation_checkpointing=args.gradient_checkpointing,
-        param_dtype=param_dtype,
-        sequence_parallel=args.tp_sequence_parallel,
-        vocab_parallel=args.tp_vocab_parallel,
-        compile_request=compile_glue.compile_request(args),
-    )
-    mark_distribution_owned(model)
-    return model
 
 
 class DistTrainer(Trainer):
