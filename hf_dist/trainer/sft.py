@@ -58,10 +58,11 @@ def as_dist_sft_config(args: TrainingArguments | None) -> DistSFTConfig | None:
     return DistSFTConfig(**values)
 
 
-def default_output_dir(model) -> str:
-    """TRL's ``output_dir`` when ``SFTTrainer`` is given no args: ``<model name>-SFT`` (name from the id or config)."""
+def default_output_dir(model, suffix: str = "SFT") -> str:
+    """TRL's ``output_dir`` when its trainer is given no args: ``<model name>-<suffix>`` (name from the id or
+    config; ``SFT``, ``DPO``, ...)."""
     name = model if isinstance(model, str) else get_config_model_id(model.config)
-    return f"{name.split('/')[-1]}-SFT"
+    return f"{name.split('/')[-1]}-{suffix}"
 
 
 class DistSFTTrainer(SFTTrainer, DistTrainer):
