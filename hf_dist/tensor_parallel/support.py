@@ -1,7 +1,7 @@
 """Which models hf_dist runs tensor-parallel: the one support decision for TP, from the config alone.
 
-A model type is supported when transformers ships a ``base_model_tp_plan`` for it (or, for the classic types
-transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
+A model type is supported when it has a plan -- transformers' ``base_model_tp_plan``, or hf_dist's own
+(``classic.py``, ``moe.py``) where its registry record says so (``Family.tp_plan``; the one its parity test proves) -- its plan uses only styles hf_dist translates
 into DTensor styles (``plans.py``), its layers are all attention layers, its config has none of the values the
 classic plan names as inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2 parity test against one process passes for it
 (``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
@@ -39,8 +39,10 @@ _STYLE_REASONS = {
 }
 TRANSLATED_STYLES: frozenset[str] = frozenset({
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+    "embedding_rowwise",
 })
-"""transformers' style names that ``plans.STYLE_BUILDERS`` turns into DTensor styles."""
+"""transformers' style names that ``plans.STYLE_BUILDERS`` turns into DTensor styles (``embedding_rowwise``: the
+vocab-parallel embedding under vocab parallelism, the embedding kept whole otherwise; ``plans.base_plan``)."""
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 
@@ -58,13 +60,22 @@ def causal_lm_class(config) -> type:
 
 
 def model_plan(config) -> dict[str, str]:
-    """The model's own plan relative to its ``*ForCausalLM``: ``base_model_tp_plan`` under the base model's
-    attribute name, plus the head's ``_tp_plan``; hf_dist's own plan (``classic.py``) for the classic types
-    transformers ships none for. Empty otherwise."""
-    base = getattr(config, "base_model_tp_plan", None) or own_plan(config)
+    """The plan relative to the ``*ForCausalLM`` that its registry record chooses (``Family.tp_plan``):
+
+    - ``"model"``: transformers' ``base_model_tp_plan`` under the base model's attribute name, plus the head's
+      ``_tp_plan`` and the hybrid overlay (the overlay alone where transformers ships no plan);
+    - ``"hf_dist"``: hf_dist's own plan (``classic.py``, or ``moe.py`` in the same form as transformers'), even when
+      the installed transformers ships one.
+
+    Empty when there is none."""
+    if family(getattr(config, "model_type", None)).tp_plan == "hf_dist":
+        if (classic := classic_plan(config)) is not None:
+            return classic.plan_for(config)
+        base = own_plan(config)
+    else:
+        base = getattr(config, "base_model_tp_plan", None)
     if not base:
-        classic = classic_plan(config)
-        return classic.plan_for(config) if classic is not None else hybrid_overlay(config)
+        return hybrid_overlay(config)
     cls = causal_lm_class(config)
     plan = {f"{cls.base_model_prefix}.{pattern}": style for pattern, style in base.items()}
     plan.update(getattr(cls, "_tp_plan", None) or {})
@@ -120,6 +131,9 @@ def _family_refusal(config, plan: dict[str, str]) -> str | None:
 def tp_refusal(config) -> str | None:
     """Why ``config``'s model cannot run tensor-parallel in hf_dist, or ``None`` when it can."""
     model_type = getattr(config, "model_type", None)
+    record = family(model_type)
+    if "tp" in record.refused:  # named in the registry
+        return record.refused["tp"]
     try:
         plan = model_plan(config)
     except ValueError as err:
@@ -140,7 +154,6 @@ def tp_refusal(config) -> str | None:
     unknown = sorted({name for p, s in plan.items() if p not in moe for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
-    record = family(model_type)
     if moe and not (record.proves("tp") and record.kind == "moe"):
         return (f"MoE experts: no TP parity test in hf_dist for model_type={model_type!r} yet (routed experts under "
                 f"TP are proven for {', '.join(sorted(TP_TESTED_MOE_TYPES))}; expert parallelism: --ep_size)")
