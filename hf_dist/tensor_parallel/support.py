@@ -111,11 +111,14 @@ _STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state
 
 
 def _family_refusal(config, plan: dict[str, str]) -> str | None:
-    """MoE (unless the plan's experts are split by ``moe.py``) and state-space / hybrid models, named as such
-    whether or not they ship a plan."""
+    """MoE (unless the plan's experts are split by ``moe.py``), the registry's named refusals, and state-space /
+    hybrid models, named as such whether or not they ship a plan."""
     moe = expert_count_field(config)
     if moe and not moe_experts_patterns(plan):
         return f"{_MOE}: {moe}"
+    named = family(getattr(config, "model_type", None)).refused
+    if "tp" in named:  # named in the registry
+        return named["tp"]
     if hybrid := hybrid_tp_refusal(config):
         return hybrid
     if hybrid_overlay(config):
@@ -132,8 +135,6 @@ def tp_refusal(config) -> str | None:
     """Why ``config``'s model cannot run tensor-parallel in hf_dist, or ``None`` when it can."""
     model_type = getattr(config, "model_type", None)
     record = family(model_type)
-    if "tp" in record.refused:  # named in the registry
-        return record.refused["tp"]
     try:
         plan = model_plan(config)
     except ValueError as err:
