@@ -123,3 +123,15 @@ def test_no_support_decision_outside_the_registry_names_a_model_type():
             if pattern.search(line):
                 offenders.append(f"{folder}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_tp_plan_source_is_hf_dists_exactly_where_hf_dist_writes_a_plan():
+    """``Family.tp_plan == "hf_dist"`` for the types with a plan in classic.py / moe.py (and codegen, refused by
+    name), "model" for every other: which plan runs is the registry's choice, not whether transformers ships one."""
+    from hf_dist.families import FAMILIES
+    from hf_dist.tensor_parallel.classic import CLASSIC_TP
+    from hf_dist.tensor_parallel.moe import OWN_PLANS
+
+    own = {t for t, f in FAMILIES.items() if f.tp_plan == "hf_dist"}
+    assert own - {"codegen"} == set(CLASSIC_TP) | set(OWN_PLANS)
+    assert "tp" in FAMILIES["codegen"].refused

@@ -193,3 +193,52 @@ def test_pad_to_bucket_keeps_every_real_token_output():
         assert_close(got.logits[:, :32][keep], ref.logits[keep], atol=1e-5, rtol=0)
         assert_close(got.loss, ref.loss, atol=1e-6, rtol=0)
     assert pad_to_bucket(masked, 32)["input_ids"] is masked["input_ids"]  # already a multiple: untouched
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen", "falcon", "bloom", "mpt", "bamba", "falcon_h1", "llama"])
+def test_layer_output_is_read_from_the_models_code(model_type):
+    """What a stand-in hands the base model's layer loop (a tensor, or a tuple of n) is read from that loop, and
+    equals what the installed transformers' layer returns (5.23: GPT-J/CodeGen blocks return tuples, 5.24 tensors;
+    Falcon, BLOOM, MPT tuples read by index; Bamba a tuple of 2 unpacked)."""
+    import pp_sweep_cases as cases
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.pipeline_parallel.layer_output import layer_output_width
+    from hf_dist.pipeline_parallel.stage_module import model_parts
+
+    hybrid = {t: name for name, (t, _) in cases.HYBRID.items()}
+    config = cases.hybrid_config(hybrid[model_type]) if model_type in hybrid else cases.non_default_config(model_type)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    parts = model_parts(model)
+    owner, _, attr = parts.layer_list.rpartition(".")
+    read = layer_output_width(type(model.get_submodule(owner)), attr, model_type)
+    seen = []
+    model.get_submodule(parts.layer_list)[0].register_forward_hook(lambda module, args, out: seen.append(out))
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, 8)))
+    if read == 0:
+        assert isinstance(seen[0], torch.Tensor)
+    else:  # a tuple the loop unpacks into `read` names, or indexes (read == 1: any length)
+        assert isinstance(seen[0], tuple) and (len(seen[0]) == read or (read == 1 and len(seen[0]) >= 1))
+
+
+def test_layer_output_override_and_unreadable_loops(monkeypatch):
+    from hf_dist.families import FAMILIES, Family
+    from hf_dist.pipeline_parallel import layer_output
+
+    class Loop(torch.nn.Module):
+        def forward(self, hidden_states):
+            for block in self.blocks:
+                out = block(hidden_states)
+                hidden_states = out[0]
+            return hidden_states
+
+    class NoLoop(torch.nn.Module):
+        def forward(self, hidden_states):
+            return self.blocks(hidden_states)
+
+    assert layer_output.layer_output_width(Loop, "blocks", "not-a-type") == 1
+    with pytest.raises(ValueError, match="cannot read how NoLoop.forward takes the output"):
+        layer_output.layer_output_width(NoLoop, "blocks", "not-a-type")
+    monkeypatch.setitem(FAMILIES, "not-a-type", Family(model_type="not-a-type", kind="dense", pp_layer_output=2))
+    assert layer_output.layer_output_width(NoLoop, "blocks", "not-a-type") == 2  # the registry's override wins

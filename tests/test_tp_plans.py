@@ -128,7 +128,8 @@ def test_the_models_own_plan_is_used(arch):
     config = tiny_config(arch)
     names = plan_names(config, tp=2)
     prefix = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].base_model_prefix
-    expected = {f"{prefix}.{k}": v for k, v in type(config).base_model_tp_plan.items()}
+    expected = {f"{prefix}.{k}": v for k, v in type(config).base_model_tp_plan.items()
+                if v != "embedding_rowwise"}  # transformers 5.24's embedding entry: kept whole without vocab TP
     expected["lm_head"] = "colwise_gather_output"  # the head's own plan: untied, vocab 512 divides by 2
     assert names == expected
     styles = resolve_styles(names, config)
@@ -198,3 +199,52 @@ def test_interleave_gives_each_rank_its_slice_of_every_part_and_inverts():
     assert torch.equal(deinterleave_parts(reordered, (4, 4, 4), 2), weight)
     uneven = torch.arange(8.0).unsqueeze(1)  # GQA-like: 4 + 2 + 2
     assert torch.equal(deinterleave_parts(interleave_parts(uneven, (4, 2, 2), 2), (4, 2, 2), 2), uneven)
+
+
+def test_embedding_rowwise_is_the_vocab_parallel_embedding_or_kept_whole():
+    """transformers 5.24 names input embeddings ``embedding_rowwise``: whole without vocab parallelism (as the
+    parity tests run them), the vocab-parallel embedding with it; the style itself resolves to that embedding."""
+    from torch.distributed.tensor import Replicate
+
+    from hf_dist.tensor_parallel.plans import base_plan
+
+    config = tiny_config("gpt_neox")
+    config.base_model_tp_plan = {**type(config).base_model_tp_plan, "embed_in": "embedding_rowwise"}  # 5.24's plan
+    assert "gpt_neox.embed_in" not in plan_names(config, tp=2)
+    assert base_plan(config, 2, vocab_parallel=True)["gpt_neox.embed_in"] == "vocab_embedding"
+    style = resolve_styles({"gpt_neox.embed_in": "embedding_rowwise"}, config)["gpt_neox.embed_in"]
+    assert isinstance(style, RowwiseParallel) and style.input_layouts == (Replicate(),)
+    assert style.output_layouts == (Replicate(),)
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "gpt_oss", "gpt2"])
+def test_the_registry_chooses_hf_dists_plan_even_where_transformers_ships_one(model_type):
+    """gptj and gpt_oss: hf_dist's plans (classic.py, moe.py) are the ones their parity tests prove; a plan
+    transformers adds later (5.24: gptj's full plan, gpt_oss's embedding-only plan) does not replace them."""
+    from transformers import AutoConfig
+
+    from hf_dist.families import family
+    from hf_dist.tensor_parallel.classic import CLASSIC_TP
+    from hf_dist.tensor_parallel.moe import OWN_PLANS
+    from hf_dist.tensor_parallel.support import model_plan
+
+    assert family(model_type).tp_plan == "hf_dist"
+    config = AutoConfig.for_model(model_type)
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", "h.*.attn.q_proj": "colwise"}  # upstream's
+    plan = model_plan(config)
+    if model_type in CLASSIC_TP:
+        assert plan == CLASSIC_TP[model_type].plan_for(config)
+    else:
+        assert plan["model.layers.*.self_attn"] == "local_sinks"
+        assert {p.removeprefix("model.") for p in plan} >= set(OWN_PLANS[model_type])
+
+
+def test_codegen_is_refused_by_name_whether_or_not_transformers_ships_its_plan():
+    """Its qkv_proj is packed in blocks of mp_num=4: transformers' plain column split (5.24) is not proven."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("codegen")
+    config.base_model_tp_plan = {"h.*.attn.qkv_proj": "colwise", "h.*.attn.out_proj": "rowwise"}
+    for candidate in (config, AutoConfig.for_model("codegen")):
+        with pytest.raises(ValueError, match="model_type='codegen': its qkv_proj packs q, v and k in blocks"):
+            check_tp_sizes(candidate, 2)

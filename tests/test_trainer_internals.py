@@ -44,8 +44,51 @@ def test_override_is_called_where_listed(name):
 def test_a_missing_member_stops_with_the_versions(monkeypatch):
     internals.check_internals()
     monkeypatch.delattr(Trainer, "_clip_grad_norm")
-    with pytest.raises(RuntimeError, match=r"transformers.Trainer._clip_grad_norm.*transformers>=5.23,<5.24"):
+    with pytest.raises(RuntimeError, match=r"transformers.Trainer._clip_grad_norm.*transformers>=5.23,<5.25"):
         internals.check_internals()
+
+
+def test_versions_outside_the_tested_range_warn_once_on_the_main_process(monkeypatch, caplog):
+    tested = {"transformers": "5.24.0", "accelerate": "1.15.0", "torch": "2.13.0+cpu", "peft": "0.21.2"}
+    assert internals.untested_versions(tested) == {}
+    newer = {**tested, "transformers": "5.25.0", "trl": "1.17.1"}
+    assert internals.untested_versions(newer) == {"transformers": "5.25.0", "trl": "1.17.1"}
+    monkeypatch.setattr(internals, "_warned", False)
+    monkeypatch.setenv("RANK", "1")
+    assert internals.warn_untested_versions(newer) is None  # not the main process
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level("WARNING", logger=internals.__name__):
+        message = internals.warn_untested_versions(newer)
+        assert internals.warn_untested_versions(newer) is None  # once
+    assert message and "transformers 5.25.0 (tested >=5.23,<5.25)" in message and "trl 1.17.1 (tested >=1.16,<1.17)" in message
+    assert [r.getMessage() for r in caplog.records] == [message]
+    monkeypatch.setattr(internals, "_warned", False)
+    monkeypatch.setattr(internals, "installed_versions", lambda: newer)
+    with caplog.at_level("WARNING", logger=internals.__name__):
+        internals.check_internals()  # the private members are there: no error, the warning
+    assert "transformers 5.25.0" in caplog.records[-1].getMessage()
+
+
+def test_setup_cfg_and_readme_declare_the_tested_ranges():
+    """transformers and accelerate: install_requires is the tested range; torch, peft, trl: floored no higher than
+    the tested range (no ceiling: pip would downgrade a newer install), the guard warns above it."""
+    import configparser
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = configparser.ConfigParser()
+    cfg.read(root / "setup.cfg")
+    lines = [*cfg["options"]["install_requires"].split("\n"), *cfg["options.extras_require"]["dev"].split("\n")]
+    declared = {r.name: r.specifier for r in map(Requirement, filter(None, map(str.strip, lines)))}
+    readme = (root / "README.md").read_text()
+    for package, (low, high) in internals.TESTED_VERSIONS.items():
+        assert f"{package}{low},{high}" in readme, package
+        if package in ("transformers", "accelerate"):
+            assert str(declared[package]) == f"{high},{low}" or set(map(str, declared[package])) == {low, high}
+        else:
+            assert declared[package].contains(low.lstrip(">="), prereleases=True), package
 
 
 def _recording_trainer(calls: list[str]):

@@ -20,6 +20,10 @@ short-conv or state-space layers beside attention; classic: the older types tran
 writes them); unknown: a type hf_dist has no record for (nothing proven)."""
 
 Parallelism = Literal["tp", "pp", "ep", "cp"]
+TpPlanSource = Literal["model", "hf_dist"]
+"""model: transformers' ``base_model_tp_plan`` (and the head's ``_tp_plan``) with hf_dist's overlays; hf_dist:
+hf_dist's own plan (``tensor_parallel/classic.py`` ``CLASSIC_TP``, ``tensor_parallel/moe.py`` ``OWN_PLANS``), used
+even when the installed transformers ships a plan for the type."""
 PARALLELISMS: tuple[Parallelism, ...] = ("tp", "pp", "ep", "cp")
 
 
@@ -35,8 +39,12 @@ class Family:
     """Parallelism -> why it cannot run on this type (named refusals; checked before anything else)."""
     notes: Mapping[Parallelism, str] = field(default_factory=dict)
     """Parallelism -> how it runs on this type (shown in the coverage tables)."""
-    pp_layer_output: int = 0
-    """0: its decoder layers return a tensor; n: a tuple of n (the base model reads ``outputs[0]``)."""
+    tp_plan: TpPlanSource = "model"
+    """Whose TP plan runs for this type (``TpPlanSource``). A type where both exist names the one its parity test
+    proves; transformers adding a plan later (5.24: gptj, codegen, gpt_oss) changes nothing until this changes."""
+    pp_layer_output: int | None = None
+    """Override of what the model's code says about its decoder layers' output (``pipeline_parallel.layer_output``
+    reads it from the base model's layer loop): 0, a tensor; n, a tuple of n. ``None``: read from the code."""
 
     def __post_init__(self) -> None:
         for name in ("proven", "refused", "notes"):

@@ -16,23 +16,28 @@ PP_MOE = "tests/test_pp_moe.py"
 EP_TESTS = "tests/test_expert_parallel.py"
 CP_TESTS = "tests/test_context_parallel.py"
 
-def _row(kind: str):
+def _row(kind: str, tp_plan: str = "model"):
     def make(model_type: str, *, tp=None, pp=None, ep=None, cp=None, refused=None, notes=None,
-             pp_layer_output: int = 0) -> Family:
+             tp_plan: str = tp_plan, pp_layer_output: int | None = None) -> Family:
         proven = {name: test for name, test in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)) if test}
         return Family(model_type=model_type, kind=kind, proven=proven, refused=refused or {}, notes=notes or {},
-                      pp_layer_output=pp_layer_output)
+                      tp_plan=tp_plan, pp_layer_output=pp_layer_output)
     return make
 
 
-_dense, _moe, _hybrid, _classic = _row("dense"), _row("moe"), _row("hybrid"), _row("classic")
+# classic types: hf_dist's own TP plans (tensor_parallel/classic.py), proven by the sweep, even where transformers
+# later ships one (5.24 ships gptj's and codegen's)
+_dense, _moe, _hybrid, _classic = _row("dense"), _row("moe"), _row("hybrid"), _row("classic", tp_plan="hf_dist")
+_CODEGEN_TP = ("its qkv_proj packs q, v and k in blocks of a hard-coded mp_num=4 that its forward reshapes; a rank's "
+               "share of a plain column split (transformers' plan from 5.24) is not whole heads, and no parity test "
+               "proves another split")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("apertus", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("arcee", tp=TP_SWEEP, pp=PP_SWEEP),
-    _hybrid("bamba", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=2),
-    _classic("bloom", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
-    _classic("codegen", pp=PP_SWEEP, pp_layer_output=1),
+    _hybrid("bamba", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("bloom", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("codegen", pp=PP_SWEEP, refused=dict(tp=_CODEGEN_TP)),
     _dense("cohere", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("cohere2", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("cohere_compass_text", tp=TP_SWEEP),
@@ -41,8 +46,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("doge", pp=PP_SWEEP),
     _dense("ernie4_5", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("exaone4", tp=TP_SWEEP, pp=PP_SWEEP),
-    _classic("falcon", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
-    _hybrid("falcon_h1", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _classic("falcon", tp=TP_SWEEP, pp=PP_SWEEP),
+    _hybrid("falcon_h1", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("gemma", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("gemma2", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS,
            notes=dict(cp="all-to-all (soft-capping and alternating windows stay the model's eager code)")),
@@ -54,8 +59,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _classic("gpt2", tp=TP_SWEEP, pp=PP_SWEEP),
     _classic("gpt_bigcode", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("gpt_neox", tp=TP_SWEEP, pp=PP_SWEEP),
-    _moe("gpt_oss", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS),
-    _classic("gptj", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _moe("gpt_oss", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, tp_plan="hf_dist",
+         notes=dict(tp="hf_dist's plan (moe.py): attention sinks split by head, experts by intermediate dimension")),
+    _classic("gptj", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("granite", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("granite_swa", pp=PP_SWEEP),
     _moe("granitemoe", ep=EP_TESTS),
@@ -75,9 +81,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("mistral", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS,
            notes=dict(cp="all-to-all (sliding window from the model's mask)")),
     _moe("mixtral", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS),
-    _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
+    _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("nanochat", tp=TP_SWEEP),
-    _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP),
+    _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model"),  # transformers ships its plan
     _hybrid("nemotron_h", refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
     _dense("olmo", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo2", tp=TP_SWEEP, pp=PP_SWEEP),

@@ -33,14 +33,8 @@ PP_PLANS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "falcon_h1": (("embed_tokens", "layers", "final_layernorm"), ("lm_head",)),
     "bamba": (("embed_tokens", "layers", "final_layernorm"), ("lm_head",)),
 }
-"""Model type -> (base-model plan names, head plan names), as transformers' plans would list them."""
-
-def layer_output_width(config) -> int:
-    """0 when the decoder layers of ``config`` return a tensor, else the length of the tuple they return (the
-    registry's ``Family.pp_layer_output``)."""
-    from hf_dist.families import family
-
-    return family(getattr(config, "model_type", None)).pp_layer_output
+"""Model type -> (base-model plan names, head plan names), as transformers' plans would list them (a type's own
+``base_model_pp_plan`` wins where transformers ships one: 5.24 ships gptj's and codegen's)."""
 
 
 def base_plan_names(config) -> list[str]:

@@ -34,7 +34,8 @@ from torch import nn
 from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.models.router import RouterStats, adds_router_aux_loss, aux_from_stats, num_experts, router_recorder
-from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names, layer_output_width
+from hf_dist.pipeline_parallel.layer_output import layer_output_width
+from hf_dist.pipeline_parallel.plans import base_plan_names, head_plan_names
 
 IGNORE_INDEX = -100
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class _StandIn(nn.Module):
     Plain attributes of the real layer (``attention_type``, ``layer_idx``, ...) are copied, because base
     models read them in their layer loop to pick masks and rotary embeddings. ``tuple_width``: the base model
     reads ``outputs[0]`` of its layers (Falcon, BLOOM, ...) or unpacks them (Bamba), so the received states are
-    handed back in a tuple of that length, padded with ``None``.
+    handed back in a tuple of that length, padded with ``None`` (read from the loop: ``layer_output``).
     """
 
     def __init__(self, layer: nn.Module, role: str, inbox: _Inbox, tuple_width: int = 0) -> None:
@@ -261,7 +262,8 @@ class CausalLMStage(nn.Module):
 
     def _build_view(self, lm: nn.Module, parts: ModelParts, owned: list[int]) -> nn.Module:
         real = lm.get_submodule(parts.layer_list)
-        width = layer_output_width(lm.config)
+        owner, _, attr = parts.layer_list.rpartition(".")
+        width = layer_output_width(type(lm.get_submodule(owner)), attr, getattr(lm.config, "model_type", None))
         layers = nn.ModuleList(
             real[i] if i in owned else _StandIn(real[i], "before" if i < owned[0] else "after", self._inbox, width)
             for i in range(len(real))

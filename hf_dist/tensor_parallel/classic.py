@@ -1,6 +1,6 @@
 """Tensor-parallel plans, as data, for the classic dense model types transformers ships no plan for.
 
-GPT-2, Falcon, OPT, BLOOM, ... predate ``base_model_tp_plan``. For each, ``CLASSIC_TP`` holds what the plan of
+GPT-2, Falcon, OPT, BLOOM, GPT-J ... predate ``base_model_tp_plan``. For each, ``CLASSIC_TP`` holds what the plan of
 a newer model would say, written against the model's own module names (relative to its ``*ForCausalLM``),
 plus the few facts about its attention that a plan alone cannot carry:
 
@@ -14,7 +14,10 @@ plus the few facts about its attention that a plan alone cannot carry:
 - ``heads`` / ``kv_heads`` / ``mlp_width``: the sizes the plan splits, read from the config (``checks.py``).
 - ``refusal``: config values under which the plan would not be exact, as a reason (``support.py``).
 
-Pure data and small functions of a config; imports nothing from hf_dist. Not for: applying (``apply.py``).
+Which types use these plans is their registry record's choice (``hf_dist.families``, ``Family.tp_plan``), not
+whether transformers ships a plan: transformers 5.24 ships plans for gptj (hf_dist's, proven, stays) and codegen
+(refused by name in the registry: its qkv is packed in blocks of ``mp_num=4``).
+Pure data and small functions of a config; reads only the registry. Not for: applying (``apply.py``).
 """
 
 from __future__ import annotations
@@ -75,11 +78,6 @@ def _gpt2_refusal(config) -> str | None:
     if config.add_cross_attention:
         return "add_cross_attention=True (cross-attention layers have no plan)"
     return None
-
-
-def _codegen_refusal(config) -> str:
-    return ("its qkv_proj packs q, v and k in blocks of a hard-coded mp_num=4 that its forward reshapes; a rank's "
-            "share is not whole heads")
 
 
 def _stablelm_refusal(config) -> str | None:
@@ -175,7 +173,6 @@ CLASSIC_TP: dict[str, ClassicPlan] = {
         local_attrs=("num_attention_heads",),
         mlp_width=lambda c: c.n_inner or 4 * c.hidden_size,
     ),
-    "codegen": ClassicPlan(plan={}, refusal=_codegen_refusal),
     "stablelm": ClassicPlan(
         plan={
             "model.layers.*.self_attn.q_proj": "colwise",
@@ -224,7 +221,11 @@ CLASSIC_TP: dict[str, ClassicPlan] = {
 
 
 def classic_plan(config) -> ClassicPlan | None:
-    """The classic plan of ``config``'s model type, when transformers ships none of its own."""
-    if getattr(config, "base_model_tp_plan", None):
+    """The classic plan of ``config``'s model type, where its registry record chooses hf_dist's plan
+    (``Family.tp_plan``), whether or not the installed transformers ships one."""
+    from hf_dist.families import family
+
+    model_type = getattr(config, "model_type", None)
+    if family(model_type).tp_plan != "hf_dist":
         return None
-    return CLASSIC_TP.get(getattr(config, "model_type", None))
+    return CLASSIC_TP.get(model_type)

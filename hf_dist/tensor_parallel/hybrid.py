@@ -131,13 +131,10 @@ HYBRID_STYLES: frozenset[str] = frozenset(HYBRID_STYLE_BUILDERS)
 
 
 def hybrid_tp_refusal(config) -> str | None:
-    """Why the overlay of ``config``'s type is not exact here, or ``None``: the named refusals, and the fused
-    Mamba2 training kernel of ``mamba_ssm``, which reads ``out_proj.weight`` itself past the row split."""
-    from hf_dist.families import family
-
+    """Why the overlay of ``config``'s type is not exact here, or ``None``: the fused Mamba2 training kernel of
+    ``mamba_ssm``, which reads ``out_proj.weight`` itself past the row split. (The registry's named refusals are
+    read first, by ``support.tp_refusal``.)"""
     model_type = getattr(config, "model_type", None)
-    if "tp" in family(model_type).refused:  # named in the registry
-        return family(model_type).refused["tp"]
     if HYBRID_TP.get(model_type) is _MAMBA2_HYBRID and importlib.util.find_spec("mamba_ssm") is not None:
         return ("mamba_ssm is installed: its fused Mamba2 training kernel applies out_proj.weight whole, past "
                 "the TP split")

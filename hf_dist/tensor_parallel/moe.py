@@ -19,8 +19,9 @@ the experts module transformers' ``use_experts_implementation`` builds (``is_con
   TP ranks in backward; the output is summed in forward. The router stays whole and needs no reduction: every
   gradient reaching it is already whole.
 
-gpt-oss: transformers ships no ``base_model_tp_plan`` for it (its attention has sinks, one logit per head that no
-Linear holds). ``OWN_PLANS`` is hf_dist's plan for it, in transformers' style names: attention split by head like
+gpt-oss: transformers 5.23 ships no ``base_model_tp_plan`` for it, and 5.24 one with only the embedding (its
+attention has sinks, one logit per head that no Linear holds). ``OWN_PLANS`` is hf_dist's plan for it (its registry
+record chooses it: ``Family.tp_plan``), in transformers' style names: attention split by head like
 the other families, the sinks split by head with it (``local_sinks``: read as this rank's heads during the
 attention forward), the experts as above.
 
@@ -56,14 +57,21 @@ OWN_PLANS: dict[str, dict[str, str]] = {
         **_EXPERTS,
     },
 }
-"""``model_type -> base_model_tp_plan`` (relative to the base model) for MoE types transformers ships none for."""
+"""``model_type -> base_model_tp_plan`` (relative to the base model) for the MoE types whose registry record chooses
+hf_dist's plan over transformers' (``Family.tp_plan == "hf_dist"``)."""
 MOE_STYLES: frozenset[str] = frozenset({"local_sinks"})
 """hf_dist's own style names used by ``OWN_PLANS`` (built in ``plans.STYLE_BUILDERS``)."""
 
 
 def own_plan(config) -> dict[str, str]:
-    """hf_dist's ``base_model_tp_plan`` for ``config``'s MoE type (``OWN_PLANS``), empty for other types."""
-    return dict(OWN_PLANS.get(getattr(config, "model_type", None), {}))
+    """hf_dist's ``base_model_tp_plan`` for ``config``'s MoE type (``OWN_PLANS``) where its registry record chooses
+    it; empty for other types."""
+    from hf_dist.families import family
+
+    model_type = getattr(config, "model_type", None)
+    if family(model_type).tp_plan != "hf_dist":
+        return {}
+    return dict(OWN_PLANS.get(model_type, {}))
 
 
 class _SumBackward(torch.autograd.Function):

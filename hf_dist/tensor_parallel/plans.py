@@ -20,8 +20,11 @@ stands for one path component (a layer index). hf_dist's overlays:
 - sequence parallelism, vocab parallelism (with ``VocabParallelCausalLMLoss``), and replicated KV heads when
   there are fewer KV heads than TP ranks, for the families whose module names they are written for.
 
-For the classic types transformers ships no plan for (GPT-2, Falcon, OPT, BLOOM, ...), ``model_plan`` returns
-hf_dist's own plan from ``classic.py`` (data, with styles from ``classic_styles.py``); the overlays above apply
+- transformers' ``embedding_rowwise`` (5.24) on the input embedding: vocab-parallel under vocab parallelism,
+  whole otherwise (``_embeddings``).
+
+For the types whose registry record chooses hf_dist's plan (``Family.tp_plan``: the classic types GPT-2, Falcon,
+OPT, BLOOM, GPT-J, ..., and gpt-oss), ``model_plan`` returns hf_dist's own plan from ``classic.py`` / ``moe.py`` (data, with styles from ``classic_styles.py``); the overlays above apply
 to it the same way. Which model types may use these plans at all is decided in ``support.py``; sizes are checked
 in ``checks.py``.
 Not for: applying plans (``apply.py``).
@@ -173,10 +176,19 @@ def lm_head_split(config, tp: int, *, vocab_parallel: bool = False) -> bool:
     return vocab_parallel or "lm_head" in _head(model_plan(config), config, tp)
 
 
-def base_plan(config, tp: int | None = None) -> dict[str, str]:
-    """The model's plan with the fused-projection and head overlays, as ``{pattern: style_name}``."""
+def _embeddings(plan: dict[str, str], vocab_parallel: bool) -> dict[str, str]:
+    """transformers' ``embedding_rowwise`` (5.24): the vocab-parallel embedding under vocab parallelism, else the
+    embedding kept whole (no entry), as before transformers named it: a sharded embedding beside a whole or tied
+    head is what ``_head`` avoids, and the whole embedding is what the parity tests prove."""
+    if vocab_parallel:
+        return {p: "vocab_embedding" if s == "embedding_rowwise" else s for p, s in plan.items()}
+    return {p: s for p, s in plan.items() if s != "embedding_rowwise"}
+
+
+def base_plan(config, tp: int | None = None, *, vocab_parallel: bool = False) -> dict[str, str]:
+    """The model's plan with the embedding, fused-projection and head overlays, as ``{pattern: style_name}``."""
     check_tp_support(config)
-    plan = _head(_fuse(_experts(model_plan(config))), config, tp)
+    plan = _head(_fuse(_experts(_embeddings(model_plan(config), vocab_parallel))), config, tp)
     for field, leaves in IN_PLACE_OUTPUT_OVERLAY.items():
         if getattr(config, field, None) is not None:
             plan.update({p: "colwise_writable_output" for p, s in plan.items()
@@ -211,7 +223,7 @@ def plan_names(
 ) -> dict[str, str]:
     """The full plan as names: the model's plan, then the sequence-, vocab- and (``tp`` > KV heads) KV
     overlays. Two names on one module are joined with ``+`` and applied in that order."""
-    plan = base_plan(config, tp)
+    plan = base_plan(config, tp, vocab_parallel=vocab_parallel)
     if (sequence_parallel or vocab_parallel) and config.model_type not in OVERLAY_FAMILIES:
         raise ValueError(
             f"sequence_parallel/vocab_parallel are available for {', '.join(OVERLAY_FAMILIES)}, not for "
@@ -266,6 +278,8 @@ STYLE_BUILDERS = {
     "colwise_gather_output": lambda config: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda config: RowwiseParallel(input_layouts=Replicate()),
     "replicated_with_grad_allreduce": lambda config: ReplicatedWithGradReduce(input_dim=-2),
+    # the vocab-parallel embedding; ``base_plan`` keeps the embedding whole instead without vocab parallelism
+    "embedding_rowwise": lambda config: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     # hf_dist's overlays
     "colwise_writable_output": lambda config: ColwiseParallelWritableOutput(),
     "head_sharded_norm": lambda config: HeadShardedNorm(input_dim=-2),

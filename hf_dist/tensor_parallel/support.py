@@ -1,11 +1,11 @@
 """Which models hf_dist runs tensor-parallel: the one support decision for TP, from the config alone.
 
-A model type is supported when transformers ships a ``base_model_tp_plan`` for it (or, for the classic types
-transformers ships none for, hf_dist writes one in ``classic.py``), its plan uses only styles hf_dist translates
-into DTensor styles (``plans.py``), its layers are attention layers or ones ``hybrid.py``'s overlay shards
-(linear attention, short convolutions, Mamba2), its config has none of the values the classic plan names as
-inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2 parity test against one process passes
-for it (``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
+A model type is supported when it has a plan -- transformers' ``base_model_tp_plan``, or hf_dist's own
+(``classic.py``, ``moe.py``) where its registry record says so (``Family.tp_plan``: the plan its parity test
+proves) -- its plan uses only styles hf_dist translates into DTensor styles (``plans.py``), its layers are attention
+layers or ones ``hybrid.py``'s overlay shards (linear attention, short convolutions, Mamba2), its config has none of
+the values the classic plan names as inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2
+parity test against one process passes for it (``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
 MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
 dimension by ``moe.py``) and their parity test passes; other MoE layouts (zero experts, no such entry) are refused.
 Everything else is refused by name with the reason: MoE experts without a case, latent attention, attention sinks,
@@ -40,8 +40,10 @@ _STYLE_REASONS = {
 }
 TRANSLATED_STYLES: frozenset[str] = frozenset({
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+    "embedding_rowwise",
 })
-"""transformers' style names that ``plans.STYLE_BUILDERS`` turns into DTensor styles."""
+"""transformers' style names that ``plans.STYLE_BUILDERS`` turns into DTensor styles (``embedding_rowwise``: the
+vocab-parallel embedding under vocab parallelism, the embedding kept whole otherwise; ``plans.base_plan``)."""
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
 
@@ -59,13 +61,22 @@ def causal_lm_class(config) -> type:
 
 
 def model_plan(config) -> dict[str, str]:
-    """The model's own plan relative to its ``*ForCausalLM``: ``base_model_tp_plan`` under the base model's
-    attribute name, plus the head's ``_tp_plan``; hf_dist's own plan (``classic.py``) for the classic types
-    transformers ships none for. Empty otherwise."""
-    base = getattr(config, "base_model_tp_plan", None) or own_plan(config)
+    """The plan relative to the ``*ForCausalLM`` that its registry record chooses (``Family.tp_plan``):
+
+    - ``"model"``: transformers' ``base_model_tp_plan`` under the base model's attribute name, plus the head's
+      ``_tp_plan`` and the hybrid overlay (the overlay alone where transformers ships no plan);
+    - ``"hf_dist"``: hf_dist's own plan (``classic.py``, or ``moe.py`` in the same form as transformers'), even when
+      the installed transformers ships one.
+
+    Empty when there is none."""
+    if family(getattr(config, "model_type", None)).tp_plan == "hf_dist":
+        if (classic := classic_plan(config)) is not None:
+            return classic.plan_for(config)
+        base = own_plan(config)
+    else:
+        base = getattr(config, "base_model_tp_plan", None)
     if not base:
-        classic = classic_plan(config)
-        return classic.plan_for(config) if classic is not None else hybrid_overlay(config)
+        return hybrid_overlay(config)
     cls = causal_lm_class(config)
     plan = {f"{cls.base_model_prefix}.{pattern}": style for pattern, style in base.items()}
     plan.update(getattr(cls, "_tp_plan", None) or {})
@@ -101,11 +112,14 @@ _STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state
 
 
 def _family_refusal(config, plan: dict[str, str]) -> str | None:
-    """MoE (unless the plan's experts are split by ``moe.py``) and state-space / hybrid models, named as such
-    whether or not they ship a plan."""
+    """MoE (unless the plan's experts are split by ``moe.py``), the registry's named refusals, and state-space /
+    hybrid models, named as such whether or not they ship a plan."""
     moe = expert_count_field(config)
     if moe and not moe_experts_patterns(plan):
         return f"{_MOE}: {moe}"
+    named = family(getattr(config, "model_type", None)).refused
+    if "tp" in named:  # named in the registry
+        return named["tp"]
     if hybrid := hybrid_tp_refusal(config):
         return hybrid
     if hybrid_overlay(config):
@@ -121,6 +135,7 @@ def _family_refusal(config, plan: dict[str, str]) -> str | None:
 def tp_refusal(config) -> str | None:
     """Why ``config``'s model cannot run tensor-parallel in hf_dist, or ``None`` when it can."""
     model_type = getattr(config, "model_type", None)
+    record = family(model_type)
     try:
         plan = model_plan(config)
     except ValueError as err:
@@ -141,7 +156,6 @@ def tp_refusal(config) -> str | None:
     unknown = sorted({name for p, s in plan.items() if p not in moe for name in s.split("+") if name not in known})
     if unknown:
         return f"its plan uses styles hf_dist does not translate: {', '.join(unknown)}"
-    record = family(model_type)
     if moe and not (record.proves("tp") and record.kind == "moe"):
         return (f"MoE experts: no TP parity test in hf_dist for model_type={model_type!r} yet (routed experts under "
                 f"TP are proven for {', '.join(sorted(TP_TESTED_MOE_TYPES))}; expert parallelism: --ep_size)")

@@ -2,7 +2,8 @@
 
 An override of a method the base class stops calling fails silently (gradient sync or clipping just stops), so
 each one is listed here with the reason and the public ``Trainer`` method that calls it. ``check_internals`` runs
-when a ``DistTrainer`` is built and stops with the installed versions if one of them is gone;
+when a ``DistTrainer`` is built and stops with the installed versions if one of them is gone, and warns once (main
+process) when transformers, accelerate, torch, peft or trl is outside the tested range;
 ``tests/test_trainer_internals.py`` checks that each override is still *called*, in a real run, for the versions
 in ``TESTED_VERSIONS`` (the bounds in ``setup.cfg`` and the README).
 
@@ -11,11 +12,25 @@ Not here: the overrides themselves (``trainer.py`` and the modules of ``hf_dist.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Literal
 
-TESTED_VERSIONS = {"transformers": (">=5.23", "<5.24"), "accelerate": (">=1.15", "<1.16")}
-"""The ranges the tests below were run on (also in setup.cfg ``install_requires`` and the README)."""
+logger = logging.getLogger(__name__)
+
+TESTED_VERSIONS: dict[str, tuple[str, str]] = {
+    "transformers": (">=5.23", "<5.25"),
+    "accelerate": (">=1.15", "<1.16"),
+    "torch": (">=2.13", "<2.14"),
+    "peft": (">=0.21", "<0.22"),
+    "trl": (">=1.16", "<1.17"),
+}
+"""The one declaration of the ranges the whole suite was run on (docs/compatibility.md records the runs).
+transformers and accelerate, whose private members hf_dist overrides, are required in exactly these ranges by
+setup.cfg ``install_requires``; torch, peft and trl are only floored there (a ceiling would make pip downgrade a
+newer install), so outside these ranges the start-up guard warns instead (``tests/test_trainer_internals.py``
+checks setup.cfg and the README against this)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,8 +135,59 @@ def overrides() -> tuple[PrivateMember, ...]:
     return tuple(m for m in PRIVATE_MEMBERS if m.kind == "override")
 
 
+def _ranges() -> str:
+    return ", ".join(f"{pkg}{lo},{hi}" for pkg, (lo, hi) in TESTED_VERSIONS.items())
+
+
+def installed_versions() -> dict[str, str]:
+    """``{package: installed version}`` for the packages of ``TESTED_VERSIONS`` that are installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in TESTED_VERSIONS:
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:  # peft and trl are optional
+            continue
+    return out
+
+
+def untested_versions(installed: dict[str, str] | None = None) -> dict[str, str]:
+    """``{package: installed version}`` for each installed package outside its ``TESTED_VERSIONS`` range (pure
+    given ``installed``; a local build tag such as ``+cpu`` does not count)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    installed = installed_versions() if installed is None else installed
+    out = {}
+    for package, found in installed.items():
+        if package in TESTED_VERSIONS and Version(found).public not in SpecifierSet(",".join(TESTED_VERSIONS[package]),
+                                                                                     prereleases=True):
+            out[package] = found
+    return out
+
+
+_warned = False
+
+
+def warn_untested_versions(installed: dict[str, str] | None = None) -> str | None:
+    """Warn once per process, on the main process only, naming each installed version outside the tested range
+    and the range; returns the message (``None`` when all are tested, already warned, or not the main process)."""
+    global _warned
+    outside = untested_versions(installed)
+    if not outside or _warned or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    _warned = True
+    found = ", ".join(f"{pkg} {ver} (tested {','.join(TESTED_VERSIONS[pkg])})" for pkg, ver in outside.items())
+    message = (f"hf_dist was tested with {_ranges()}; installed here: {found}. It may work, but nothing was run "
+               f"on these versions; install the tested ones to be sure")
+    logger.warning(message)
+    return message
+
+
 def check_internals() -> None:
-    """Stop with the versions if a private Trainer/accelerate method hf_dist overrides or patches is gone."""
+    """Stop with the versions if a private Trainer/accelerate method hf_dist overrides or patches is gone; warn once
+    (main process) when a package is outside its tested range."""
     from accelerate import Accelerator
     from transformers import Trainer
 
@@ -134,8 +200,8 @@ def check_internals() -> None:
         import accelerate
         import transformers
 
-        ranges = ", ".join(f"{pkg}{lo},{hi}" for pkg, (lo, hi) in TESTED_VERSIONS.items())
         raise RuntimeError(
             f"hf_dist relies on {', '.join(missing)}, which transformers {transformers.__version__} / accelerate "
-            f"{accelerate.__version__} no longer have; install the tested versions ({ranges})"
+            f"{accelerate.__version__} no longer have; install the tested versions ({_ranges()})"
         )
+    warn_untested_versions()
