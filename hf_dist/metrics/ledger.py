@@ -160,11 +160,40 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm`` (transformers' ``grouped_mm`` experts): every output element is one dot product over
+    ``a``'s last dim, except 2-D x 2-D, where the groups split the contraction (the weight gradient)."""
+    out = 1
+    for n in out_shape:
+        out *= n
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out // out_shape[0] * a_shape[1]
+    return 2 * out * a_shape[-1]
+
+
+def _cpu_sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad_out, q, k, v)  # recomputes the scores: 5 matmuls
+
+
 class LocalFlopCounter(FlopCounterMode):
-    """``FlopCounterMode`` counting the local shards a DTensor op multiplies (not the global op on every rank)."""
+    """``FlopCounterMode`` counting the local shards a DTensor op multiplies (not the global op on every rank),
+    plus the ops torch 2.13's registry lacks: the CPU flash attention (what SDPA runs here) and ``_grouped_mm``."""
 
     def __init__(self):
-        super().__init__(display=False)
+        aten = torch.ops.aten
+        super().__init__(display=False, custom_mapping={
+            aten._grouped_mm: _grouped_mm_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+        })
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_is_dtensor_type(t) for t in types):
@@ -192,14 +221,16 @@ def group_labels(dims=None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def measure(labels: dict[str, str] | None = None, *, where: bool = False):
+def measure(labels: dict[str, str] | None = None, *, where: bool = False, flops: bool = True):
     """Count the collectives and FLOPs of the enclosed region on this rank; yields the ``StepLedger``.
-    ``where=True`` also records which caller outside torch issued each collective (``Tally.sites``)."""
+    ``where=True`` also records which caller outside torch issued each collective (``Tally.sites``);
+    ``flops=False`` counts communication only (cheaper, for timed loops)."""
     ledger = StepLedger()
-    flops = LocalFlopCounter()
-    with flops, CommCounter(ledger, labels or {}, where):
+    counter = LocalFlopCounter() if flops else contextlib.nullcontext()
+    with counter, CommCounter(ledger, labels or {}, where):
         yield ledger
-    ledger.flops = int(flops.get_total_flops())
+    if flops:
+        ledger.flops = int(counter.get_total_flops())
 
 
 def local_dtypes(tensors) -> dict[str, int]:
