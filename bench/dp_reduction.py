@@ -77,23 +77,17 @@ def _build(dims, bucket_mb: float | None):
 
 
 def _run_variant(dims, bucket_mb: float | None, steps: int, accumulation: int) -> dict:
+    from hf_dist.metrics.ledger import group_labels, measure
+
     model = _build(dims, bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(dims.dp_rank(dist.get_rank()))
-    counted = {"calls": 0, "bytes": 0}
-    real = dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        counted["calls"] += 1
-        counted["bytes"] += tensor.numel() * tensor.element_size()
-        return real(tensor, *args, **kwargs)
-
+    labels = group_labels(dims)
     times = []
-    dist.all_reduce = counting
-    try:
+    with contextlib.ExitStack() as counting:
         for step in range(WARMUP + steps):
             if step == WARMUP:
-                counted.update(calls=0, bytes=0)
+                ledger = counting.enter_context(measure(labels, flops=False))
             dist.barrier()
             start = time.perf_counter()
             for i in range(accumulation):
@@ -104,10 +98,10 @@ def _run_variant(dims, bucket_mb: float | None, steps: int, accumulation: int) -
             optimizer.step()
             optimizer.zero_grad()
             times.append(time.perf_counter() - start)
-    finally:
-        dist.all_reduce = real
+    dp = [t for k, t in ledger.comms.items() if k.kind == "all_reduce" and "dp" in k.group.split("/")]
+    counted = {"calls": sum(t.count for t in dp), "bytes": sum(t.bytes for t in dp)}
     slowest = torch.tensor(times[WARMUP:])
-    real(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     reducer = getattr(model, "gradient_reducer", None)
     return {"calls": counted["calls"] / steps, "mb": counted["bytes"] / steps / 2**20, "times": slowest.tolist(),
             "buckets": len(reducer.buckets) if reducer else None, "overlapped": reducer.overlapped if reducer else None}

@@ -57,6 +57,10 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
     PrivateMember(owner=_T, name="_sync_replicated_trainable_parameters", kind="override", where="trainer.trainer",
                   called_by="_prepare_for_training",
                   why="under PP every rank holds different stages: broadcasting rank 0's parameters would overwrite them"),
+    PrivateMember(owner="torch.nn.Parameter", name="_replicated_grad_hook_registered", kind="set",
+                  where="trainer.trainer",
+                  why="the Trainer's _sync_replicated_trainable_parameters registers an all-reduce hook on every plain "
+                      "parameter unless marked: hf_dist reduces gradients itself, the hooks reduced them twice"),
     PrivateMember(owner=_T, name="_clip_grad_norm", kind="override", where="trainer.trainer",
                   called_by="_run_epoch",
                   why="under PP the gradient norm spans every stage's rank, not only this rank's parameters"),

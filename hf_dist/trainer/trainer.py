@@ -248,6 +248,12 @@ class DistTrainer(Trainer):
     def _sync_replicated_trainable_parameters(self, model) -> None:
         if self.dims.pp_enabled:  # stages differ per rank: no broadcast from rank 0; the pipeline reduces grads
             return
+        # Keep the Trainer's broadcast of plain parameters, not its per-parameter gradient all-reduce hooks: hf_dist
+        # reduces every gradient itself, once per step (FSDP2, or buckets over dp x cp), and TP ranks' replicated
+        # gradients are equal already. With the hooks, CP issued 21 extra all-reduces and twice the gradient bytes
+        # per step, TP 6 (the step ledger, tests/test_ledger.py). The Trainer skips parameters marked as hooked.
+        for param in model.parameters():
+            param._replicated_grad_hook_registered = True
         super()._sync_replicated_trainable_parameters(model)
 
     def _clip_grad_norm(self, model):

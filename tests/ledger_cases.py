@@ -1,0 +1,81 @@
+"""Layouts whose step ledger ``bench/ledger.py`` prints and ``tests/test_ledger.py`` pins (importable by spawned ranks).
+
+``ranks(rank, world, layouts, output_dir)`` trains each layout with a fresh ``DistTrainer`` on 2 gloo ranks for
+``STEPS`` optimizer steps and measures the last (``hf_dist.metrics.ledger.attach_ledger``: steady state, after
+DDP's bucket rebuild and the optimizer's first step). Models: a tiny Llama (hidden 64, 2 layers, vocab 256, fp32)
+and, for EP, a tiny Qwen3-MoE (hidden 32, 2 layers, 4 experts, top-3, vocab 256); micro-batch 2 x 32 tokens per
+rank; PP runs 2 micro-batches (1F1B).
+"""
+
+from __future__ import annotations
+
+from trainer_harness import SEQ as SEQ_LEN  # tokens per row
+
+STEPS = 3
+LAYOUTS: dict[str, dict] = {
+    "ddp": {},
+    "fsdp2": {"fsdp2": True},
+    "tp": {"tp_size": 2},
+    "pp": {"pp_size": 2, "pp_microbatches": 2},
+    "ep_fsdp2": {"ep_size": 2, "fsdp2": True},
+    "cp": {"cp_size": 2},
+}
+"""layout -> DistTrainingArguments overrides (2 ranks)"""
+
+def _model(layout: str):
+    from trainer_harness import VOCAB, as_loaded
+
+    from hf_dist.models import build_tiny_model
+
+    if layout == "ep_fsdp2":
+        from ep_cases import moe_config
+
+        config = moe_config("qwen3_moe")
+        config.vocab_size = VOCAB
+        return as_loaded(build_tiny_model(config))
+    return as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2))
+
+
+def _shape(model, args, dims, flops_per_token: float) -> tuple[object, float]:
+    """The ``StepShape`` of this run and the minimum FLOPs of its global batch (``model`` not yet laid out)."""
+    from trainer_harness import SEQ
+
+    from hf_dist.metrics.ledger_minimum import StepShape
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    micro = args.pp_microbatches if dims.pp_enabled else args.gradient_accumulation_steps
+    shape = StepShape(layers=c.num_hidden_layers, hidden=c.hidden_size, q_dim=c.num_attention_heads * head_dim,
+                      kv_dim=c.num_key_value_heads * head_dim, units=c.num_hidden_layers + 1,
+                      param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                      expert_param_bytes=experts, tokens_per_micro=args.per_device_train_batch_size * SEQ,
+                      micro_batches=micro, top_k=getattr(c, "num_experts_per_tok", 0))
+    return shape, flops_per_token * args.per_device_train_batch_size * micro * dims.dp * SEQ
+
+
+def _run(layout: str, output_dir: str, where: bool) -> dict:
+    from trainer_harness import SEQ, token_dataset
+
+    from hf_dist import DistTrainer, DistTrainingArguments
+    from hf_dist.metrics.ledger import attach_ledger
+    from hf_dist.planner.flops import module_flop_counts
+
+    args = DistTrainingArguments(
+        output_dir=f"{output_dir}/{layout}", max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
+        lr_scheduler_type="constant", logging_steps=100, save_strategy="no", report_to=[], seed=0, data_seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=1.0, **LAYOUTS[layout])
+    model = _model(layout)
+    plain = _model(layout)  # the trainer lays ``model`` out in place
+    flops_per_token = module_flop_counts(plain).per_token(SEQ)[1]
+    trainer = DistTrainer(model=model, args=args, train_dataset=token_dataset())
+    shape, flops = _shape(plain, trainer.args, trainer.dims, flops_per_token)
+    callback = attach_ledger(trainer, STEPS, where=where)
+    trainer.train()
+    return {"ledger": callback.ledger.plain(), "shape": shape, "min_flops": flops,
+            "dp": trainer.dims.dp, "cp": trainer.dims.cp}
+
+
+def ranks(rank: int, world_size: int, layouts: list[str], output_dir: str, where: bool = False) -> dict:
+    """Every layout in turn on this rank (a fresh DistTrainer each); layout -> its ledger and shape."""
+    return {layout: _run(layout, output_dir, where) for layout in layouts}

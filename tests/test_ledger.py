@@ -1,0 +1,100 @@
+"""The step ledger's exact counts: collectives, bytes and FLOPs of one optimizer step per layout (2 gloo ranks, one
+spawn for every layout), and the minimum's arithmetic (pure).
+
+The counts are what ``bench/ledger.py`` prints (docs/benchmarks.md); a change to any layout's communication moves
+them. Two pins guard a fix the ledger found: the Trainer's per-parameter gradient all-reduce hooks no longer run on
+top of hf_dist's own reduction (CP reduced every gradient twice, in 22 calls; TP averaged its replicated gradients
+in 6 more).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_utils import run_distributed
+from ledger_cases import STEPS
+
+LAYOUTS = ["fsdp2", "tp", "pp", "ep_fsdp2", "cp"]
+GRADS = 623_872
+"""fp32 bytes of the tiny Llama's 155,968 parameters"""
+
+
+@pytest.fixture(scope="module")
+def ledgers(tmp_path_factory):
+    from ledger_cases import ranks
+
+    per_rank = run_distributed(ranks, 2, LAYOUTS, str(tmp_path_factory.mktemp("ledger")))
+    return {layout: [r[layout] for r in per_rank] for layout in LAYOUTS}
+
+
+def _data(runs) -> dict[tuple[str, str], tuple[float, float]]:
+    """(kind, dtype) -> (calls, bytes) per rank, averaged over ranks, of the calls of 1 KiB or more."""
+    from hf_dist.metrics.ledger_minimum import measured_rows
+
+    return {(r.kind, r.dtype): (r.count, r.bytes) for r in measured_rows([x["ledger"] for x in runs]) if not r.small}
+
+
+EXPECTED = {
+    # the root and the last block stay gathered: 4 gathers; each unit's gradients reduce-scattered once
+    "fsdp2": {("all_gather", "float32"): (4, 870_144), ("reduce_scatter", "float32"): (3, GRADS)},
+    # 4 forward + 11 backward activation all-reduces of 2 x 32 x 64 fp32; the logits gathered for the loss
+    "tp": {("all_reduce", "float32"): (15, 15 * 16_384), ("all_gather", "float32"): (1, 65_536)},
+    # 2 micro-batches of 2 rows padded to 64 tokens x hidden 64, fp32
+    "pp": {("send", "float32"): (2, 2 * 32_768), ("recv", "float32"): (2, 2 * 32_768)},
+    # routed tokens (64 x top-3 x hidden 32, fp32) dispatched and combined per layer, forward and backward
+    "ep_fsdp2": {("all_to_all", "float32"): (8, 8 * 24_576), ("all_gather", "float32"): (4, 105_024),
+                 ("reduce_scatter", "float32"): (3, 91_904)},
+    # q, k, v, out per layer both ways; every gradient in one bucket (+ one presence flag per parameter)
+    "cp": {("all_to_all", "float32"): (16, 98_304), ("all_reduce", "float32"): (1, GRADS + 21 * 4)},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step_communication_is_exact(ledgers, layout):
+    assert _data(ledgers[layout]) == EXPECTED[layout]
+
+
+FLOPS = {"fsdp2": (114_032_640, 1_048_576 - 262_144), "tp": (57_147_392, 524_288),
+         "ep_fsdp2": (25_362_432, 524_288 - 131_072), "cp": (57_081_856, 524_288 - 65_536)}
+"""layout -> (executed FLOPs of the step over both ranks, above 6 N tokens + attention): the score matmul CPU flash
+attention recomputes in backward (2 L s q_dim per token), less what the chunked loss skips (the lm_head of positions
+without a label; TP computes whole logits)"""
+
+
+@pytest.mark.parametrize("layout", list(FLOPS))
+def test_executed_flops_are_exact(ledgers, layout):
+    runs = ledgers[layout]
+    executed, above = FLOPS[layout]
+    assert sum(r["ledger"]["flops"] for r in runs) == executed
+    assert executed - runs[0]["min_flops"] == above
+
+
+def test_dtypes_recorded(ledgers):
+    for layout, runs in ledgers.items():
+        ledger = runs[0]["ledger"]
+        assert set(ledger["param_dtypes"]) == set(ledger["grad_dtypes"]) == {"float32"}, layout
+        assert ledger["loss_dtype"] == "float32", layout
+
+
+def test_the_measured_step_is_the_last():
+    assert STEPS >= 2  # attach_ledger measures from the end of the step before
+
+
+def test_minimum_rows():
+    from hf_dist.metrics.ledger_minimum import Row, StepShape, compare, minimum
+
+    shape = StepShape(layers=2, hidden=64, q_dim=64, kv_dim=32, param_bytes=GRADS, units=3, tokens_per_micro=64)
+    rows = {(m.kind, m.small): (m.count, m.bytes) for m in minimum("fsdp2", shape, dp=2)}
+    assert rows == {("all_gather", False): (6, 2 * GRADS), ("reduce_scatter", False): (3, GRADS),
+                    ("all_gather", True): (1, 16), ("all_reduce", True): (1, 4)}
+    tp = minimum("tp", shape)
+    assert [(m.kind, m.count, m.bytes) for m in tp] == [("all_reduce", 8, 8 * 64 * 64 * 4), ("all_reduce", 1, 4)]
+    cp = {m.kind: (m.count, m.bytes) for m in minimum("cp", shape, cp=2)}
+    assert cp["all_to_all"] == (16, 2 * 2 * (2 * 64 + 2 * 32) * 32 * 4)
+    measured = [Row(kind="reduce_scatter", group="world/dp_shard", dtype="float32", small=False, count=3, bytes=GRADS,
+                    minimum=None)]
+    matched = compare(measured, minimum("fsdp2", shape, dp=2))
+    assert matched[0].minimum.count == 3
+    assert {r.kind for r in matched[1:]} == {"all_gather", "all_reduce"}  # minima never measured come last
+    with pytest.raises(ValueError, match="no minimum for layout"):
+        minimum("zero9", shape)
