@@ -56,14 +56,50 @@ def moe_config(name: str, *, aux: float = AUX):
                              n_routed_experts=4, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1,
                              first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=False,
                              use_qk_norm=True)
+    if name == "jamba":  # Mamba mixer in layer 1, attention in layer 0; experts in layer 1 only (period 2)
+        from transformers import JambaConfig
+
+        return JambaConfig(**common, **router, intermediate_size=24, num_experts=4, num_experts_per_tok=3,
+                           expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
+                           mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)
+    if name == "ernie4_5_moe":  # two shared experts; the first layer dense (moe_layer_start_index)
+        from transformers import Ernie4_5_MoeConfig
+
+        return Ernie4_5_MoeConfig(**common, **router, intermediate_size=48, moe_intermediate_size=24,
+                                  moe_num_experts=4, moe_k=3, moe_num_shared_experts=2, moe_layer_start_index=1,
+                                  moe_layer_end_index=1, moe_layer_interval=1, use_bias=True)
+    if name == "hunyuan_v1_moe":  # no aux loss in transformers' HunYuan: a shared MLP beside top-2 routing
+        from transformers import HunYuanMoEV1Config
+
+        return HunYuanMoEV1Config(**common, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
+                                  use_qk_norm=True)
+    if name == "minimax":  # lightning (linear) attention in layer 0, softmax attention in layer 1
+        from transformers import MiniMaxConfig
+
+        return MiniMaxConfig(**common, **router, head_dim=8, intermediate_size=24, num_local_experts=4,
+                             num_experts_per_tok=3, layer_types=["linear_attention", "full_attention"], block_size=4,
+                             full_attn_alpha_factor=0.8, full_attn_beta_factor=1.2, linear_attn_alpha_factor=1.1,
+                             linear_attn_beta_factor=0.9, mlp_alpha_factor=0.7, mlp_beta_factor=1.3)
+    if name == "flex_olmo":
+        from transformers import FlexOlmoConfig
+
+        return FlexOlmoConfig(**common, **router, intermediate_size=24, num_experts=4, num_experts_per_tok=3,
+                              norm_topk_prob=True)
+    if name == "granitemoeshared":  # shared MLP beside the experts; Granite's multipliers non-default
+        from transformers import GraniteMoeSharedConfig
+
+        return GraniteMoeSharedConfig(**common, **router, intermediate_size=24, num_local_experts=4,
+                                      num_experts_per_tok=3, shared_intermediate_size=40, embedding_multiplier=2.0,
+                                      logits_scaling=1.5, residual_multiplier=0.7, attention_multiplier=0.3)
     raise ValueError(f"no tiny MoE case {name!r}")
 
 
 CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 """EP x FSDP2 and EP x DDP against one process."""
-SWEEP_CASES = ("qwen2_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe")
+SWEEP_CASES = ("qwen2_moe", "olmoe", "phimoe", "granitemoe", "glm4_moe", "jamba", "ernie4_5_moe", "hunyuan_v1_moe",
+               "minimax", "flex_olmo", "granitemoeshared")
 """EP x FSDP2 against one process (the DDP path is the same code, covered by ``CASES``)."""
-AUX_CASES = ("qwen3_moe", "mixtral", "gpt_oss")
+AUX_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "jamba", "ernie4_5_moe", "minimax", "flex_olmo", "granitemoeshared")
 
 
 def moe_model(name: str, *, aux: float = AUX):
