@@ -168,6 +168,12 @@ _NO_AUX: dict[str, dict] = {
                            layer_group_size=2, layer_types=["linear_attention", "full_attention"],
                            mlp_layer_types=["dense", "sparse"], linear_head_dim=8, linear_num_heads=4,
                            linear_conv_kernel_dim=2),
+    # non-gated relu2 experts (up_proj/down_proj); Mamba2 mixer, attention and MoE as separate layers
+    "nemotron_h": dict(layers_block_type=["mamba", "moe", "attention", "moe"], num_hidden_layers=4, head_dim=8,
+                       intermediate_size=48, use_mamba_kernels=False, ssm_state_size=4, mamba_num_heads=4,
+                       mamba_head_dim=8, n_groups=2, conv_kernel=2, chunk_size=8, n_routed_experts=4,
+                       n_shared_experts=1, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
+                       num_experts_per_tok=3, routed_scaling_factor=1.5, **_GROUPED, norm_topk_prob=False),
     # ZAYA's config accepts num_experts_per_tok=1 only; its router is an MLP (router_hidden_size)
     "zaya": dict(moe_intermediate_size=24, num_experts_per_tok=1, num_experts=4, head_dim=8, router_hidden_size=16),
     "beam": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,

@@ -114,7 +114,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP, pp_layer_output=1),
     _dense("nanochat", tp=TP_SWEEP),
     _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP),
-    _hybrid("nemotron_h", refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
+    _hybrid("nemotron_h", ep=EP_TESTS, refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
     _dense("olmo", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo2", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo3", tp=TP_SWEEP, pp=PP_SWEEP),
