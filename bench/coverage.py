@@ -69,6 +69,19 @@ def _default_layout_note(model_type: str) -> str | None:
     return None
 
 
+def _default_ep_note(model_type: str) -> str | None:
+    """For an EP-proven type whose default config EP=2 refuses (its expert count, or none): why."""
+    from transformers import AutoConfig
+
+    from hf_dist.expert_parallel.support import ep_refusal
+
+    try:
+        why = ep_refusal(AutoConfig.for_model(model_type), 2)
+    except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more
+        return None
+    return f"EP: its default config is refused ({_short(why)})" if why else None
+
+
 def coverage_rows() -> list[tuple[str, str, str, str, str]]:
     """``(model type, TP, PP, EP, note)`` for every causal-LM model type, sorted by type."""
     from hf_dist.expert_parallel.support import ep_coverage
@@ -88,6 +101,8 @@ def coverage_rows() -> list[tuple[str, str, str, str, str]]:
             notes.append(f"PP: {_short(pp_reason)}")
         if ep_reason not in ("yes", "dense"):
             notes.append(f"EP: {_short(ep_reason)}")
+        elif ep_reason == "yes" and (note := _default_ep_note(model_type)):
+            notes.append(note)
         ep_cell = "yes" if ep_reason == "yes" else "-" if ep_reason == "dense" else "no"
         rows.append((model_type, "yes" if tp_reason == "yes" else "no", "yes" if pp_reason == "yes" else "no",
                      ep_cell, "; ".join(notes)))

@@ -2,8 +2,8 @@
 
 One spawn runs every case: qwen3_moe, mixtral, gpt_oss (router aux loss on, coefficient ``AUX``) and deepseek_v3
 (grouped routing, shared expert, first layer dense), each with non-default top-k / ``norm_topk_prob``, under
-EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP); qwen2_moe (gated shared expert, a dense layer), olmoe,
-phimoe, granitemoe (aux loss on) and glm4_moe (grouped routing, shared expert, qk-norm) under EP=2 x FSDP2;
+EP=2 x FSDP2 FULL_SHARD and EP=2 x replicated dp (DDP); the sweep (``ep_cases.SWEEP_CASES``: each its own
+non-default router, shared experts, dense layers or mixers; aux loss on wherever the model has one) under EP=2 x FSDP2;
 qwen3_moe also with activation checkpointing and with SHARD_GRAD_OP. A second spawn of 4 ranks runs qwen3_moe and
 mixtral at ep=2 with expert-FSDP degree 2 (experts sharded, or their gradients summed, over 2 ranks). Every case:
 3 AdamW steps with gradient clipping active (``MAX_NORM`` below every step's norm, so the norm over the dense and

@@ -2,8 +2,8 @@
 
 A model runs EP when its config ships transformers' ``base_model_ep_plan`` in the form every supported MoE type
 uses: the experts module (``ep_dispatch_experts``, tokens dispatched to it) holding 3-D expert weights
-``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` (and their biases, gpt-oss) split on the expert dimension
-(``grouped_gemm``), with ``E`` divisible by ``ep``. Dense models and MoE types whose experts are a list of
+``gate_up_proj [E, 2I, H]`` (non-gated experts: ``up_proj [E, I, H]``, nemotron_h) / ``down_proj [E, H, I]`` (and
+their biases, gpt-oss) split on the expert dimension (``grouped_gemm``), with ``E`` divisible by ``ep``. Dense models and MoE types whose experts are a list of
 per-expert modules or another layout are refused by name.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hf_dist.families import EXPERT_COUNT_FIELDS, family, num_experts, proven_types, text_config
 
-_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def ep_plan(config) -> dict[str, str]:
@@ -64,8 +64,10 @@ def check_ep_support(config, ep: int) -> None:
 
 
 def ep_coverage() -> dict[str, str]:
-    """EP decision per causal-LM model type of the installed transformers, on its default config: ``"yes"`` (parity
-    tested), ``"dense"`` (not a MoE model), or the reason it does not run (refused, or supported but untested)."""
+    """EP decision per causal-LM model type of the installed transformers: ``"yes"`` (its record proves EP: parity
+    tested on a tiny config of the type), ``"dense"`` (its default config is not a MoE model), or the reason its default
+    config does not run (refused, or supported but untested). A proven type whose default config's numbers are refused
+    (an expert count EP=2 does not divide, or none) is ``"yes"``; ``bench/coverage.py`` notes the default's refusal."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -77,7 +79,9 @@ def ep_coverage() -> dict[str, str]:
             table[model_type] = f"its default config cannot be built ({type(error).__name__})"
             continue
         text = text_config(config)
-        if num_experts(text) is None and not ep_plan(text):
+        if family(model_type).proves("ep"):
+            table[model_type] = "yes"
+        elif num_experts(text) is None and not ep_plan(text):
             table[model_type] = "dense"
         else:
             table[model_type] = ep_refusal(config, 2) or "yes"
