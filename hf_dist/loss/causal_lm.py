@@ -48,7 +48,7 @@ def causal_lm(model: nn.Module) -> nn.Module:
 
 def logit_transform(lm: nn.Module) -> LogitTransform:
     """The scaling / soft-capping ``lm``'s forward applies to its head's output (from its config and attributes)."""
-    config = lm.config
+    config = getattr(lm, "config", None)
     scale = getattr(lm, "logit_scale", None)
     return LogitTransform(
         multiply=scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None,
@@ -85,10 +85,11 @@ class ChunkedCausalLMLoss:
     def __init__(self, model: nn.Module, *, chunk_tokens: int | None = None) -> None:
         self.model = model
         self.lm = causal_lm(model)
-        self.transform = logit_transform(self.lm)
         self.chunk_tokens = chunk_tokens
         self.verified = False
         self.refusal: str | None = chunked_loss_refusal(model)
+        # Read only from a model it may run on: one it refuses (no config, a custom head) gets its own forward.
+        self.transform = logit_transform(self.lm) if self.refusal is None else None
 
     def __call__(self, **inputs):
         if self.refusal is not None:

@@ -1,17 +1,26 @@
-"""Destroy the process groups at exit, while the interpreter is still whole.
+"""Drain and destroy the process groups at exit, while the interpreter is still whole.
 
-Why: a script that ends without ``destroy_process_group()`` leaves gloo's C++ worker threads holding finished
-work objects that reference tensors (Python objects). They are then freed during interpreter finalisation,
-after the GIL machinery is torn down, and the process aborts with "terminate called without an active
-exception" (exit -6), although training and saving finished. It is a race with finalisation, so it shows under
-load (seen on the DDP recipe at load average ~7 on 2 cores). The upstream analysis: pytorch/pytorch PR 179291
-and issue 190489. The HF Trainer and accelerate never destroy the group themselves (only
+Why: a gloo collective still running when the script ends (an ``async_op=True`` work nobody waited for: a
+prefetch, a functional collective, a background save's) is finished by one of gloo's C++ worker threads, which
+then drops the work and its tensors. A tensor whose Python object was already released is owned by C++, so the
+drop takes the GIL; once interpreter finalisation has begun, a thread taking the GIL is ended with
+``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls ``std::terminate``: "terminate called
+without an active exception", exit -6, although training and saving finished. A race with finalisation, so it
+shows under load and rarely (3 of ~110 two-rank TP / EP / PP runs; on purpose in tests/test_teardown.py).
+
+``destroy_process_group()`` alone does not prevent it: in torch 2.13 it unregisters the groups, but a gloo group
+the model, FSDP2, a pipeline stage or a DeviceMesh still references keeps its worker threads (and their queue)
+until that reference goes, during finalisation. So the handler first drains every gloo group this rank belongs
+to, in the order the groups were created (the same on every rank): a gloo barrier completes only after all work
+queued on its group before it; a second round keeps this thread waiting, without the GIL, while the worker
+threads drop the finished work (a drop can need the GIL). Each wait is bounded (``BARRIER_TIMEOUT``), so a rank that already died cannot
+hang the others. The world group's barrier also keeps the rank that hosts the store until every rank has left it.
+Then all groups are destroyed.
+
+``register()`` (called by ``DistTrainer`` once the group exists) adds that ``atexit`` handler. It runs on normal
+exit, on ``sys.exit`` (the preemption exit 75) and after an uncaught exception; not after SIGKILL or
+``os._exit``. The HF Trainer and accelerate never destroy the groups themselves (only
 ``Accelerator.end_training()`` does, which the Trainer does not call).
-
-``register()`` (called by ``DistTrainer`` once the group exists) adds an ``atexit`` handler that waits for every
-rank (gloo: a monitored barrier with a timeout, so a rank that already died cannot hang the others) and then
-destroys all process groups. It runs on normal exit, on ``sys.exit`` (the preemption exit 75) and after an
-uncaught exception; not after SIGKILL or ``os._exit``.
 
 Not for: process groups a user script destroys itself (then the handler does nothing).
 """
@@ -39,15 +48,27 @@ def register() -> None:
 
 
 def destroy_process_groups() -> None:
-    """Barrier (gloo, bounded) then ``destroy_process_group()``; never raises (it runs at exit)."""
+    """Drain every gloo group (bounded barriers), then ``destroy_process_group()``; never raises (it runs at exit)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    groups = gloo_groups_in_creation_order()
     try:
-        if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=BARRIER_TIMEOUT)  # rank 0 hosts the store: others leave first
+        for _ in range(2):  # 1: queued work completes; 2: its worker thread drops it while this one waits unlocked
+            for group in groups:
+                dist.barrier(group=group, async_op=True).wait(timeout=BARRIER_TIMEOUT)
     except Exception as err:  # a rank that died first: still free this one's threads
-        logger.warning("exit barrier failed (%s); destroying the process group anyway", err)
+        logger.warning("exit barrier failed (%s); destroying the process groups anyway", err)
     try:
         dist.destroy_process_group()
     except Exception as err:
         logger.warning("destroy_process_group at exit failed: %s", err)
+
+
+def gloo_groups_in_creation_order() -> list[dist.ProcessGroup]:
+    """This rank's gloo groups of more than one rank, the world first, then in creation order (the same on every
+    rank, so the barriers cannot wait on each other in a cycle)."""
+    from torch.distributed.distributed_c10d import _world
+
+    order = {pg: i for i, pg in enumerate(_world.pg_names)}  # insertion order = creation order
+    groups = sorted(_world.pg_map, key=lambda pg: (pg is not dist.group.WORLD, order.get(pg, len(order))))
+    return [pg for pg in groups if dist.get_backend(pg) == "gloo" and pg.size() > 1]
