@@ -259,6 +259,9 @@ def check_model(script: ScriptArguments, args: DistTrainingArguments) -> None:
 
     import hf_dist
 
+    layout = args.layout
+    if max(layout.tp, layout.pp, layout.ep, layout.cp) == 1:  # no rule reads the model: do not open it here
+        return
     if script.model_name_or_path is None:
         config = tiny_config(script)
     else:
