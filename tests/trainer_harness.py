@@ -35,14 +35,17 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
     """Every parameter gathered to full tensors on CPU (collective for sharded layouts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if trainer.dims.pp_enabled:  # each rank holds its stages: rank 0 writes the whole model, every rank reads it
+    if trainer.dims.pp_enabled:  # each rank holds its stages: rank 0 writes the whole model and sends it to all
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
-        folder = os.path.join(trainer.args.output_dir, "gathered_for_test")
+        folder = os.path.join(trainer.args.output_dir, "gathered_for_test")  # rank 0's output_dir is the one used
         trainer.save_model(folder)
-        dist.barrier()
-        sd = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+        box = [None]
+        if dist.get_rank() == 0:
+            box[0] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+        dist.broadcast_object_list(box, src=0)
+        sd = box[0]
     elif trainer.owns_layout:
         sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     else:
