@@ -119,22 +119,6 @@ class SaveHandle:
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def check_checkpointable(model: torch.nn.Module) -> None:
-    """``ValueError`` when a parameter's local shard is several blocks (``loading.slices.multi_block``): DCP
-    describes each rank's shard as one block and refuses the save, after training. Called before training
-    (DistTrainer) and before any write (``save_checkpoint``)."""
-    from hf_dist.loading.slices import multi_block
-
-    names = [name for name, param in unwrap_model(model).named_parameters() if multi_block(param)]
-    if names:
-        raise ValueError(
-            f"{len(names)} parameters ({names[0]}, ...) are split part by part under TP (MoE experts' fused "
-            f"[gate | up]: each rank holds [gate_r | up_r], two blocks), which torch.distributed.checkpoint cannot "
-            f"store; sharded checkpoints of this layout are not available yet. Use save_strategy='no' and save the "
-            f"final model (DistTrainer.save_model), or expert parallelism (ep_size) instead of tp_size for this model"
-        )
-
-
 def _model_and_optim_state(model, optimizer) -> dict:
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -209,7 +193,6 @@ def save_checkpoint(
     """
     rank, world = rank_world()
     _check_save_inputs(layout, batch_contract, world, step, samples_consumed, extra_files)
-    check_checkpointable(model)
     saver = AsyncCheckpointer() if async_save is True else async_save or None
     state = _model_and_optim_state(model, optimizer)
     contents = ["model"] + (["optimizer"] if optimizer is not None else []) + ["rng"]
