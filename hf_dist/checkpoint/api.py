@@ -1,7 +1,8 @@
 """Save a training checkpoint of a DDP, FSDP2, TP, PP (or product) model, atomically.
 
 ``save_checkpoint`` is collective (every rank calls it). Model and optimizer go through
-``torch.distributed.checkpoint`` (each rank writes its shards; DTensor/FSDP2/TP resharding on load is DCP's);
+``torch.distributed.checkpoint`` (each rank writes its shards; DTensor/FSDP2/TP resharding on load is DCP's; a
+shard that is several blocks of its tensor, MoE experts' ``[gate_r | up_r]`` under TP, block by block: ``blocks``);
 the LR scheduler and grad scaler go to ``train_state.pt`` (read back with ``weights_only=True``); each rank's
 RNG to ``rng/rank_XXXXX.safetensors``; the HF config / tokenizer / adapter config to ``hf/``. Everything is
 written into ``.<name>.partial`` next to the target, fsynced, committed by rename, then marked complete, and
