@@ -59,8 +59,26 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, ckpt: str, tp: in
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     local = {(tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj.to_local().shape)) for m in experts}
     state = full_state_dict(model)
-    return {"losses": losses, "norms": norms, "state": state, "experts": local,
-            "reloaded": _checkpoint_round_trip(f"{ckpt}/{name}_{layout}", model, optimizer, dims, build)}
+    out = {"losses": losses, "norms": norms, "state": state, "experts": local,
+           "reloaded": _checkpoint_round_trip(f"{ckpt}/{name}_{layout}", model, optimizer, dims, build)}
+    if layout == "tp":  # a one-process checkpoint (other weights: seed 1) read into the split experts
+        from hf_dist.checkpoint import load_checkpoint
+
+        fresh, _ = build()
+        load_checkpoint(_one_process_checkpoint(ckpt, name), model=fresh, restore_rng=False)
+        saved = _seed1_model(name).state_dict()
+        out["from_one_process"] = max(float((v - saved[k]).abs().max()) for k, v in full_state_dict(fresh).items())
+    return out
+
+
+def _one_process_checkpoint(root: str, name: str) -> str:
+    return f"{root}/one_process_{name}"
+
+
+def _seed1_model(name: str):
+    from hf_dist.models.tiny import build_tiny_model
+
+    return build_tiny_model(moe_config(name), seed=1)
 
 
 def _checkpoint_round_trip(path: str, model, optimizer, dims, build) -> dict:
@@ -68,8 +86,9 @@ def _checkpoint_round_trip(path: str, model, optimizer, dims, build) -> dict:
     difference of any parameter and of any optimizer state tensor (whole tensors)."""
     from hf_dist.checkpoint import load_checkpoint, save_checkpoint
 
+    async_save = dims.dp == 1  # TP alone: through the background writer and its staged copies
     save_checkpoint(path, model=model, optimizer=optimizer, step=STEPS, samples_consumed=0, layout=dims,
-                    batch_contract=None)
+                    batch_contract=None, async_save=async_save).result()
     fresh, fresh_optimizer = build()
     load_checkpoint(path, model=fresh, optimizer=fresh_optimizer, restore_rng=False)
     from torch.distributed.tensor import DTensor
@@ -99,6 +118,12 @@ def saved_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(saved_root):
+    from hf_dist import ParallelDims
+    from hf_dist.checkpoint import save_checkpoint
+
+    for name in TP_CASES:  # saved by one process, read by the TP=2 ranks
+        save_checkpoint(_one_process_checkpoint(f"{saved_root}/ckpt", name), model=_seed1_model(name), optimizer=None,
+                        step=0, samples_consumed=0, layout=ParallelDims(world_size=1), batch_contract=None)
     return run_distributed(_two_ranks, 2, str(saved_root))
 
 
@@ -148,11 +173,13 @@ def _check(runs, name, layout):
 @pytest.mark.parametrize("name", TP_CASES)
 def test_sharded_checkpoints_under_tp_reload_exactly(runs, four_rank_runs, name):
     """[gate_r | up_r] (concatenated layouts) is two blocks per rank, written and read block by block; gpt-oss
-    interleaves gate and up, one block. TP=2, and TP=2 x FSDP2 / x DDP on 4 ranks (qwen3_moe, gpt_oss)."""
+    interleaves gate and up, one block. TP=2 (saved in the background: ``async_save``), and TP=2 x FSDP2 / x DDP on
+    4 ranks (qwen3_moe, gpt_oss); a one-process checkpoint read by TP=2."""
     reloads = [result[name]["tp"]["reloaded"] for result in runs]
     if name in FOUR_RANK_CASES:
         reloads += [result[name][layout]["reloaded"] for result in four_rank_runs for layout in DP_LAYOUTS]
     assert reloads and all(r == {"params": 0.0, "moments": 0.0} for r in reloads), reloads
+    assert [result[name]["tp"]["from_one_process"] for result in runs] == [0.0, 0.0]  # one process -> TP=2
 
 
 @pytest.mark.parametrize("name", TP_CASES)
