@@ -4,8 +4,8 @@
 
 Each run is ``torchrun --nproc_per_node 2 bench/exit_stress.py --worker LAYOUT OUT``: a tiny model of the type the
 layout names (qwen3_moe under TP=2, hunyuan_v1_moe under EP=2 x FSDP2, qwen3_5_text under PP=2: the runs that once
-ended in "terminate called without an active exception"), 3 optimizer steps, a checkpoint at step 2 (not under TP,
-which cannot checkpoint TP-split fused experts), the final model saved, rank 0 writes ``result.json``. A run is clean when torchrun exits 0, neither rank printed "terminate called" and the
+ended in "terminate called without an active exception"), 3 optimizer steps, a checkpoint at step 2 (not under TP:
+kept as measured, when hf_dist refused checkpoints of TP-split fused experts), the final model saved, rank 0 writes ``result.json``. A run is clean when torchrun exits 0, neither rank printed "terminate called" and the
 result was written. ``--hog`` busy loops compete for the cores meanwhile (the abort is a race with exit).
 Prints one row per layout: runs, clean, the abnormal exit codes, the median wall time; the logs of abnormal runs are
 kept under ``--keep``. The recipe under ``accelerate launch`` has its own stress bench, ``bench/stress.py``.
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# layout -> (model type, config overrides, DistTrainingArguments overrides). TP-split fused MoE experts cannot be
-# checkpointed (hf_dist refuses it), so that run saves only its final model.
+# layout -> (model type, config overrides, DistTrainingArguments overrides). The TP run saves only its final model,
+# as when docs/benchmarks.md's figures were measured (TP-split fused MoE experts could not be checkpointed then).
 LAYOUTS: dict[str, tuple[str, dict, dict]] = {
     "tp2": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2}, {"tp_size": 2, "save_strategy": "no"}),
     "ep2": ("hunyuan_v1_moe", {"num_experts": 4, "moe_topk": 2, "head_dim": 8},

@@ -6,7 +6,8 @@ deepseek_v3 (grouped routing, shared expert, first layer dense; its latent atten
 plan): routed experts split along their intermediate dimension, router whole. A 4-rank spawn runs TP=2 x FSDP2 and
 TP=2 x replicated dp=2 (qwen3_moe, gpt_oss). Every case: 3 AdamW steps with gradient clipping active; losses,
 gradient norms and every parameter within 1e-5 of one process. Also: the final save reloads with from_pretrained,
-sharded checkpoints of split [gate_r | up_r] are refused, DistTrainer tp_size=2 equals DistTrainer in one process.
+and every layout's sharded checkpoint (split [gate_r | up_r] written block by block) loads into a fresh model and
+optimizer of the same layout equal in every value. DistTrainer with checkpoints: ``test_moe_tp_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference, 
 TP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
-def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layout: str = "tp",
+def _tp(name: str, batches: list[dict], rank: int, world: int, ckpt: str, tp: int = 2, layout: str = "tp",
         save_to: str | None = None) -> dict:
     """TP over ``tp`` ranks; the other ``world // tp`` ranks data-parallel (``layout``: FSDP2 or replicated)."""
     from transformers import Trainer
@@ -35,8 +36,12 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layo
     fsdp = layout == "fsdp"
     dims = ParallelDims(world_size=world, tp=tp, dp_shard=dp if fsdp else 1, dp_replicate=1 if fsdp else dp)
     dims.build_mesh("cpu")
-    model = parallelize(moe_model(name), dims, fsdp=FsdpRequest() if fsdp else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+    def build():
+        model = parallelize(moe_model(name), dims, fsdp=FsdpRequest() if fsdp else None)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+    model, optimizer = build()
     losses, norms = [], []
     for batch in batches:
         loss = model(**_slice(batch, rank // tp, dp)).loss  # tp is the innermost mesh dimension
@@ -51,21 +56,58 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, tp: int = 2, layo
         from hf_dist.state_dict import save_gathered
 
         save_gathered(model, save_to)
-    try:
-        from hf_dist.checkpoint.api import check_checkpointable
-
-        check_checkpointable(model)
-        checkpoint = "allowed"
-    except ValueError as error:
-        checkpoint = str(error)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     local = {(tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj.to_local().shape)) for m in experts}
-    return {"losses": losses, "norms": norms, "state": full_state_dict(model), "experts": local, "checkpoint": checkpoint}
+    state = full_state_dict(model)
+    out = {"losses": losses, "norms": norms, "state": state, "experts": local,
+           "reloaded": _checkpoint_round_trip(f"{ckpt}/{name}_{layout}", model, optimizer, dims, build)}
+    if layout == "tp":  # a one-process checkpoint (other weights: seed 1) read into the split experts
+        from hf_dist.checkpoint import load_checkpoint
+
+        fresh, _ = build()
+        load_checkpoint(_one_process_checkpoint(ckpt, name), model=fresh, restore_rng=False)
+        saved = _seed1_model(name).state_dict()
+        out["from_one_process"] = max(float((v - saved[k]).abs().max()) for k, v in full_state_dict(fresh).items())
+    return out
+
+
+def _one_process_checkpoint(root: str, name: str) -> str:
+    return f"{root}/one_process_{name}"
+
+
+def _seed1_model(name: str):
+    from hf_dist.models.tiny import build_tiny_model
+
+    return build_tiny_model(moe_config(name), seed=1)
+
+
+def _checkpoint_round_trip(path: str, model, optimizer, dims, build) -> dict:
+    """Save a sharded checkpoint, load it into a fresh model and optimizer of the same layout: the largest
+    difference of any parameter and of any optimizer state tensor (whole tensors)."""
+    from hf_dist.checkpoint import load_checkpoint, save_checkpoint
+
+    async_save = dims.dp == 1  # TP alone: through the background writer and its staged copies
+    save_checkpoint(path, model=model, optimizer=optimizer, step=STEPS, samples_consumed=0, layout=dims,
+                    batch_contract=None, async_save=async_save).result()
+    fresh, fresh_optimizer = build()
+    load_checkpoint(path, model=fresh, optimizer=fresh_optimizer, restore_rng=False)
+    from torch.distributed.tensor import DTensor
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    pairs = list(zip(model.parameters(), fresh.parameters()))
+    params = [(whole(p), whole(q)) for p, q in pairs]
+    moments = [(whole(optimizer.state[p][k]), whole(fresh_optimizer.state[q][k]))
+               for p, q in pairs for k in ("exp_avg", "exp_avg_sq")]
+    return {kind: max(float((a - b).abs().max()) for a, b in found) for kind, found in (("params", params),
+                                                                                       ("moments", moments))}
 
 
 def _two_ranks(rank, world, root):
     batches = token_batches(STEPS, GLOBAL_BATCH)
-    return {name: {"ref": _reference(name, batches, 1), "tp": _tp(name, batches, rank, world, save_to=f"{root}/{name}")}
+    return {name: {"ref": _reference(name, batches, 1),
+                   "tp": _tp(name, batches, rank, world, f"{root}/ckpt", save_to=f"{root}/{name}")}
             for name in TP_CASES}
 
 
@@ -76,6 +118,12 @@ def saved_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(saved_root):
+    from hf_dist import ParallelDims
+    from hf_dist.checkpoint import save_checkpoint
+
+    for name in TP_CASES:  # saved by one process, read by the TP=2 ranks
+        save_checkpoint(_one_process_checkpoint(f"{saved_root}/ckpt", name), model=_seed1_model(name), optimizer=None,
+                        step=0, samples_consumed=0, layout=ParallelDims(world_size=1), batch_contract=None)
     return run_distributed(_two_ranks, 2, str(saved_root))
 
 
@@ -83,17 +131,17 @@ FOUR_RANK_CASES = ("qwen3_moe", "gpt_oss")
 DP_LAYOUTS = ("fsdp", "ddp")
 
 
-def _four_ranks(rank, world):
+def _four_ranks(rank, world, root):
     """TP=2 x FSDP2 and TP=2 x replicated dp=2 on 4 ranks (gpt_oss: the expert biases under FSDP2 too)."""
     batches = token_batches(STEPS, GLOBAL_BATCH)
     return {name: {"ref": _reference(name, batches, 2),
-                   **{layout: _tp(name, batches, rank, world, layout=layout) for layout in DP_LAYOUTS}}
+                   **{layout: _tp(name, batches, rank, world, root, layout=layout) for layout in DP_LAYOUTS}}
             for name in FOUR_RANK_CASES}
 
 
 @pytest.fixture(scope="module")
-def four_rank_runs():
-    return run_distributed(_four_ranks, 4)
+def four_rank_runs(tmp_path_factory):
+    return run_distributed(_four_ranks, 4, str(tmp_path_factory.mktemp("moe_tp_ckpt4")))
 
 
 @pytest.mark.parametrize("layout", DP_LAYOUTS)
@@ -123,14 +171,15 @@ def _check(runs, name, layout):
 
 
 @pytest.mark.parametrize("name", TP_CASES)
-def test_sharded_checkpoints_of_split_gate_up_are_refused_before_any_write(runs, name):
-    """DCP stores one block per rank; [gate_r | up_r] is two (concatenated layouts). gpt-oss interleaves gate and
-    up, so its shard is one block and it checkpoints."""
-    message = runs[0][name]["tp"]["checkpoint"]
-    if name == "gpt_oss":
-        assert message == "allowed"
-    else:
-        assert "torch.distributed.checkpoint cannot store" in message and "mlp.experts.gate_up_proj" in message
+def test_sharded_checkpoints_under_tp_reload_exactly(runs, four_rank_runs, name):
+    """[gate_r | up_r] (concatenated layouts) is two blocks per rank, written and read block by block; gpt-oss
+    interleaves gate and up, one block. TP=2 (saved in the background: ``async_save``), and TP=2 x FSDP2 / x DDP on
+    4 ranks (qwen3_moe, gpt_oss); a one-process checkpoint read by TP=2."""
+    reloads = [result[name]["tp"]["reloaded"] for result in runs]
+    if name in FOUR_RANK_CASES:
+        reloads += [result[name][layout]["reloaded"] for result in four_rank_runs for layout in DP_LAYOUTS]
+    assert reloads and all(r == {"params": 0.0, "moments": 0.0} for r in reloads), reloads
+    assert [result[name]["tp"]["from_one_process"] for result in runs] == [0.0, 0.0]  # one process -> TP=2
 
 
 @pytest.mark.parametrize("name", TP_CASES)
@@ -160,47 +209,3 @@ def test_an_expert_width_tp_does_not_divide_is_refused_before_launch():
     with pytest.raises(ValueError, match="tp=2 does not divide moe_intermediate_size=25"):
         check_tp_sizes(config, 2)
     assert valid_tp_sizes(moe_config("gpt_oss")) == [1, 2]  # 4 heads, 2 KV heads, intermediate_size=24
-
-
-def _trainer(output_dir: str, *, tp: int, save_strategy: str = "no") -> dict:
-    from test_expert_parallel_trainer import _model
-    from trainer_harness import full_parameters, token_dataset
-
-    from hf_dist import DistTrainer, DistTrainingArguments
-
-    args = DistTrainingArguments(
-        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=4, global_batch_size=8,
-        learning_rate=1e-3, report_to=[], seed=0, data_seed=0, disable_tqdm=True, logging_steps=1,
-        dataloader_num_workers=0, max_grad_norm=MAX_NORM, save_strategy=save_strategy, use_cpu=tp == 1,
-        **({"tp_size": tp} if tp > 1 else {}),
-    )
-    trainer = DistTrainer(model=_model(), args=args, train_dataset=token_dataset())
-    trainer.train()
-    logs = trainer.state.log_history
-    return {"losses": [log["loss"] for log in logs if "loss" in log],
-            "norms": [log["grad_norm"] for log in logs if "grad_norm" in log],
-            "params": {k: v.detach().clone() for k, v in full_parameters(trainer).items()}}
-
-
-def _trainer_ranks(rank, world, root):
-    try:
-        _trainer(f"{root}/refused", tp=2, save_strategy="steps")
-        refused = ""
-    except ValueError as error:
-        refused = str(error)
-    return {"tp": _trainer(f"{root}/tp", tp=2), "refused": refused}
-
-
-def test_dist_trainer_tp2_on_qwen3_moe_equals_one_process(tmp_path):
-    """DistTrainer with tp_size=2 (router aux loss on, clipping active) against DistTrainer in one process; with
-    checkpoints on, the layout is refused before training (DCP cannot store [gate_r | up_r])."""
-    ranks = run_distributed(_trainer_ranks, 2, str(tmp_path))
-    ref = _trainer(str(tmp_path / "one"), tp=1)
-    assert min(ref["norms"]) > MAX_NORM and len(ref["losses"]) == STEPS
-    for rank, result in enumerate(ranks):
-        assert "torch.distributed.checkpoint cannot store" in result["refused"], result["refused"]
-        run = result["tp"]
-        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
-        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
-        for key, value in ref["params"].items():
-            assert_close(run["params"][key], value, atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")

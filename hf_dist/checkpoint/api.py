@@ -1,7 +1,8 @@
 """Save a training checkpoint of a DDP, FSDP2, TP, PP (or product) model, atomically.
 
 ``save_checkpoint`` is collective (every rank calls it). Model and optimizer go through
-``torch.distributed.checkpoint`` (each rank writes its shards; DTensor/FSDP2/TP resharding on load is DCP's);
+``torch.distributed.checkpoint`` (each rank writes its shards; DTensor/FSDP2/TP resharding on load is DCP's; a
+shard that is several blocks of its tensor, MoE experts' ``[gate_r | up_r]`` under TP, block by block: ``blocks``);
 the LR scheduler and grad scaler go to ``train_state.pt`` (read back with ``weights_only=True``); each rank's
 RNG to ``rng/rank_XXXXX.safetensors``; the HF config / tokenizer / adapter config to ``hf/``. Everything is
 written into ``.<name>.partial`` next to the target, fsynced, committed by rename, then marked complete, and
@@ -119,22 +120,6 @@ class SaveHandle:
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def check_checkpointable(model: torch.nn.Module) -> None:
-    """``ValueError`` when a parameter's local shard is several blocks (``loading.slices.multi_block``): DCP
-    describes each rank's shard as one block and refuses the save, after training. Called before training
-    (DistTrainer) and before any write (``save_checkpoint``)."""
-    from hf_dist.loading.slices import multi_block
-
-    names = [name for name, param in unwrap_model(model).named_parameters() if multi_block(param)]
-    if names:
-        raise ValueError(
-            f"{len(names)} parameters ({names[0]}, ...) are split part by part under TP (MoE experts' fused "
-            f"[gate | up]: each rank holds [gate_r | up_r], two blocks), which torch.distributed.checkpoint cannot "
-            f"store; sharded checkpoints of this layout are not available yet. Use save_strategy='no' and save the "
-            f"final model (DistTrainer.save_model), or expert parallelism (ep_size) instead of tp_size for this model"
-        )
-
-
 def _model_and_optim_state(model, optimizer) -> dict:
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -209,7 +194,6 @@ def save_checkpoint(
     """
     rank, world = rank_world()
     _check_save_inputs(layout, batch_contract, world, step, samples_consumed, extra_files)
-    check_checkpointable(model)
     saver = AsyncCheckpointer() if async_save is True else async_save or None
     state = _model_and_optim_state(model, optimizer)
     contents = ["model"] + (["optimizer"] if optimizer is not None else []) + ["rng"]

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
 
+from hf_dist.checkpoint.blocks import BlockLoadPlanner
 from hf_dist.file_modes import save_safetensors
 
 _DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -69,8 +70,9 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that reads non-tensor entries with ``torch.load(weights_only=True)``."""
+class SafeLoadPlanner(BlockLoadPlanner):
+    """DCP's load planner (multi-block DTensors read block by block: ``blocks``) that reads non-tensor entries
+    with ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hf_dist.checkpoint import manifest as mf
+from hf_dist.checkpoint.blocks import BlockSavePlanner
 from hf_dist.checkpoint.retention import RetentionPolicy, apply_retention
 from hf_dist.file_modes import save_safetensors
 
@@ -117,7 +118,8 @@ def write_and_commit(job: SaveJob, group=None, prior_error: str | None = None) -
     try:
         writer = dcp.FileSystemWriter(str(job.partial / DCP_DIR), sync_files=True)
         with quiet_single_process():
-            dcp.save(job.state, storage_writer=writer, process_group=group, no_dist=world == 1)
+            dcp.save(job.state, storage_writer=writer, planner=BlockSavePlanner(), process_group=group,
+                     no_dist=world == 1)
         _write_rank_files(job, rank)
     except Exception as err:
         error = f"writing {job.target} failed on rank {rank}: {err!r}"

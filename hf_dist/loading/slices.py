@@ -64,7 +64,8 @@ def _splits(placement) -> bool:
 
 def multi_block(param: torch.Tensor) -> bool:
     """Whether this rank's shard of ``param`` is several blocks of the whole tensor (a ``_StridedShard`` on a
-    dimension nothing else shards: MoE experts' ``[gate_r | up_r]`` under TP), which DCP cannot describe."""
+    dimension nothing else shards: MoE experts' ``[gate_r | up_r]`` under TP), which DTensor's own checkpoint
+    hooks describe as one block (``checkpoint.blocks`` writes and reads it block by block)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(param, DTensor) or not any(isinstance(p, _StridedShard) for p in param.placements):
@@ -73,7 +74,7 @@ def multi_block(param: torch.Tensor) -> bool:
     return len(dims) == len(set(dims))  # FSDP2 over TP on one dimension: torch's one block (``_global_block``)
 
 
-def _strided_blocks(param: DTensor) -> list[tuple[Index, Index]]:
+def strided_blocks(param: DTensor) -> list[tuple[Index, Index]]:
     """Blocks of a DTensor with a ``_StridedShard`` (each dimension sharded at most once): per dimension, the HF
     indices this rank holds (each placement's own ``_split_tensor`` applied to ``arange``), read in runs."""
     import itertools
@@ -99,7 +100,7 @@ def local_blocks(param: torch.Tensor, fused: tuple[tuple[int, ...], int] | None 
     ``fused`` is ``(part row counts, tp)`` for a ``FusedColwiseParallel`` Linear (``styles.FUSED_PARTS_ATTR``).
     """
     if multi_block(param) and fused is None:
-        return _strided_blocks(param)
+        return strided_blocks(param)
     shape, offset = _global_block(param)
     local = local_tensor(param)
     if tuple(local.shape) != shape:

@@ -9,7 +9,8 @@ the experts module transformers' ``use_experts_implementation`` builds (``is_con
 
 - ``gate_up_proj`` (``[E, 2I, H]``, or ``[E, H, 2I]`` transposed): gate and up are fused. Concatenated
   (``[gate | up]``: Qwen3-MoE, Mixtral, DeepSeek-V3) it is stored as ``_StridedShard(split_factor=2)`` so rank r
-  holds ``[gate_r | up_r]`` while the global tensor (saves, ``full_tensor``) keeps the HF order; interleaved
+  holds ``[gate_r | up_r]`` while the global tensor (saves, ``full_tensor``) keeps the HF order (sharded
+  checkpoints write the two blocks as two chunks of it: ``hf_dist/checkpoint/blocks.py``); interleaved
   (gate at even, up at odd features: gpt-oss) an even contiguous split already keeps each gate/up pair together.
   Its bias (gpt-oss) is split the same way.
 - ``down_proj`` (``[E, H, I]``, or ``[E, I, H]`` transposed): split on the intermediate dimension (row-parallel).

@@ -112,10 +112,6 @@ class DistTrainer(Trainer):
                 model = apply_owned_layout(model, args, self.dims)
             elif compile_glue.compile_request(args) is not None:  # accelerate wraps it (DDP) or nothing does
                 compile_blocks(find_blocks(model), compile_glue.compile_request(args))
-        if self.owns_layout and args.save_strategy != "no":  # refused before training, not at the first save
-            from hf_dist.checkpoint.api import check_checkpointable
-
-            check_checkpointable(model)
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
         fsdp = args.hf_dist_fsdp
         recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
