@@ -200,7 +200,7 @@ def test_an_ep_layout_is_written_and_accepted_as_it_was_asked(gpu_node, tmp_path
         layout = Layout(strategy=strategy, num_gpus=8, ep=4)
         folder = tmp_path / strategy
         argv = ["config", "--strategy", strategy, "--gpus", "8", "--ep", "4", "--micro-batch", "1",
-                "--global-batch", "16", "--model", "qwen2", "--out", str(folder)]
+                "--global-batch", "16", "--model", "qwen3_moe", "--out", str(folder)]
         assert cli_main(argv) == 0
         assert "--ep_size 4" in (folder / "launch.sh").read_text()
         resolved = _trainer_view(layout, folder).layout
@@ -269,3 +269,18 @@ def test_deepspeed_with_fsdp_and_hsdp_without_resharding_are_refused_by_layout_f
                               fsdp2_reshard_after_forward=False)
     assert str(run.value) == str(rule.value)
     assert Layout.fsdp_strategy(dp_replicate=1, reshard_after_forward=False) == "fsdp_shard_grad_op"
+
+
+def test_config_with_a_model_refuses_what_the_run_refuses_for_it(tmp_path, capsys):
+    """``hf-dist config --model`` asks ``hf_dist.support.model_refusals`` (the run's own answer) before writing."""
+    from transformers import AutoConfig
+
+    from hf_dist.support import model_refusals
+
+    layout = Layout(strategy="fsdp_full_shard", num_gpus=8, ep=4)
+    reasons = model_refusals(AutoConfig.for_model("qwen2"), layout)  # a dense model: EP has no experts to split
+    assert reasons
+    argv = ["config", "--strategy", "fsdp_full_shard", "--gpus", "8", "--ep", "4", "--micro-batch", "1",
+            "--global-batch", "16", "--model", "qwen2", "--out", str(tmp_path / "out")]
+    assert cli_main(argv) == 2
+    assert reasons[0] in capsys.readouterr().err and not (tmp_path / "out").exists()
