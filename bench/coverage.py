@@ -63,7 +63,8 @@ def default_refusal(model_type: str, parallelism: str) -> str | None:
 
     from hf_dist.support import model_refusals
 
-    layout = SimpleNamespace(**{p: 2 if p == parallelism else 1 for p in ("tp", "pp", "ep", "cp")}, vocab_parallel=False)
+    degrees = {p: 2 if p == parallelism else 1 for p in ("tp", "pp", "ep", "cp")}
+    layout = SimpleNamespace(**degrees, vocab_parallel=False)
     try:
         reasons = model_refusals(AutoConfig.for_model(model_type), layout)
     except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more

@@ -162,7 +162,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _moe("mixtral", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, planner=PlannerShape()),
     _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP, tp_classic=MPT_TP, pp_modules=(("wte", "blocks", "norm_f"), _HEAD)),
     _dense("nanochat", tp=TP_SWEEP),
-    _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model", pp_modules=_LAYERS_PP),  # transformers ships its plan
+    _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model",  # transformers ships its TP plan
+             pp_modules=_LAYERS_PP),
     _hybrid("nemotron_h", ep=EP_TESTS, refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
     _dense("olmo", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo2", tp=TP_SWEEP, pp=PP_SWEEP),

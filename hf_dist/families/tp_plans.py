@@ -296,6 +296,7 @@ class HeadNorm:
 
 
 SHARED_QK_LAYERNORM = HeadNorm("qk_layernorm", ("model.layers.*.self_attn.q_layernorm",
-                                                "model.layers.*.self_attn.k_layernorm"), "replicated_with_grad_allreduce")
+                                                "model.layers.*.self_attn.k_layernorm"),
+                               "replicated_with_grad_allreduce")
 PER_HEAD_QK_NORM = HeadNorm("use_qk_norm", ("model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"),
                             "head_sharded_norm")

@@ -58,7 +58,8 @@ class PrivateMember:
 
 _T, _A = "transformers.Trainer", "accelerate.Accelerator"
 _MODEL, _MODULE, _DTENSOR = "transformers.PreTrainedModel", "torch.nn.Module", "torch.distributed.tensor.DTensor"
-_COLWISE, _ROWWISE = "torch.distributed.tensor.parallel.ColwiseParallel", "torch.distributed.tensor.parallel.RowwiseParallel"
+_COLWISE = "torch.distributed.tensor.parallel.ColwiseParallel"
+_ROWWISE = "torch.distributed.tensor.parallel.RowwiseParallel"
 _ATEN = "torch.ops.aten"
 
 
@@ -90,7 +91,8 @@ OUTSIDE_THE_TRAINER: tuple[PrivateMember, ...] = (
        "a parameter swapped for its shard or a local view without re-registering hooks"),
     _m(_MODULE, "_modules", "set", "pipeline_parallel.stage_module",
        "a stage is a view of the model's own children under their names (checkpoint keys unchanged)"),
-    _m(_MODULE, "_buffers", "set", "tensor_parallel.hybrid_styles", "a buffer (Falcon-H1's muP vector) sliced per rank"),
+    _m(_MODULE, "_buffers", "set", "tensor_parallel.hybrid_styles",
+       "a buffer (Falcon-H1's muP vector) sliced per rank"),
     _m(_MODULE, "_get_name", "patch", "parallelism",
        "the model still prints as its own class, not FSDP2's FSDP<Class> wrapper"),
     _m("torch.Tensor", "_base", "read", "planner.measure", "views are counted once, by the storage they view"),
@@ -294,7 +296,8 @@ def _resolve(path: str):
 
 
 def _has(owner, name: str) -> bool:
-    """An attribute, or an instance attribute the class declares (``nn.Module._parameters``, ``DTensor._local_tensor``)."""
+    """An attribute, or an instance attribute its class declares (``nn.Module._parameters``,
+    ``DTensor._local_tensor``)."""
     return hasattr(owner, name) or any(name in getattr(k, "__annotations__", {}) for k in getattr(owner, "__mro__", ()))
 
 
