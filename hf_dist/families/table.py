@@ -35,6 +35,7 @@ PP_MOE = "tests/test_pp_moe.py"
 EP_TESTS = "tests/test_expert_parallel.py"
 CP_TESTS = "tests/test_context_parallel.py"
 
+
 def _row(kind: str, tp_plan: str = "model"):
     def make(model_type: str, *, tp=None, pp=None, ep=None, cp=None, refused=None, notes=None,
              tp_plan: str = tp_plan, **facts) -> Family:
@@ -58,8 +59,8 @@ _MAMBA2_SIZES = {name: name for name in ("mamba_n_groups", "mamba_n_heads", "num
 _GQA = dict(tp_replicated_kv=True, tp_sequence_parallel=True)  # separate q/k/v Linears, Llama's module names
 
 
-# classic types: hf_dist's own TP plans (tensor_parallel/classic.py), proven by the sweep, even where transformers
-# later ships one (5.24 ships gptj's and codegen's)
+# classic types: hf_dist's own TP plans (tp_plans.py, applied by tensor_parallel/classic.py), proven by the sweep,
+# even where transformers ships one later (5.24 ships gptj's and codegen's)
 _dense, _moe, _hybrid, _classic = _row("dense"), _row("moe"), _row("hybrid"), _row("classic", tp_plan="hf_dist")
 _CODEGEN_TP = ("its qkv_proj packs q, v and k in blocks of a hard-coded mp_num=4 that its forward reshapes; a rank's "
                "share of a plain column split (transformers' plan from 5.24) is not whole heads, and no parity test "
