@@ -24,8 +24,9 @@ stands for one path component (a layer index). hf_dist's overlays:
   whole otherwise (``_embeddings``).
 
 For the types whose registry record chooses hf_dist's plan (``Family.tp_plan``: the classic types GPT-2, Falcon,
-OPT, BLOOM, GPT-J, ..., and gpt-oss), ``model_plan`` returns hf_dist's own plan from ``classic.py`` / ``moe.py`` (data, with styles from ``classic_styles.py``); the overlays above apply
-to it the same way. Which model types may use these plans at all is decided in ``support.py``; sizes are checked
+OPT, BLOOM, GPT-J, ..., and gpt-oss), ``model_plan`` returns hf_dist's own plan, carried by the record
+(``Family.tp_classic`` / ``tp_base_plan``, data in ``families/tp_plans.py``; styles from ``classic_styles.py``); the
+overlays above apply to it the same way. Which model types may use these plans at all is decided in ``support.py``; sizes are checked
 in ``checks.py``.
 Not for: applying plans (``apply.py``).
 """
