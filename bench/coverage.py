@@ -6,7 +6,9 @@ with ``cp_size > 1``).
 The statuses are the support decisions themselves (``hf_dist.tensor_parallel.support``,
 ``hf_dist.pipeline_parallel.support`` and ``hf_dist.expert_parallel.support``) on each type's default config; "yes"
 means the type passed its parity test against one process (tests/test_tp_sweep.py, tests/test_moe_tp.py for MoE
-TP, the PP sweep for PP, tests/test_expert_parallel.py for EP; "-": a dense model). Nothing is run here.
+TP, the PP sweep for PP, tests/test_expert_parallel.py for EP; "-": a dense model). Where a type's default config is
+refused at degree 2, the note gives the reason ``hf_dist.support.model_refusals`` gives (the run's own answer;
+``tests/test_coverage_doc.py`` checks every cell against it). Nothing is run here.
 
     python bench/coverage.py                      # print the table
     python bench/coverage.py --write docs/coverage.md --readme README.md   # also write the table, README counts
@@ -51,34 +53,43 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= 160 else reason[:157] + "..."
 
 
+def default_refusal(model_type: str, parallelism: str) -> str | None:
+    """What a run says of ``model_type``'s default config with ``parallelism`` at 2 and the others at 1: the first
+    reason of ``hf_dist.support.model_refusals`` (the entry point the trainer, the loader, the planner and
+    ``hf-dist config`` ask); ``None`` when it runs, or when the default config cannot be built."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from hf_dist.support import model_refusals
+
+    degrees = {p: 2 if p == parallelism else 1 for p in ("tp", "pp", "ep", "cp")}
+    layout = SimpleNamespace(**degrees, vocab_parallel=False)
+    try:
+        reasons = model_refusals(AutoConfig.for_model(model_type), layout)
+    except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more
+        return None
+    return reasons[0] if reasons else None
+
+
 def _default_layout_note(model_type: str) -> str | None:
     """For a TP-supported type whose default config no TP degree fits (multi-query Falcon, StarCoder 1): why."""
     from transformers import AutoConfig
 
-    from hf_dist.tensor_parallel.checks import check_tp_sizes, valid_tp_sizes
+    from hf_dist.tensor_parallel.checks import valid_tp_sizes
 
     try:
-        config = AutoConfig.for_model(model_type)
-        if valid_tp_sizes(config) != [1]:
+        if valid_tp_sizes(AutoConfig.for_model(model_type)) != [1]:
             return None
-        check_tp_sizes(config, 2)
-    except ValueError as error:
-        return f"TP: its default config is refused ({str(error).split('; tensor parallelism splits')[0]})"
     except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more
         return None
-    return None
+    why = default_refusal(model_type, "tp")
+    return f"TP: its default config is refused ({why.split('; tensor parallelism splits')[0]})" if why else None
 
 
 def _default_ep_note(model_type: str) -> str | None:
     """For an EP-proven type whose default config EP=2 refuses (its expert count, or none): why."""
-    from transformers import AutoConfig
-
-    from hf_dist.expert_parallel.support import ep_refusal
-
-    try:
-        why = ep_refusal(AutoConfig.for_model(model_type), 2)
-    except Exception:  # noqa: BLE001 - a default config that cannot be built says nothing more
-        return None
+    why = default_refusal(model_type, "ep")
     return f"EP: its default config is refused ({_short(why)})" if why else None
 
 

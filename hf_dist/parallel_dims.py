@@ -36,6 +36,14 @@ _FLATTENED = ("dp", "dp_shard_cp", "dp_cp")
 _EXPERT_FACTORS = ("pp", "efsdp", "ep")
 
 
+def valid_ep_sizes(dp: int, tp: int) -> list[int]:
+    """The expert-parallel degrees that factor the ``dp x tp`` ranks of a stage into ``efsdp x ep``: the one EP
+    divisibility rule, asked by ``hf_dist.strategy.Layout`` (in the training arguments' words, for the planner and
+    the run alike) and by ``ParallelDims`` (for a mesh built directly)."""
+    spread = dp * tp
+    return [d for d in range(1, spread + 1) if spread % d == 0]
+
+
 @dataclass(kw_only=True)
 class ParallelDims:
     """A factorisation of ``world_size`` into ``pp x dp_replicate x dp_shard x cp x tp``."""
@@ -94,9 +102,8 @@ class ParallelDims:
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"ep={self.ep} with cp={self.cp}: the expert mesh factors the dp x tp ranks of a stage; "
                              f"context-parallel ranks have no place in it; set cp=1 or ep=1")
-        if (self.dp * self.tp) % self.ep:
-            spread = self.dp * self.tp
-            valid = [d for d in range(1, spread + 1) if spread % d == 0]
+        if self.ep not in valid_ep_sizes(self.dp, self.tp):
+            spread, valid = self.dp * self.tp, valid_ep_sizes(self.dp, self.tp)
             raise ValueError(f"ep={self.ep} does not divide the {spread} ranks of a stage that experts spread over "
                              f"(dp_replicate x dp_shard x tp = {self.dp_replicate} x {self.dp_shard} x {self.tp}); "
                              f"use ep in {valid}")

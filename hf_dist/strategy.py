@@ -2,9 +2,10 @@
 
 ``Layout`` names a job's layout: the data-parallel flavour (``STRATEGIES``), GPUs per node and nodes, TP/PP/EP/CP
 degrees, offload, the TP options and LoRA. Its ``__post_init__`` holds the rules about which combinations hf_dist
-runs (a ``ValueError`` naming the value, the rule and the fix); the launch-config readers of ``hf_dist.trainer``
-refuse a few requests before a ``Layout`` exists (DeepSpeed and FSDP together, DeepSpeed stage 0, accelerate's
-``parallelism_config_sp_size``). ``Layout.dims`` maps a layout to ``ParallelDims``. The planner
+runs (a ``ValueError`` naming the value, the rule and the fix); the rules about what a launch may request before a
+``Layout`` exists (DeepSpeed and FSDP together, HYBRID_SHARD without resharding) are its static methods, which the
+launch-config readers of ``hf_dist.trainer`` call (they also refuse DeepSpeed stage 0 and accelerate's
+``parallelism_config_sp_size``, which name no layout). ``Layout.dims`` maps a layout to ``ParallelDims``. The planner
 (``hf_dist.planner``) chooses among ``Layout``s, config generation (``hf_dist.configs``) writes the files that
 launch one, and a training run resolves its one ``Layout`` from its arguments and launcher
 (``hf_dist.trainer.layout.resolve_layout``, in ``DistTrainingArguments``), which the trainer,
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hf_dist.parallel_dims import ParallelDims
+from hf_dist.parallel_dims import ParallelDims, valid_ep_sizes
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"]
 STRATEGIES: tuple[str, ...] = (
@@ -140,6 +141,24 @@ class Layout:
         self._check_data_parallel()
         self._check_expert_parallel()
 
+    @staticmethod
+    def check_one_engine(*, deepspeed: bool, fsdp: bool) -> None:
+        """DeepSpeed and FSDP are two data-parallel engines: a request for both is refused (asked by the launch-config
+        readers before a ``Layout`` exists, and by ``resolve_layout``)."""
+        if deepspeed and fsdp:
+            raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
+
+    @staticmethod
+    def fsdp_strategy(*, dp_replicate: int, reshard_after_forward: bool) -> Strategy:
+        """The FSDP2 strategy of a launch's FSDP options: HYBRID_SHARD with ``dp_replicate > 1`` (it reshards after
+        forward: the other request is refused), else FULL_SHARD or SHARD_GRAD_OP by ``reshard_after_forward``."""
+        if dp_replicate > 1:
+            if not reshard_after_forward:
+                raise ValueError(f"fsdp2_dp_replicate={dp_replicate} (HYBRID_SHARD) with fsdp2_reshard_after_forward"
+                                 f"=False: hf_dist's HSDP reshards after forward; drop one of them")
+            return "fsdp_hybrid_shard"
+        return "fsdp_full_shard" if reshard_after_forward else "fsdp_shard_grad_op"
+
     def _check_expert_parallel(self) -> None:
         """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP, alone on a stage's data-parallel ranks: the layouts a
         parity test holds against one process (tests/test_expert_parallel.py). Everything else is refused here."""
@@ -167,8 +186,8 @@ class Layout:
         if self.offload != "none":
             raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: expert shards are not offloaded "
                              f"(no parity test covers it); drop the offload or set ep_size=1")
-        if self.dp % self.ep:
-            valid = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+        if self.ep not in valid_ep_sizes(self.dp, self.tp):  # tp == 1 here (TP x EP is refused above)
+            valid = valid_ep_sizes(self.dp, self.tp)
             raise ValueError(f"ep_size={self.ep} does not divide the {self.dp} data-parallel ranks (world "
                              f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp}) that experts spread over; "
                              f"use ep_size in {valid}")

@@ -11,9 +11,9 @@ model-family registry (``hf_dist.families``) for what is proven:
 
 ``DistTrainer`` (its model, and each ``model_init`` model), ``hf_dist.from_pretrained`` (the config, before any
 weight) and the Harbor recipe (before it writes data) ask it through ``hf_dist.trainer.model_support``; the planner
-asks it directly (``planner.chooser``), so it never proposes a cell the run refuses. ``tests/test_families.py``
-checks over every causal-LM type that a cell it accepts is one the registry proves. ``hf-dist config`` checks no
-model. Pure: no process group, no weights (``AutoConfig.from_pretrained`` is enough).
+asks it directly (``planner.chooser``), so it never proposes a cell the run refuses; ``hf-dist config --model``
+asks it before writing a file, and ``bench/coverage.py`` for what the run says of each type's default config.
+``tests/test_families.py`` checks over every causal-LM type that a cell it accepts is one the registry proves. Pure: no process group, no weights (``AutoConfig.from_pretrained`` is enough).
 """
 
 from __future__ import annotations

@@ -46,3 +46,24 @@ def test_readme_counts_are_the_registry_today(generated):
     readme = (ROOT / "README.md").read_text()
     summary = readme.split("<!-- coverage table: start -->\n")[1].split("<!-- coverage table: end -->")[0]
     assert DATE.sub(" on DATE.", summary.strip()) == DATE.sub(" on DATE.", generated.splitlines()[0])
+
+
+def test_the_table_and_the_runs_answer_on_each_default_config_agree(generated):
+    """Every TP / PP / EP cell against ``hf_dist.support.model_refusals`` (what the trainer, the loader, the planner
+    and ``hf-dist config`` ask) on the type's default config at degree 2: "yes" without a default-config note is
+    exactly a layout the run accepts."""
+    from transformers import AutoConfig
+
+    coverage = _coverage_module()
+    disagree = []
+    for model_type, tp, pp, ep, note in coverage.coverage_rows():
+        try:
+            AutoConfig.for_model(model_type)
+        except Exception:  # noqa: BLE001 - no default config: nothing for the run to answer
+            continue
+        for parallelism, cell in (("tp", tp), ("pp", pp), ("ep", ep)):
+            table_runs = cell == "yes" and f"{parallelism.upper()}: its default config is refused" not in note
+            run_runs = coverage.default_refusal(model_type, parallelism) is None
+            if table_runs != run_runs:
+                disagree.append((model_type, parallelism, cell, coverage.default_refusal(model_type, parallelism)))
+    assert disagree == []

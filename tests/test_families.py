@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -107,31 +108,139 @@ def test_records_refuse_contradictions_and_unknown_types_prove_nothing():
     assert unknown.kind == "unknown" and not any(unknown.proves(p) for p in PARALLELISMS)
 
 
-def test_no_support_decision_outside_the_registry_names_a_model_type():
-    """The support modules of each parallelism hold no list of model types: they read the registry."""
+def _model_type_decisions(source: str) -> list[tuple[int, str]]:
+    """``(line, what)`` for every place in ``source`` that decides by a model-type name: a comparison or membership
+    test of a ``model_type`` value, a lookup keyed by one (``table[config.model_type]``, ``.get(model_type)``), a
+    model-type string compared with anything, and a dict, set, tuple or list literal holding model-type strings."""
+    import ast
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    names = set(CONFIG_MAPPING_NAMES) | set(FAMILIES)
+
+    def is_type_string(node) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names
+
+    def mentions_model_type(node) -> bool:
+        """Whether ``node`` reads a model type, other than to ask the registry for its record."""
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("family", "family_of"):
+            return False
+        if isinstance(node, ast.Name) and "model_type" in node.id:
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "model_type":
+            return True
+        if isinstance(node, ast.Constant) and node.value == "model_type":  # getattr(config, "model_type", None)
+            return True
+        return any(mentions_model_type(child) for child in ast.iter_child_nodes(node))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_type_string(side) for side in sides) or (
+                    any(mentions_model_type(side) for side in sides)
+                    and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops)):
+                found.append((node.lineno, "comparison"))
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and mentions_model_type(node.slice):
+            found.append((node.lineno, "lookup by model_type"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and node.args and mentions_model_type(node.args[0])):
+            found.append((node.lineno, ".get(model_type)"))
+        elif isinstance(node, ast.Dict) and any(is_type_string(k) for k in node.keys if k is not None):
+            found.append((node.lineno, "dict keyed by model types"))
+        elif isinstance(node, (ast.Set, ast.Tuple, ast.List)) and any(is_type_string(e) for e in node.elts):
+            found.append((node.lineno, "collection of model types"))
+    return found
+
+
+def test_the_scan_finds_each_form_of_model_type_decision():
+    """The scan below would catch each way of deciding by model type (a check that cannot fail is no check)."""
+    forms = [
+        'if config.model_type == "gpt_oss": pass',
+        'x = model_type in ("llama", "mistral")',
+        'x = getattr(config, "model_type", None) not in SUPPORTED',
+        'x = PLANS[config.model_type]',
+        'x = PLANS.get(getattr(config, "model_type", None), {})',
+        'PLANS = {"gpt2": 1}',
+        'TYPES = ("qwen3_moe", "mixtral")',
+        'x = name == "qwen2"',
+    ]
+    for form in forms:
+        assert _model_type_decisions(form), form
+    clean = ('record = family(getattr(config, "model_type", None))\nmsg = f"model_type={config.model_type!r}"\n'
+             'table[model_type] = "yes"\nif family(config.model_type).planner is None: pass')
+    assert _model_type_decisions(clean) == []
+
+
+def test_no_code_outside_the_registry_decides_by_model_type():
+    """Outside ``hf_dist/families/`` no module of hf_dist compares, looks up or lists model types: what hf_dist
+    knows about a type (plans, overlays, the planner's shapes, support) is a field of its registry record."""
     import pathlib
-    import re
 
     import hf_dist
 
     root = pathlib.Path(hf_dist.__file__).parent
-    pattern = re.compile(r"(?<!for )model_type *(==|in |not in )")
     offenders = []
-    for folder in ("tensor_parallel/support.py", "pipeline_parallel/support.py", "expert_parallel/support.py",
-                   "context_parallel/support.py", "support.py", "pipeline_parallel/plans.py"):
-        for number, line in enumerate((root / folder).read_text().splitlines(), 1):
-            if pattern.search(line):
-                offenders.append(f"{folder}:{number}: {line.strip()}")
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "families":
+            continue
+        offenders += [f"{path.relative_to(root)}:{line}: {what}"
+                      for line, what in _model_type_decisions(path.read_text())]
     assert offenders == []
 
 
 def test_tp_plan_source_is_hf_dists_exactly_where_hf_dist_writes_a_plan():
-    """``Family.tp_plan == "hf_dist"`` for the types with a plan in classic.py / moe.py (and codegen, refused by
+    """``Family.tp_plan == "hf_dist"`` for the types whose records carry hf_dist's plan (and codegen, refused by
     name), "model" for every other: which plan runs is the registry's choice, not whether transformers ships one."""
-    from hf_dist.families import FAMILIES
-    from hf_dist.tensor_parallel.classic import CLASSIC_TP
-    from hf_dist.tensor_parallel.moe import OWN_PLANS
+    from hf_dist.families import FAMILIES, types_with
 
     own = {t for t, f in FAMILIES.items() if f.tp_plan == "hf_dist"}
-    assert own - {"codegen"} == set(CLASSIC_TP) | set(OWN_PLANS)
+    assert own - {"codegen"} == set(types_with("tp_classic")) | set(types_with("tp_base_plan"))
     assert "tp" in FAMILIES["codegen"].refused
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t, f in FAMILIES.items() if f.planner is not None))
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_the_planners_shape_of_each_type_is_the_built_model(model_type, attention_bias):
+    """``hf-dist plan`` on a local config of a type whose record has a ``planner`` shape counts exactly the
+    parameters the model builds (per layer, and in all), biases switched on and off, MoE with a routed-expert
+    width different from the dense one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_dist.families import num_experts
+    from hf_dist.planner.catalogue import model_spec
+
+    default = AutoConfig.for_model(model_type)
+    if attention_bias and not hasattr(default, "attention_bias"):
+        pytest.skip(f"{model_type}'s config has no attention_bias")
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128,
+                                  tie_word_embeddings=False, **({"attention_bias": attention_bias}
+                                                               if hasattr(default, "attention_bias") else {}))
+    if num_experts(config):
+        for name in ("num_experts", "num_local_experts"):
+            if hasattr(config, name):
+                setattr(config, name, 4)
+        config.num_experts_per_tok, config.moe_intermediate_size = 2, 40
+        if not hasattr(default, "moe_intermediate_size"):
+            config.intermediate_size = 40  # the experts' width is intermediate_size here
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = model_spec(config)
+    assert spec.decoder_layer_classes == (type(model.model.layers[0]).__name__,)
+    built = sorted(p.numel() for p in model.model.layers[0].parameters())
+    assert sorted(math.prod(shape) for _, shape in spec.layer_param_shapes()) == built
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_planner_refuses_a_type_its_registry_does_not_describe_with_the_list_it_does(tmp_path):
+    from transformers import AutoConfig
+
+    from hf_dist.families import types_with
+    from hf_dist.planner.catalogue import model_spec
+
+    AutoConfig.for_model("olmo2").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type='olmo2' .* is not modelled by the planner; supported: "
+                                         + ", ".join(types_with("planner"))):
+        model_spec(str(tmp_path))

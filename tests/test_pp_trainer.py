@@ -109,8 +109,8 @@ def _fake_args(**values):
 
     from hf_dist.trainer.args import resolve_contract
 
-    args = SimpleNamespace(pp_size=2, pp_schedule="1f1b", pp_microbatches=None, global_batch_size=None,
-                           per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    args = SimpleNamespace(layout=SimpleNamespace(pp=2), pp_schedule="1f1b", pp_microbatches=None,
+                           global_batch_size=None, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     vars(args).update(values)
 
     def resolve():

@@ -200,7 +200,7 @@ def test_an_ep_layout_is_written_and_accepted_as_it_was_asked(gpu_node, tmp_path
         layout = Layout(strategy=strategy, num_gpus=8, ep=4)
         folder = tmp_path / strategy
         argv = ["config", "--strategy", strategy, "--gpus", "8", "--ep", "4", "--micro-batch", "1",
-                "--global-batch", "16", "--model", "qwen2", "--out", str(folder)]
+                "--global-batch", "16", "--model", "qwen3_moe", "--out", str(folder)]
         assert cli_main(argv) == 0
         assert "--ep_size 4" in (folder / "launch.sh").read_text()
         resolved = _trainer_view(layout, folder).layout
@@ -223,3 +223,64 @@ def test_one_mapping_to_parallel_dims(gpu_node, monkeypatch, tmp_path):
     assert args.hf_dist_fsdp.dp_shard == 4 and args.layout.dims == hybrid
     args = DistTrainingArguments(output_dir=str(tmp_path), tp_size=2)
     assert args.layout == Layout(strategy="ddp", num_gpus=4, num_nodes=2, tp=2)
+
+
+def _answer(build) -> str:
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return "runs"
+
+
+@pytest.mark.parametrize("world", [6, 8])
+def test_the_ep_size_rule_is_one_answer_for_the_planner_the_run_and_the_mesh(gpu_node, monkeypatch, tmp_path, world):
+    """"ep divides the ranks experts spread over" is stated once (``parallel_dims.valid_ep_sizes``): the planner's
+    ``Layout``, the training arguments and a ``ParallelDims`` built directly accept and refuse the same sizes, and
+    the planner and the run with the same words."""
+    from hf_dist.parallel_dims import ParallelDims
+    from hf_dist.planner.workload import make_layout
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for ep in range(1, world + 2):
+        for strategy, arguments in (("ddp", {}), ("fsdp_full_shard", {"fsdp2": True})):
+            planner = _answer(lambda: make_layout(strategy, world, ep=ep))
+            run = _answer(lambda: DistTrainingArguments(output_dir=str(tmp_path), ep_size=ep, **arguments))
+            mesh = _answer(lambda: ParallelDims(world_size=world, dp_shard=-1, ep=ep))
+            assert planner == run, (strategy, ep)
+            assert (planner == "runs") == (mesh == "runs") == (world % ep == 0), (strategy, ep, mesh)
+
+
+def test_deepspeed_with_fsdp_and_hsdp_without_resharding_are_refused_by_layout_for_every_reader(gpu_node, monkeypatch,
+                                                                                               tmp_path):
+    """The launch-config readers and ``resolve_layout`` ask ``Layout``'s rule; none words it again."""
+    with pytest.raises(ValueError) as rule:
+        Layout.check_one_engine(deepspeed=True, fsdp=True)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    with pytest.raises(ValueError) as run:
+        DistTrainingArguments(output_dir=str(tmp_path), deepspeed=str(config), fsdp2=True)
+    assert str(run.value) == str(rule.value)
+    with pytest.raises(ValueError) as rule:
+        Layout.fsdp_strategy(dp_replicate=2, reshard_after_forward=False)
+    with pytest.raises(ValueError) as run:
+        DistTrainingArguments(output_dir=str(tmp_path), fsdp2=True, fsdp2_dp_replicate=2,
+                              fsdp2_reshard_after_forward=False)
+    assert str(run.value) == str(rule.value)
+    assert Layout.fsdp_strategy(dp_replicate=1, reshard_after_forward=False) == "fsdp_shard_grad_op"
+
+
+def test_config_with_a_model_refuses_what_the_run_refuses_for_it(tmp_path, capsys):
+    """``hf-dist config --model`` asks ``hf_dist.support.model_refusals`` (the run's own answer) before writing."""
+    from transformers import AutoConfig
+
+    from hf_dist.support import model_refusals
+
+    layout = Layout(strategy="fsdp_full_shard", num_gpus=8, ep=4)
+    reasons = model_refusals(AutoConfig.for_model("qwen2"), layout)  # a dense model: EP has no experts to split
+    assert reasons
+    argv = ["config", "--strategy", "fsdp_full_shard", "--gpus", "8", "--ep", "4", "--micro-batch", "1",
+            "--global-batch", "16", "--model", "qwen2", "--out", str(tmp_path / "out")]
+    assert cli_main(argv) == 2
+    assert reasons[0] in capsys.readouterr().err and not (tmp_path / "out").exists()

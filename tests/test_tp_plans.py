@@ -219,24 +219,23 @@ def test_embedding_rowwise_is_the_vocab_parallel_embedding_or_kept_whole():
 
 @pytest.mark.parametrize("model_type", ["gptj", "gpt_oss", "gpt2"])
 def test_the_registry_chooses_hf_dists_plan_even_where_transformers_ships_one(model_type):
-    """gptj and gpt_oss: hf_dist's plans (classic.py, moe.py) are the ones their parity tests prove; a plan
+    """gptj and gpt_oss: hf_dist's plans (their records' tp_classic / tp_base_plan) are the ones their parity tests prove; a plan
     transformers adds later (5.24: gptj's full plan, gpt_oss's embedding-only plan) does not replace them."""
     from transformers import AutoConfig
 
     from hf_dist.families import family
-    from hf_dist.tensor_parallel.classic import CLASSIC_TP
-    from hf_dist.tensor_parallel.moe import OWN_PLANS
     from hf_dist.tensor_parallel.support import model_plan
 
-    assert family(model_type).tp_plan == "hf_dist"
+    record = family(model_type)
+    assert record.tp_plan == "hf_dist"
     config = AutoConfig.for_model(model_type)
     config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", "h.*.attn.q_proj": "colwise"}  # upstream's
     plan = model_plan(config)
-    if model_type in CLASSIC_TP:
-        assert plan == CLASSIC_TP[model_type].plan_for(config)
+    if record.tp_classic is not None:
+        assert plan == record.tp_classic.plan_for(config)
     else:
         assert plan["model.layers.*.self_attn"] == "local_sinks"
-        assert {p.removeprefix("model.") for p in plan} >= set(OWN_PLANS[model_type])
+        assert {p.removeprefix("model.") for p in plan} >= set(record.tp_base_plan)
 
 
 def test_codegen_is_refused_by_name_whether_or_not_transformers_ships_its_plan():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 
 import pytest
@@ -124,3 +125,93 @@ def _one_rank_run(rank, world_size, output_dir):
 def test_every_override_is_called_in_a_real_run(tmp_path):
     (called,) = run_distributed(_one_rank_run, 1, str(tmp_path))
     assert called == sorted(OVERRIDES)
+
+
+_STDLIB_PRIVATES = {"_action_groups", "_group_actions"}
+"""argparse's, read by configs.strict to list a parser's options by group (the standard library, not a package whose
+version range hf_dist declares)."""
+
+
+def _private_names_touched() -> dict[str, set[str]]:
+    """``{name: files}`` of the private names hf_dist reads or calls on objects it does not own -- attributes, getattr
+    strings, and names or modules imported from torch / transformers / accelerate / peft / trl -- leaving out the
+    attribute names hf_dist defines or assigns itself anywhere (a library member of the same name as one of
+    hf_dist's, ``nn.Module._apply`` beside the styles' ``_apply``, is listed by hand)."""
+    import pathlib
+
+    import hf_dist
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    own, touched = set(), {}
+    trees = {path: ast.parse(path.read_text()) for path in pathlib.Path(hf_dist.__file__).parent.rglob("*.py")}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                own.add(node.id if isinstance(node, ast.Name) else node.attr)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+                    "setattr", "__setattr__") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                own.add(node.args[1].value)
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            names, imported = [], False
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    names = [node.attr]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                names = [node.args[1].value]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                    "torch", "transformers", "accelerate", "peft", "trl"):
+                names, imported = [a.name for a in node.names], True  # the library's, whatever hf_dist names
+                if any(private(part) for part in node.module.split(".")):
+                    names.append(node.module)
+            for name in names:
+                if isinstance(name, str) and (private(name) or "._" in name) and (imported or name not in own):
+                    touched.setdefault(name, set()).add(path.name)
+    return touched
+
+
+def test_every_private_library_member_hf_dist_touches_is_registered():
+    """Not only the Trainer's: a private torch / transformers / accelerate member read anywhere in hf_dist is listed
+    in the registry (so the start-up guard checks it), or is the standard library's."""
+    registered = {m.name for m in internals.PRIVATE_MEMBERS} | {m.owner for m in internals.PRIVATE_MEMBERS}
+    touched = _private_names_touched()
+    assert {"_flatten", "_global_mapping", "_execution_engine", "_world", "_local_tensor"} <= set(touched)
+    unlisted = {name: sorted(files) for name, files in touched.items()
+                if name not in registered and name not in _STDLIB_PRIVATES}
+    assert unlisted == {}
+
+
+@pytest.mark.parametrize(("owner", "name"), [
+    ("torch.distributed.device_mesh.DeviceMesh", "_flatten"),
+    ("transformers.masking_utils.AttentionMaskInterface", "_global_mapping"),
+    ("torch.autograd.Variable", "_execution_engine"),
+    ("torch.distributed.distributed_c10d", "_world"),
+])
+def test_a_missing_member_outside_the_trainer_stops_with_the_versions(monkeypatch, owner, name):
+    assert internals.missing_members() == []
+    found = internals._resolve(owner)
+    for holder in getattr(found, "__mro__", (found,)):  # gone from the class and the bases that define it
+        if name in vars(holder):
+            monkeypatch.delattr(holder, name)
+    with pytest.raises(RuntimeError, match=rf"{re.escape(owner)}\.{name}, which .*torch .*no longer have"):
+        internals.check_internals()
+
+
+def test_a_member_declared_on_the_class_counts_and_a_vanished_module_is_missing(monkeypatch):
+    """Instance attributes are found by the class's declaration (``nn.Module._parameters``); a private module that
+    is gone is reported, an optional package that is not installed is not."""
+    from torch import nn
+
+    assert not hasattr(nn.Module, "_parameters") and internals.missing_members() == []
+    members = (internals.PrivateMember(owner="torch.distributed._no_such_module", name="f", kind="call", where="x",
+                                       why="y"),
+               internals.PrivateMember(owner="not_an_installed_package.thing", name="f", kind="call", where="x",
+                                       why="y"))
+    assert internals.missing_members(members) == ["torch.distributed._no_such_module.f"]

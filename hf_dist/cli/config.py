@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     parser.add_argument("--pp", type=int, default=1, help="hf_dist pipeline-parallel degree (default 1)")
     parser.add_argument("--ep", type=int, default=1, help="hf_dist expert-parallel degree for MoE models (default 1)")
     parser.add_argument("--cp", type=int, default=1, help="hf_dist context-parallel degree (default 1)")
-    parser.add_argument("--model", help="local model directory or model_type (e.g. llama): FSDP wrap classes")
+    parser.add_argument("--model", help="local model directory or model_type (e.g. llama): FSDP wrap classes, and "
+                        "the layout checked against the model as the run checks it")
     parser.add_argument("--wrap", help="comma-separated layer classes FSDP wraps (instead of --model)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "no"), default="bf16", help="default bf16")
     parser.add_argument("--offload", choices=OFFLOADS, default="none",
@@ -71,6 +72,11 @@ def _layout(args: argparse.Namespace) -> LaunchSpec:
     layout = Layout(strategy=args.strategy, num_gpus=args.gpus, num_nodes=args.nodes, tp=args.tp, pp=args.pp,
                     ep=args.ep, cp=args.cp, offload=args.offload, sequence_parallel=args.tp_sequence_parallel,
                     vocab_parallel=args.tp_vocab_parallel)
+    if args.model:  # the run's own answer for this model (hf_dist.support), before a file is written
+        from hf_dist.configs.model_info import load_config
+        from hf_dist.support import check_model_layout
+
+        check_model_layout(load_config(args.model), layout)
     contract = BatchContract(world_size=layout.world_size, global_batch_size=args.global_batch,
                              micro_batch_size=args.micro_batch, tp=args.tp, pp=args.pp, cp=args.cp)
     return LaunchSpec(

@@ -158,7 +158,8 @@ def write_chosen_configs(plan, out_dir: str, overwrite: bool = True) -> list:
         out_dir, layout=dataclasses.replace(chosen.layout, lora_rank=0),  # LoRA is the training script's (PEFT)
         micro_batch_size=chosen.batch.micro_batch_size,
         gradient_accumulation_steps=chosen.batch.gradient_accumulation_steps,
-        mixed_precision="no" if req.precision == "fp32" else "bf16", no_split_modules=[req.model.decoder_layer_class],
+        mixed_precision="no" if req.precision == "fp32" else "bf16",
+        no_split_modules=list(req.model.decoder_layer_classes),
         gradient_checkpointing=req.activation_checkpointing, overwrite=overwrite,
     )
 

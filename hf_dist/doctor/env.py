@@ -138,7 +138,7 @@ def deepspeed_ops() -> tuple[str | None, list[DeepSpeedOp]]:
             ops = [DeepSpeedOp(name=name, installed=bool(installed_ops.get(name, False)),
                                compatible=bool(probe_is_compatible(builder, False)), jit_cached=name in cached)
                    for name, builder in sorted(ALL_OPS.items())]
-            return get_accelerator()._name, ops
+            return get_accelerator().device_name(), ops
     except ImportError:
         return None, []
 

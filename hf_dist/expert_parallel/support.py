@@ -72,17 +72,17 @@ def ep_coverage() -> dict[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     table = {}
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         try:
-            config = AutoConfig.for_model(model_type)
+            config = AutoConfig.for_model(name)
         except Exception as error:  # noqa: BLE001 - a config that cannot be built is the note
-            table[model_type] = f"its default config cannot be built ({type(error).__name__})"
+            table[name] = f"its default config cannot be built ({type(error).__name__})"
             continue
         text = text_config(config)
-        if family(model_type).proves("ep"):
-            table[model_type] = "yes"
+        if family(name).proves("ep"):
+            table[name] = "yes"
         elif num_experts(text) is None and not ep_plan(text):
-            table[model_type] = "dense"
+            table[name] = "dense"
         else:
-            table[model_type] = ep_refusal(config, 2) or "yes"
+            table[name] = ep_refusal(config, 2) or "yes"
     return table

@@ -10,12 +10,13 @@ parallelism, and ``hf_dist.support.model_refusals`` asks them all.
 from __future__ import annotations
 
 from hf_dist.families.fields import EXPERT_COUNT_FIELDS, attention_heads, expert_count_field, num_experts, text_config
-from hf_dist.families.records import PARALLELISMS, Family, Kind, Parallelism
+from hf_dist.families.records import PARALLELISMS, Family, Kind, Parallelism, PlannerShape
 from hf_dist.families.table import FAMILIES
 
 __all__ = [
-    "EXPERT_COUNT_FIELDS", "FAMILIES", "PARALLELISMS", "Family", "Kind", "Parallelism", "attention_heads", "expert_count_field", "family",
-    "num_experts", "proven_types", "text_config",
+    "EXPERT_COUNT_FIELDS", "FAMILIES", "PARALLELISMS", "Family", "Kind", "Parallelism", "PlannerShape",
+    "attention_heads", "expert_count_field", "family", "family_of", "num_experts", "proven_types", "text_config",
+    "types_with",
 ]
 
 
@@ -23,6 +24,16 @@ def family(model_type: str | None) -> Family:
     """The record of ``model_type``; an ``unknown`` record (nothing proven) for a type the registry does not list."""
     known = FAMILIES.get(model_type)
     return known if known is not None else Family(model_type=str(model_type), kind="unknown")
+
+
+def family_of(config) -> Family:
+    """The record of ``config``'s model type (``family``)."""
+    return family(getattr(config, "model_type", None))
+
+
+def types_with(fact: str) -> tuple[str, ...]:
+    """The model types whose records set ``fact`` (a ``Family`` field), in table order."""
+    return tuple(t for t, f in FAMILIES.items() if getattr(f, fact))
 
 
 def proven_types(parallelism: Parallelism, *, kinds: tuple[Kind, ...] | None = None) -> frozenset[str]:

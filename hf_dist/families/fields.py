@@ -41,3 +41,15 @@ def attention_heads(config) -> tuple[int, int]:
     config = text_config(config)
     heads = config.num_attention_heads
     return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def auto_adjusted_ff_width(config) -> int:
+    """The feed-forward width an MLP with ``block_auto_adjust_ff_dim`` builds from ``intermediate_size`` (LFM2:
+    two thirds, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``)."""
+    width = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            width = int(config.block_ffn_dim_multiplier * width)
+            width = config.block_multiple_of * ((width + config.block_multiple_of - 1) // config.block_multiple_of)
+    return width

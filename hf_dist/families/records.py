@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
+
+from hf_dist.families.tp_plans import ClassicPlan, HeadNorm
 
 Kind = Literal["dense", "moe", "hybrid", "classic", "unknown"]
 """dense: attention + MLP decoder layers with transformers' plans; moe: routed experts; hybrid: linear-attention,
@@ -22,9 +24,29 @@ writes them); unknown: a type hf_dist has no record for (nothing proven)."""
 Parallelism = Literal["tp", "pp", "ep", "cp"]
 TpPlanSource = Literal["model", "hf_dist"]
 """model: transformers' ``base_model_tp_plan`` (and the head's ``_tp_plan``) with hf_dist's overlays; hf_dist:
-hf_dist's own plan (``tensor_parallel/classic.py`` ``CLASSIC_TP``, ``tensor_parallel/moe.py`` ``OWN_PLANS``), used
-even when the installed transformers ships a plan for the type."""
+hf_dist's own plan (the record's ``tp_classic`` or ``tp_base_plan``, from ``tp_plans.py``), used even when the
+installed transformers ships a plan for the type."""
 PARALLELISMS: tuple[Parallelism, ...] = ("tp", "pp", "ep", "cp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerShape:
+    """How the planner's decoder (``hf_dist.planner.catalogue.ModelSpec``: q/k/v/o projections, a gated MLP or
+    routed gated experts with a linear router, two norms per layer) describes this type's layers. A type without
+    one is not modelled by the planner; ``tests/test_families.py`` checks every one against the built model."""
+
+    qkv_bias: bool = False
+    """q/k/v projections carry biases whatever ``attention_bias`` says (Qwen2)."""
+    output_bias: bool = False
+    """``o_proj`` carries a bias when ``attention_bias`` is set (Llama, gpt-oss), not only q/k/v."""
+    qk_norm: bool = False
+    """A per-head RMSNorm on queries and keys (``q_norm`` / ``k_norm``, ``head_dim`` wide)."""
+    sinks: bool = False
+    """One attention-sink logit per head (gpt-oss)."""
+    router_bias: bool = False
+    """The router has a bias (gpt-oss)."""
+    expert_bias: bool = False
+    """The routed experts' projections have biases (gpt-oss)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +67,31 @@ class Family:
     pp_layer_output: int | None = None
     """Override of what the model's code says about its decoder layers' output (``pipeline_parallel.layer_output``
     reads it from the base model's layer loop): 0, a tensor; n, a tuple of n. ``None``: read from the code."""
+    pp_modules: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    """hf_dist's pipeline plan where transformers ships none: (the base model's modules in forward order, the layer
+    list among them; the head modules of the ``*ForCausalLM``). A ``base_model_pp_plan`` / ``_pp_plan`` of the
+    installed transformers wins."""
+    tp_classic: ClassicPlan | None = None
+    """hf_dist's whole TP plan (relative to the ``*ForCausalLM``) with its config facts; used when ``tp_plan`` is
+    ``"hf_dist"``."""
+    tp_base_plan: Mapping[str, str] | None = None
+    """hf_dist's ``base_model_tp_plan`` (relative to the base model); used when ``tp_plan`` is ``"hf_dist"``."""
+    tp_overlay: Mapping[str, str] | None = None
+    """TP entries laid over the model's plan (the whole plan where it has none) for non-attention layers: linear
+    attention, short convolutions, Mamba2 mixers."""
+    tp_overlay_sizes: Mapping[str, str | Callable] = field(default_factory=dict)
+    """The sizes ``tp_overlay`` splits that the model's plan does not already name: ``{label: config field, or
+    config -> int}`` (``fields.overlay_sizes`` reads them)."""
+    tp_head_norm: HeadNorm | None = None
+    """A norm over one head's features that the model's plan leaves out (its style, when its config flag is set)."""
+    tp_replicated_kv: bool = False
+    """k/v are separate Linears under ``model.layers.*.self_attn``: with fewer KV heads than TP ranks each rank may
+    keep a copy of the KV head its query heads use."""
+    tp_sequence_parallel: bool = False
+    """The sequence- and vocab-parallel overlays (written for ``model.embed_tokens`` / ``input_layernorm`` /
+    ``post_attention_layernorm`` / ``self_attn`` / ``mlp`` / ``model.norm``) fit this type's module names."""
+    planner: PlannerShape | None = None
+    """How ``hf-dist plan`` describes the type's layers; ``None``: not modelled by the planner."""
 
     def __post_init__(self) -> None:
         for name in ("proven", "refused", "notes"):
@@ -56,6 +103,8 @@ class Family:
         both = sorted(set(self.proven) & set(self.refused))
         if both:
             raise ValueError(f"{self.model_type}: {both} both proven and refused")
+        if (self.tp_classic is not None or self.tp_base_plan is not None) and self.tp_plan != "hf_dist":
+            raise ValueError(f"{self.model_type}: carries hf_dist's TP plan but tp_plan={self.tp_plan!r}")
 
     def proves(self, parallelism: Parallelism) -> bool:
         """Whether a parity test proves ``parallelism`` on this type."""

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 def fold_accumulation_into_pipeline(args) -> None:
     """With ``pp_size > 1``: pipeline micro-batches = contract accumulation; Trainer accumulation = 1."""
-    if args.pp_size <= 1:
+    if args.layout.pp <= 1:
         return
     m = args.pp_microbatches
     contract = args.batch_contract
@@ -39,7 +39,7 @@ def fold_accumulation_into_pipeline(args) -> None:
                 f"accumulation steps, so drop pp_microbatches or set global_batch_size="
                 f"{contract.micro_batch_size * contract.dp * m}"
             )
-    if microbatch_problem(args.pp_schedule, contract.gradient_accumulation_steps, args.pp_size) is not None:
+    if microbatch_problem(args.pp_schedule, contract.gradient_accumulation_steps, args.layout.pp) is not None:
         contract = _split_micro_batch(args, explicit=m is not None)
     PipelineConfig(schedule=args.pp_schedule, microbatches=contract.gradient_accumulation_steps)  # validate early
     # Idempotent: re-creating the arguments from these values (to_dict, resume) resolves the same contract.
@@ -53,17 +53,17 @@ def _split_micro_batch(args, *, explicit: bool):
     (the global batch unchanged) when it divides, else stop naming the smallest valid settings."""
     contract = args.batch_contract
     a, micro, dp = contract.gradient_accumulation_steps, contract.micro_batch_size, contract.dp
-    problem = microbatch_problem(args.pp_schedule, a, args.pp_size)
+    problem = microbatch_problem(args.pp_schedule, a, args.layout.pp)
     rows = micro * a  # sequences per data-parallel rank and step
     split = next((k for k in range(a + 1, rows + 1) if rows % k == 0
-                  and microbatch_problem(args.pp_schedule, k, args.pp_size) is None), None)
+                  and microbatch_problem(args.pp_schedule, k, args.layout.pp) is None), None)
     if split is not None and not explicit:
         args.per_device_train_batch_size = rows // split
         args.gradient_accumulation_steps = split
         args.batch_contract = args._resolve_contract()
         _note_split(args, micro, split)
         return args.batch_contract
-    need = smallest_valid_microbatches(args.pp_schedule, args.pp_size, at_least=a)
+    need = smallest_valid_microbatches(args.pp_schedule, args.layout.pp, at_least=a)
     raise ValueError(
         f"{problem}, but this run gives {a} (global_batch_size={contract.global_batch_size} = "
         f"per_device_train_batch_size={micro} x dp={dp} x {a} micro-batches). Set pp_microbatches={need} (or "
@@ -76,7 +76,7 @@ def _note_split(args, micro: int, split: int) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         logger.warning(
             "pp_size=%d: per_device_train_batch_size=%d is run as %d pipeline micro-batches of %d (the global batch "
-            "is unchanged); set pp_microbatches or global_batch_size to choose", args.pp_size, micro, split,
+            "is unchanged); set pp_microbatches or global_batch_size to choose", args.layout.pp, micro, split,
             micro // split)
 
 
@@ -88,12 +88,12 @@ def microbatches_for_rows(args, rows: int) -> int:
     if rows == micro * configured or rows % micro != 0:
         return configured  # a full batch, or one train_step refuses with the reason
     count = rows // micro
-    if microbatch_problem(args.pp_schedule, count, args.pp_size) is None:
+    if microbatch_problem(args.pp_schedule, count, args.layout.pp) is None:
         return count
     for k in range(count + 1, rows + 1):
-        if rows % k == 0 and microbatch_problem(args.pp_schedule, k, args.pp_size) is None:
+        if rows % k == 0 and microbatch_problem(args.pp_schedule, k, args.layout.pp) is None:
             return k
     raise ValueError(
         f"the epoch's last batch has {rows} sequence(s) per data-parallel rank, which pp_schedule="
-        f"{args.pp_schedule!r} cannot split over pp_size={args.pp_size} stages; set dataloader_drop_last=True, or a "
+        f"{args.pp_schedule!r} cannot split over pp_size={args.layout.pp} stages; set dataloader_drop_last=True, or a "
         f"dataset size that fills whole batches of {micro * configured} per data-parallel rank")

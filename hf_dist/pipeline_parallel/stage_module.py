@@ -13,7 +13,7 @@ soft-capping -- is the model's code, not a re-implementation. The stand-ins stee
   stage's output): nothing after it runs.
 
 Which modules are "embeddings", "layers" and "head" comes from the model's own ``base_model_pp_plan`` (on its
-config) and ``_pp_plan`` (on the CausalLM class), or from ``plans.PP_PLANS`` for types that ship none.
+config) and ``_pp_plan`` (on the CausalLM class), or from their registry records (``Family.pp_modules``) for types that ship none.
 The stage's children are the model's children under the
 same names, so ``state_dict()`` keys are the HF checkpoint keys. Which model types are proven to run this way
 is ``support.check_pipeline_support``'s decision, not this module's.

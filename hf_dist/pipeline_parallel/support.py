@@ -5,7 +5,7 @@ refuses.
 ``CausalLMStage`` runs each stage through the model's own forward, so a model type is supported when
 
 - its registry record (``hf_dist.families``) proves PP, and its config declares a ``base_model_pp_plan`` hf_dist can split (one decoder-layer list, a top-level head), or
-  hf_dist writes one for it (``plans.PP_PLANS``, the classic types transformers ships none for);
+  hf_dist writes one for it (the registry's ``Family.pp_modules``, the classic types transformers ships none for);
 - it is dense, or a mixture-of-experts type proven by ``tests/test_pp_moe.py`` (``PIPELINE_PROVEN_MOE_TYPES``:
   the stages pass the router statistics of the model's aux loss on with the hidden states); linear-attention /
   short-conv / state-space layers are fine once proven (``PIPELINE_PROVEN_HYBRID_TYPES``): the model's own forward
@@ -109,6 +109,6 @@ def pipeline_coverage() -> dict[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     table = {}
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        table[model_type] = model_type_refusal(model_type) or "yes"
+    for name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        table[name] = model_type_refusal(name) or "yes"
     return table

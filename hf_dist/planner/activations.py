@@ -161,7 +161,7 @@ def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivat
         attention = (4 * c * n * model.q_dim + probabilities) // t
     else:
         attention = (c * n * (2 * model.q_dim + 2 * model.kv_dim) + 4 * heads_s) // t
-    if model.model_type == "qwen3_moe":  # per-head RMSNorm of q and k: fp32 input, normalised value, rsqrt
+    if model.shape.qk_norm:  # per-head RMSNorm of q and k: fp32 input, normalised value, rsqrt
         attention += ((4 + r) * n * (model.q_dim + model.kv_dim)
                       + 4 * workload.micro_batch_size * workload.seq_len * (
                           model.num_attention_heads + model.num_key_value_heads)) // t

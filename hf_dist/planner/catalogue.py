@@ -2,7 +2,9 @@
 
 ``ModelSpec`` holds the numbers of a decoder-only causal LM with a gated MLP (Llama, Mistral, Qwen2 families) or
 with routed gated-MLP experts (Qwen3-MoE, Mixtral, gpt-oss: total vs active parameters) that memory and FLOPs
-depend on, and lists every parameter tensor with its shape, so that parameter counts and shard sizes are exact. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
+depend on, and lists every parameter tensor with its shape, so that parameter counts and shard sizes are exact. The
+model types it describes, and how their layers differ (biases, q/k norms, sinks), are their registry records'
+``planner`` field (``hf_dist.families``); other types are refused with that reason. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
 ``PretrainedConfig``; ``get_model_config(name)`` turns a catalogue entry into a ``PretrainedConfig``.
 ``GpuSpec`` holds a GPU kind's memory, peak dense bf16 FLOP/s and a typical node's host RAM per GPU;
 ``gpu_spec(name)`` looks one up and ``gpu_from_device_name`` maps ``torch.cuda.get_device_name()`` to a kind
@@ -19,14 +21,9 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+from hf_dist.families import EXPERT_COUNT_FIELDS, PlannerShape, family, num_experts, types_with
+
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_QKV_BIAS_TYPES = ("qwen2",)
-_DECODER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-                  "qwen3_moe": "Qwen3MoeDecoderLayer", "mixtral": "MixtralDecoderLayer",
-                  "gpt_oss": "GptOssDecoderLayer"}
-_MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
-"""Mixtures of experts with transformers' grouped expert weights (``gate_up_proj [E, 2I, h]``, ``down_proj [E, h, I]``)
-and a linear router (``gate [E, h]``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -36,7 +33,7 @@ class ModelSpec:
     name: str
     """Catalogue name or the source it was read from."""
     model_type: str
-    """HF ``model_type`` (one of ``_DECODER_CLASS``)."""
+    """HF ``model_type`` (one whose registry record has a ``planner`` shape)."""
     hidden_size: int
     """Width of the residual stream (h)."""
     num_hidden_layers: int
@@ -54,7 +51,8 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     """Whether lm_head shares the embedding matrix."""
     attention_bias: bool = False
-    """Biases on q/k/v projections (Qwen2 has them; gpt-oss on o_proj too)."""
+    """The config's ``attention_bias``: biases on q/k/v (on o_proj too where the type's ``PlannerShape`` says so);
+    Qwen2 has q/k/v biases whatever it says."""
     num_experts: int = 0
     """Routed experts per MoE layer (E; HF ``num_local_experts``); 0: a dense model."""
     experts_per_token: int = 0
@@ -88,14 +86,19 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def shape(self) -> PlannerShape:
+        """How the type's layers differ from the plain gated-MLP decoder (its registry record's ``planner``)."""
+        return family(self.model_type).planner or PlannerShape()
+
     def expert_param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """The routed experts' parameters of one MoE layer (what expert parallelism splits on dim 0)."""
         e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
         yield "mlp.experts.gate_up_proj", (e, 2 * i, h)
-        if self.model_type == "gpt_oss":
+        if self.shape.expert_bias:
             yield "mlp.experts.gate_up_proj_bias", (e, 2 * i)
         yield "mlp.experts.down_proj", (e, h, i)
-        if self.model_type == "gpt_oss":
+        if self.shape.expert_bias:
             yield "mlp.experts.down_proj_bias", (e, h)
 
     @property
@@ -126,9 +129,11 @@ class ModelSpec:
         return self.num_key_value_heads * self.head_dim
 
     @property
-    def decoder_layer_class(self) -> str:
-        """The class FSDP wraps (the model's ``_no_split_modules``)."""
-        return _DECODER_CLASS[self.model_type]
+    def decoder_layer_classes(self) -> tuple[str, ...]:
+        """The classes FSDP wraps: the causal LM's ``_no_split_modules`` in installed transformers."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING[type(spec_config(self))]._no_split_modules))
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (in_features, out_features)}`` of the linears of one decoder layer."""
@@ -142,20 +147,20 @@ class ModelSpec:
     def layer_param_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Every parameter of one decoder layer as ``(name, shape)``, in HF registration order (attention,
         MLP, then the two norms) and PyTorch layout (a weight is out x in)."""
+        shape = self.shape
+        qkv_bias, o_bias = self.attention_bias or shape.qkv_bias, self.attention_bias and shape.output_bias
         for name, (fan_in, fan_out) in self.linear_shapes().items():
             yield f"{name}.weight", (fan_out, fan_in)
-            if self.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
+            if (qkv_bias and name in ("q_proj", "k_proj", "v_proj")) or (o_bias and name == "o_proj"):
                 yield f"{name}.bias", (fan_out,)
-            if self.model_type == "gpt_oss" and name == "o_proj":
-                yield "o_proj.bias", (fan_out,)
-        if self.model_type == "qwen3_moe":
+        if shape.qk_norm:
             yield "q_norm.weight", (self.head_dim,)
             yield "k_norm.weight", (self.head_dim,)
-        if self.model_type == "gpt_oss":
+        if shape.sinks:
             yield "sinks", (self.num_attention_heads,)
         if self.is_moe:
             yield "mlp.gate.weight", (self.num_experts, self.hidden_size)
-            if self.model_type == "gpt_oss":
+            if shape.router_bias:
                 yield "mlp.gate.bias", (self.num_experts,)
             yield from self.expert_param_shapes()
         yield "input_layernorm.weight", (self.hidden_size,)
@@ -207,14 +212,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _llama(name, h, layers, heads, kv, inter, vocab, *, tie=False, model_type="llama", head_dim=None) -> ModelSpec:
     return ModelSpec(name=name, model_type=model_type, hidden_size=h, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                     tie_word_embeddings=tie, attention_bias=model_type in _QKV_BIAS_TYPES, head_dim=head_dim)
+                     tie_word_embeddings=tie, head_dim=head_dim)
 
 
 def _moe(name, model_type, h, layers, heads, kv, inter, vocab, *, experts, top_k, expert_width,
-         head_dim=None) -> ModelSpec:
+         head_dim=None, attention_bias=False) -> ModelSpec:
     return ModelSpec(name=name, model_type=model_type, hidden_size=h, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                     head_dim=head_dim, attention_bias=model_type == "gpt_oss", num_experts=experts,
+                     head_dim=head_dim, attention_bias=attention_bias, num_experts=experts,
                      experts_per_token=top_k, moe_intermediate_size=expert_width)
 
 
@@ -242,7 +247,7 @@ MODEL_CATALOGUE: dict[str, ModelSpec] = {spec.name: spec for spec in (
     # num_key_value_heads 8, head_dim 64, intermediate_size 2880 (per expert), num_local_experts 32,
     # num_experts_per_tok 4, vocab_size 201088, attention_bias true (sliding/full layers alternate: same shapes)
     _moe("gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 2880, 201088, experts=32, top_k=4, expert_width=2880,
-         head_dim=64),
+         head_dim=64, attention_bias=True),
     # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, num_hidden_layers 32, num_attention_heads 32,
     # num_key_value_heads 8, intermediate_size 14336 (per expert), num_local_experts 8, num_experts_per_tok 2,
     # vocab_size 32000
@@ -252,24 +257,22 @@ MODEL_CATALOGUE: dict[str, ModelSpec] = {spec.name: spec for spec in (
 
 def _from_config(config, name: str) -> ModelSpec:
     model_type = getattr(config, "model_type", None)
-    if model_type not in _DECODER_CLASS:
+    if family(model_type).planner is None:
         raise ValueError(f"model_type={model_type!r} ({name}) is not modelled by the planner; supported: "
-                         f"{', '.join(_DECODER_CLASS)} (gated-MLP decoder-only causal LMs)")
+                         f"{', '.join(types_with('planner'))} (gated-MLP decoder-only causal LMs)")
     heads = config.num_attention_heads
     return ModelSpec(
         name=name, model_type=model_type, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
         intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
         head_dim=getattr(config, "head_dim", None), tie_word_embeddings=bool(config.tie_word_embeddings),
-        attention_bias=bool(getattr(config, "attention_bias", False)) or model_type in _QKV_BIAS_TYPES,
-        **(_moe_fields(config) if model_type in _MOE_TYPES else {}),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        **(_moe_fields(config) if num_experts(config) else {}),
     )
 
 
 def _moe_fields(config) -> dict:
     """Experts, top-k and expert width of a MoE config (the field names differ by family)."""
-    from hf_dist.families import num_experts
-
     return dict(num_experts=num_experts(config), experts_per_token=config.num_experts_per_tok,
                 moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
@@ -317,14 +320,18 @@ def spec_config(spec: ModelSpec):
     """``spec`` as a transformers ``PretrainedConfig`` (what the TP shape rule and config generators read)."""
     from transformers import AutoConfig
 
+    moe = {}
+    if spec.is_moe:  # under the field names the type's config class uses
+        default = AutoConfig.for_model(spec.model_type)
+        experts = next((f for f in EXPERT_COUNT_FIELDS if hasattr(default, f)), "num_local_experts")
+        moe = {experts: spec.num_experts, "num_experts_per_tok": spec.experts_per_token}
+        if hasattr(default, "moe_intermediate_size"):
+            moe["moe_intermediate_size"] = spec.moe_intermediate_size
     return AutoConfig.for_model(
         spec.model_type, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
         intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, head_dim=spec.head_dim,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        **(dict(num_local_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token)
-           | ({"moe_intermediate_size": spec.moe_intermediate_size} if spec.model_type == "qwen3_moe" else {})
-           if spec.is_moe else {}),
+        tie_word_embeddings=spec.tie_word_embeddings, **moe,
     )
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from math import gcd
 
+from hf_dist.families import family_of
 from hf_dist.tensor_parallel.classic import classic_plan
 from hf_dist.tensor_parallel.hybrid import hybrid_sizes
-from hf_dist.tensor_parallel.plans import REPLICATED_KV_FAMILIES
 from hf_dist.tensor_parallel.support import check_tp_support, model_plan, moe_experts_patterns, tp_refusal
 
 _SHARDING_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input"})
@@ -85,7 +85,7 @@ def _kv_fits(config, kv_heads: int | None, tp: int) -> bool:
     are separate Linears, replicated (tp % kv == 0)."""
     if kv_heads is None or kv_heads % tp == 0:
         return True
-    return config.model_type in REPLICATED_KV_FAMILIES and tp % kv_heads == 0
+    return family_of(config).tp_replicated_kv and tp % kv_heads == 0
 
 
 def _fails(value: int | list[int], tp: int) -> bool:
@@ -126,7 +126,7 @@ def check_tp_sizes(config, tp: int, *, vocab_parallel: bool = False) -> None:
     valid = valid_tp_sizes(config, vocab_parallel=vocab_parallel)
     problems = [f"tp={tp} does not divide {', '.join(f'{n}={v}' for n, v in bad.items())}"] if bad else []
     if kv_bad:
-        replicable = config.model_type in REPLICATED_KV_FAMILIES
+        replicable = family_of(config).tp_replicated_kv
         rule = "neither divides nor is divided by" if replicable else "is not divisible by"
         problems.append(f"num_key_value_heads={kv} {rule} tp={tp}")
     hint = ""

@@ -21,8 +21,8 @@ the experts module transformers' ``use_experts_implementation`` builds (``is_con
   gradient reaching it is already whole.
 
 gpt-oss: transformers 5.23 ships no ``base_model_tp_plan`` for it, and 5.24 one with only the embedding (its
-attention has sinks, one logit per head that no Linear holds). ``OWN_PLANS`` is hf_dist's plan for it (its registry
-record chooses it: ``Family.tp_plan``), in transformers' style names: attention split by head like
+attention has sinks, one logit per head that no Linear holds). Its registry record carries hf_dist's plan for it
+(``Family.tp_base_plan``, chosen by ``Family.tp_plan``), in transformers' style names: attention split by head like
 the other families, the sinks split by head with it (``local_sinks``: read as this rank's heads during the
 attention forward), the experts as above.
 
@@ -43,36 +43,17 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from hf_dist.tensor_parallel.styles import _reduce_partial_grad
 
 
-_EXPERTS = {
-    "layers.*.mlp.experts": "moe_tp_experts",
-    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-    "layers.*.mlp.experts.down_proj": "rowwise",
-}
-OWN_PLANS: dict[str, dict[str, str]] = {
-    "gpt_oss": {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.self_attn": "local_sinks",
-        **_EXPERTS,
-    },
-}
-"""``model_type -> base_model_tp_plan`` (relative to the base model) for the MoE types whose registry record chooses
-hf_dist's plan over transformers' (``Family.tp_plan == "hf_dist"``)."""
 MOE_STYLES: frozenset[str] = frozenset({"local_sinks"})
-"""hf_dist's own style names used by ``OWN_PLANS`` (built in ``plans.STYLE_BUILDERS``)."""
+"""hf_dist's own style names used by the registry's ``tp_base_plan`` (built in ``plans.STYLE_BUILDERS``)."""
 
 
 def own_plan(config) -> dict[str, str]:
-    """hf_dist's ``base_model_tp_plan`` for ``config``'s MoE type (``OWN_PLANS``) where its registry record chooses
-    it; empty for other types."""
-    from hf_dist.families import family
+    """hf_dist's ``base_model_tp_plan`` for ``config``'s MoE type (its registry record's ``tp_base_plan``) where the
+    record chooses it; empty for other types."""
+    from hf_dist.families import family_of
 
-    model_type = getattr(config, "model_type", None)
-    if family(model_type).tp_plan != "hf_dist":
-        return {}
-    return dict(OWN_PLANS.get(model_type, {}))
+    record = family_of(config)
+    return dict(record.tp_base_plan or {}) if record.tp_plan == "hf_dist" else {}
 
 
 class _SumBackward(torch.autograd.Function):

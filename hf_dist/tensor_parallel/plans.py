@@ -24,8 +24,9 @@ stands for one path component (a layer index). hf_dist's overlays:
   whole otherwise (``_embeddings``).
 
 For the types whose registry record chooses hf_dist's plan (``Family.tp_plan``: the classic types GPT-2, Falcon,
-OPT, BLOOM, GPT-J, ..., and gpt-oss), ``model_plan`` returns hf_dist's own plan from ``classic.py`` / ``moe.py`` (data, with styles from ``classic_styles.py``); the overlays above apply
-to it the same way. Which model types may use these plans at all is decided in ``support.py``; sizes are checked
+OPT, BLOOM, GPT-J, ..., and gpt-oss), ``model_plan`` returns hf_dist's own plan, carried by the record
+(``Family.tp_classic`` / ``tp_base_plan``, data in ``families/tp_plans.py``; styles from ``classic_styles.py``); the
+overlays above apply to it the same way. Which model types may use these plans at all is decided in ``support.py``; sizes are checked
 in ``checks.py``.
 Not for: applying plans (``apply.py``).
 """
@@ -42,6 +43,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from hf_dist.families import family_of, types_with
 from hf_dist.tensor_parallel.classic import classic_plan
 from hf_dist.tensor_parallel.classic_styles import (
     Conv1DColwise,
@@ -74,8 +76,9 @@ from hf_dist.tensor_parallel.support import (
 HEAD_PATTERNS: frozenset[str] = frozenset({"lm_head"})
 """Plan entries that may name nothing (a pipeline stage without the head); other entries must match."""
 
-OVERLAY_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-"""Families whose module names the sequence- and vocab-parallel overlays below are written for."""
+OVERLAY_FAMILIES: tuple[str, ...] = types_with("tp_sequence_parallel")
+"""Families whose module names the sequence- and vocab-parallel overlays below are written for (their registry
+records' ``tp_sequence_parallel``)."""
 
 # Sequence parallelism: norms work on sequence shards; attention and MLP gather the sequence on entry and
 # reduce-scatter it on exit.
@@ -96,18 +99,9 @@ REPLICATED_KV_OVERLAY = {
     "model.layers.*.self_attn.v_proj": "replicated_kv",
     "model.layers.*.self_attn": "+local_head_counts",
 }
-REPLICATED_KV_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-"""Families with separate k/v projections (fused ones cannot keep one KV head per rank)."""
-
-# Norms over one head's features that the model's plan leaves out (model_type -> (config flag, patterns, style)).
-# One weight shared by all heads: whole on every rank, its gradient (partial per rank) reduced; one weight row
-# per head: split by head like the projections.
-PER_HEAD_NORM_OVERLAY: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "phi": ("qk_layernorm", ("model.layers.*.self_attn.q_layernorm", "model.layers.*.self_attn.k_layernorm"),
-            "replicated_with_grad_allreduce"),
-    "cohere": ("use_qk_norm", ("model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"),
-               "head_sharded_norm"),
-}
+REPLICATED_KV_FAMILIES: tuple[str, ...] = types_with("tp_replicated_kv")
+"""Families with separate k/v projections (fused ones cannot keep one KV head per rank): their registry records'
+``tp_replicated_kv``."""
 
 # Projections whose output the model clamps in place when the config field is set (OLMo ``clip_qkv``).
 IN_PLACE_OUTPUT_OVERLAY: dict[str, tuple[str, ...]] = {"clip_qkv": ("q_proj", "k_proj", "v_proj")}
@@ -193,9 +187,9 @@ def base_plan(config, tp: int | None = None, *, vocab_parallel: bool = False) ->
         if getattr(config, field, None) is not None:
             plan.update({p: "colwise_writable_output" for p, s in plan.items()
                          if s == "colwise" and p.rpartition(".")[2] in leaves})
-    flag, patterns, style = PER_HEAD_NORM_OVERLAY.get(config.model_type, ("", (), ""))
-    if getattr(config, flag, False):
-        plan.update(dict.fromkeys(patterns, style))
+    norm = family_of(config).tp_head_norm  # a norm over one head's features the model's plan leaves out
+    if norm is not None and getattr(config, norm.flag, False):
+        plan.update(dict.fromkeys(norm.patterns, norm.style))
     return plan
 
 
@@ -210,7 +204,7 @@ def _replicates_kv(config, tp: int | None) -> bool:
     kv = _kv_heads(config)
     if tp is None or kv >= tp:
         return False
-    if config.model_type not in REPLICATED_KV_FAMILIES:
+    if not family_of(config).tp_replicated_kv:
         raise ValueError(
             f"tp={tp} is larger than num_key_value_heads={kv}; replicating KV heads is available for "
             f"{', '.join(REPLICATED_KV_FAMILIES)}, not model_type={config.model_type!r}; use tp <= {kv}"
@@ -224,7 +218,7 @@ def plan_names(
     """The full plan as names: the model's plan, then the sequence-, vocab- and (``tp`` > KV heads) KV
     overlays. Two names on one module are joined with ``+`` and applied in that order."""
     plan = base_plan(config, tp, vocab_parallel=vocab_parallel)
-    if (sequence_parallel or vocab_parallel) and config.model_type not in OVERLAY_FAMILIES:
+    if (sequence_parallel or vocab_parallel) and not family_of(config).tp_sequence_parallel:
         raise ValueError(
             f"sequence_parallel/vocab_parallel are available for {', '.join(OVERLAY_FAMILIES)}, not for "
             f"model_type={config.model_type!r}; leave both False, or pass plan= with your own styles"

@@ -1,9 +1,9 @@
 """Which models hf_dist runs tensor-parallel: the one support decision for TP, from the config alone.
 
 A model type is supported when it has a plan -- transformers' ``base_model_tp_plan``, or hf_dist's own
-(``classic.py``, ``moe.py``) where its registry record says so (``Family.tp_plan``: the plan its parity test
+(its registry record's ``tp_classic`` / ``tp_base_plan``) where the record says so (``Family.tp_plan``: the plan its parity test
 proves) -- its plan uses only styles hf_dist translates into DTensor styles (``plans.py``), its layers are attention
-layers or ones ``hybrid.py``'s overlay shards (linear attention, short convolutions, Mamba2), its config has none of
+layers or ones its record's overlay (``Family.tp_overlay``) shards (linear attention, short convolutions, Mamba2), its config has none of
 the values the classic plan names as inexact, and its registry record (``hf_dist.families``) proves TP: a TP=2
 parity test against one process passes for it (``tests/test_tp_sweep.py``; MoE types: ``tests/test_moe_tp.py``).
 MoE types are supported when their plan names the routed experts ``moe_tp_experts`` (split along the intermediate
@@ -65,8 +65,8 @@ def model_plan(config) -> dict[str, str]:
 
     - ``"model"``: transformers' ``base_model_tp_plan`` under the base model's attribute name, plus the head's
       ``_tp_plan`` and the hybrid overlay (the overlay alone where transformers ships no plan);
-    - ``"hf_dist"``: hf_dist's own plan (``classic.py``, or ``moe.py`` in the same form as transformers'), even when
-      the installed transformers ships one.
+    - ``"hf_dist"``: hf_dist's own plan (the record's ``tp_classic``, or ``tp_base_plan`` in the same form as
+      transformers'), even when the installed transformers ships one.
 
     Empty when there is none."""
     if family(getattr(config, "model_type", None)).tp_plan == "hf_dist":

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from hf_dist.parallelism import FsdpRequest
+from hf_dist.strategy import Layout
 
 _TRUE = ("1", "true", "yes")
 
@@ -180,8 +181,7 @@ def prepare_environment(args) -> None:
                 f"batches. Launch with `accelerate launch --config_file accelerate_configs/zero2.yaml` (or zero3.yaml) "
                 f"and drop deepspeed= from the arguments"
             )
-        if getattr(args, "fsdp2", False):
-            raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
+        Layout.check_one_engine(deepspeed=True, fsdp=bool(getattr(args, "fsdp2", False)))
         anchor_deepspeed_paths(args)  # the shipped YAMLs' ds_configs/*.json from any working directory
         # accelerate runs DeepSpeed; use_cpu would silently turn it off. Without a GPU accelerate picks no backend
         # and counts one process while DeepSpeed's own group has N: name gloo so both see the same world.

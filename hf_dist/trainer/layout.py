@@ -93,20 +93,15 @@ def resolve_layout(args) -> Layout:
                     "num_gpus": num_gpus, "num_nodes": num_nodes}
     deepspeed = _deepspeed_config(args)
     fsdp = args.hf_dist_fsdp
-    if deepspeed is not None and fsdp is not None:
-        raise ValueError("both DeepSpeed and FSDP were requested; choose one (drop --deepspeed or the FSDP config)")
+    Layout.check_one_engine(deepspeed=deepspeed is not None, fsdp=fsdp is not None)
     if deepspeed is not None:
         fields |= _deepspeed_fields(deepspeed)
     elif fsdp is not None:
-        hybrid = fsdp.dp_replicate > 1
-        fields["strategy"] = ("fsdp_hybrid_shard" if hybrid else "fsdp_full_shard" if fsdp.reshard_after_forward
-                              else "fsdp_shard_grad_op")
+        fields["strategy"] = Layout.fsdp_strategy(dp_replicate=fsdp.dp_replicate,
+                                                  reshard_after_forward=fsdp.reshard_after_forward)
         fields["offload"] = "cpu" if fsdp.cpu_offload else "none"
-        fields["dp_replicate"] = fsdp.dp_replicate if hybrid else None
+        fields["dp_replicate"] = fsdp.dp_replicate if fsdp.dp_replicate > 1 else None
         fields["dp_shard"] = fsdp.dp_shard
-        if hybrid and not fsdp.reshard_after_forward:
-            raise ValueError(f"fsdp2_dp_replicate={fsdp.dp_replicate} (HYBRID_SHARD) with fsdp2_reshard_after_forward"
-                             f"=False: hf_dist's HSDP reshards after forward; drop one of them")
     else:
         fields["strategy"] = "ddp"
     return Layout(**fields)
@@ -123,8 +118,8 @@ def apply_plan(args) -> ApplyPlan:
         param_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
         activation_checkpointing=bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing)),
         fsdp=fsdp,
-        sequence_parallel=args.tp_sequence_parallel,
-        vocab_parallel=args.tp_vocab_parallel,
+        sequence_parallel=args.layout.sequence_parallel,
+        vocab_parallel=args.layout.vocab_parallel,
         compile_request=compile_request(args),
         pp_schedule=args.pp_schedule,
         pp_microbatches=args.pp_microbatches,

@@ -32,7 +32,7 @@ def layout_dtype(args, *, lora: bool) -> torch.dtype:
     """The dtype the layout keeps: fp32 master weights for a full fine-tune; the 16-bit compute dtype for a
     frozen LoRA base, and for pipeline stages (they do not autocast)."""
     half = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    return half if half is not None and (lora or args.pp_size > 1) else torch.float32
+    return half if half is not None and (lora or args.layout.pp > 1) else torch.float32
 
 
 def _as_dtype(dtype, args, lora: bool) -> torch.dtype:
