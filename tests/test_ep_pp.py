@@ -7,7 +7,8 @@ steps with clipping active; the losses and every parameter (routers, experts, no
 own per micro-batch, ``hf_dist.models.reference``) within 1e-5. The router statistics travel with the hidden states
 between stages (``pipeline_parallel.stage_module``); without the aux term the first stage's routers move differently
 by far more than the tolerance (checked once, on qwen3_moe), so a stage whose aux gradient were lost fails here. The
-layout canary runs at launch on every run (``layout_canary`` on by default) and must agree.
+layout canary runs at launch on every run (``layout_canary`` on by default) and must agree. One run saves at step 2
+(the Trainer's default ``save_strategy``) and resumes from there exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ CASES = ("qwen3_moe", "mixtral")
 FLAVOURS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "ddp": {}}
 STEPS, AUX, MAX_NORM = 3, 0.1, 0.5
 BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8, max_grad_norm=MAX_NORM)
+RESUMED, SAVE_AT = ("qwen3_moe", "fsdp2"), 2
+"""The run that also saves at step 2 (the Trainer's default ``save_strategy``), and resumes from there once."""
 
 
 def _model(name: str, aux: float = AUX):
@@ -60,12 +63,18 @@ def _four_ranks(rank, world, root):
     out = {}
     for name in CASES:
         for flavour, layout in FLAVOURS.items():
+            saves = dict(save_strategy="steps", save_steps=SAVE_AT) if (name, flavour) == RESUMED else {}
             losses, params, trainer = train_tiny(f"{root}/{name}_{flavour}", model=_model(name), pp_size=2, ep_size=2,
-                                                 **BATCH, **layout)
+                                                 **BATCH, **layout, **saves)
             experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
             sharded = bool(experts) and all(isinstance(p, DTensor) and p.to_local().shape[0] == 2 for p in experts)
             out[(name, flavour)] = (losses, _norms(trainer), params if rank == 0 else None, sharded,
                                     trainer.dims.ep, trainer.dims.pp)
+    name, flavour = RESUMED
+    checkpoint = f"{root}/{name}_{flavour}/checkpoint-{SAVE_AT}"
+    losses, params, _ = train_tiny(f"{root}/resumed", model=_model(name), pp_size=2, ep_size=2, resume=checkpoint,
+                                   **BATCH, **FLAVOURS[flavour])
+    out["resumed"] = (losses, params if rank == 0 else None)
     return out, canary.messages
 
 
@@ -100,7 +109,18 @@ def test_the_layout_canary_agreed_on_every_run(runs):
     _, results = runs
     messages = results[0][1]  # rank 0 logs the verdict
     agreed = [m for m in messages if m.startswith("layout canary:") and "ep=2" in m and "reproduces" in m]
-    assert len(agreed) == len(CASES) * len(FLAVOURS), messages
+    assert len(agreed) == len(CASES) * len(FLAVOURS) + 1, messages  # and the resumed run
+
+
+def test_a_checkpoint_resumes_exactly(runs):
+    """Saved at step 2 (expert shards and optimizer states of every stage), resumed: step 3 as the run without a cut."""
+    _, results = runs
+    for result, _ in results:
+        losses, _, params, *_ = result[RESUMED]
+        resumed_losses, resumed_params = result["resumed"]
+        assert len(resumed_losses) == STEPS  # the first two from the checkpoint's log history
+        torch.testing.assert_close(resumed_losses[-1], losses[-1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[0][0]["resumed"][1], results[0][0][RESUMED][2], atol=1e-6, rtol=0)
 
 
 def test_dropping_the_aux_loss_fails_the_comparison(runs, references, tmp_path):

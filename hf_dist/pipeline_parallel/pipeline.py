@@ -1,8 +1,9 @@
 """Train and evaluate an HF causal LM split into pipeline stages: ``PipelinedCausalLM``.
 
 Order of application, in ``PipelinedCausalLM.__init__``: split into this rank's stage(s) (``plan_stages``),
-then each stage through ``hf_dist.parallelize`` (tensor parallel inside it, then FSDP2 on the data-parallel axis
-when ``dp_shard > 1``), then the torch ``PipelineStage`` objects and the schedule.
+then each stage through ``hf_dist.parallelize`` (tensor parallel inside it, expert parallel over the stage's
+data-parallel ranks when ``ep > 1``, then FSDP2 on the data-parallel axis when ``dp_shard > 1``), then the torch
+``PipelineStage`` objects and the schedule.
 
 Loss and gradients follow one process with the whole global batch: the last stage sums token losses and
 divides by the loss tokens of the global batch (counted on every rank, summed over the dp axis), and
