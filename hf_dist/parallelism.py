@@ -237,14 +237,14 @@ def _keep_class_name(model: nn.Module) -> None:
 
 def _shard_experts(experts: nn.Module, dims: ParallelDims, request: FsdpRequest, kwargs: dict,
                    grad_reduction: str) -> None:
-    """FSDP2 of one experts module over the ``efsdp`` ranks, its gradient summed there and divided by ``dp``."""
+    """FSDP2 of one experts module over the ``efsdp`` ranks, its gradient summed there and divided by ``dp``
+    (``grad_reduction="mean"``) or left summed (``"sum"``: a pipeline's loss is divided by the global batch's tokens
+    already). Either way the token exchange has brought every ``ep`` peer's share into the sum."""
     from torch.distributed.fsdp import fully_shard
 
-    if grad_reduction != "mean":
-        raise ValueError("grad_reduction='sum' with expert parallelism: no pipeline runs EP (Layout refuses it)")
     fully_shard(experts, reshard_after_forward=request.reshard_after_forward, **(kwargs | {"mesh": dims.get_mesh(
         "efsdp")}))
-    experts.set_gradient_divide_factor(float(dims.dp))
+    experts.set_gradient_divide_factor(float(dims.dp) if grad_reduction == "mean" else 1.0)
     if dims.efsdp > 1:  # a divisor other than the group's size is PREMUL_SUM, which gloo lacks: sum, divide locally
         experts.set_force_sum_reduction_for_comms(True)
 

@@ -160,18 +160,20 @@ class Layout:
         return "fsdp_full_shard" if reshard_after_forward else "fsdp_shard_grad_op"
 
     def _check_expert_parallel(self) -> None:
-        """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP, alone on a stage's data-parallel ranks: the layouts a
-        parity test holds against one process (tests/test_expert_parallel.py). Everything else is refused here."""
+        """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP on a stage's data-parallel ranks
+        (tests/test_expert_parallel.py), and inside pipeline stages with FULL_SHARD or DDP, each stage's experts over its
+        own data-parallel ranks (tests/test_ep_pp.py): the layouts a parity test holds against one process. Everything
+        else is refused here; which model types run EP x PP is the registry's (``hf_dist.expert_parallel.support``)."""
         if self.ep == 1:
             return
         if self.is_deepspeed:
             raise ValueError(f"ep_size={self.ep} with DeepSpeed {self.strategy}: ZeRO partitions every parameter "
                              f"itself, experts included, and has no expert-parallel token dispatch in hf_dist; use "
                              f"FSDP2 (accelerate_configs/fsdp.yaml) or DDP with ep_size, or drop ep_size")
-        if self.pp > 1:
-            raise ValueError(f"ep_size={self.ep} with pp_size={self.pp}: pipeline stages are built per stage and "
-                             f"apply TP/FSDP inside, not the expert mesh; no parity test covers PP x EP; set "
-                             f"pp_size=1 (EP x FSDP2 or EP x DDP), or ep_size=1")
+        if self.pp > 1 and self.strategy not in ("fsdp_full_shard", "ddp"):
+            raise ValueError(f"ep_size={self.ep} with pp_size={self.pp} and strategy={self.strategy!r}: a parity test "
+                             f"covers EP x PP with FSDP2 FULL_SHARD or DDP on each stage's data-parallel ranks only; "
+                             f"use fsdp_full_shard (reshard_after_forward) or DDP, or ep_size=1")
         if self.cp > 1:
             raise ValueError(f"ep_size={self.ep} with cp_size={self.cp}: the expert mesh spreads experts over the "
                              f"data-parallel ranks of a stage, not over context-parallel ranks, and no parity test "

@@ -6,7 +6,7 @@ model-family registry (``hf_dist.families``) for what is proven:
 
 - pp: ``pipeline_parallel.support.check_pipeline_support`` (and no more stages than layers);
 - tp: ``tensor_parallel.checks.check_tp_sizes`` (support, then the sizes its plan shards);
-- ep: ``expert_parallel.support.check_ep_support``;
+- ep: ``expert_parallel.support.check_ep_support`` (inside pipeline stages too: the ``ep_pp`` records);
 - cp: ``context_parallel.support.check_cp_support`` (heads divide tp x cp).
 
 ``DistTrainer`` (its model, and each ``model_init`` model), ``hf_dist.from_pretrained`` (the config, before any
@@ -33,7 +33,7 @@ def model_refusals(config, layout) -> list[str]:
     if layout.tp > 1:
         checks.append(lambda: check_tp_sizes(config, layout.tp, vocab_parallel=getattr(layout, "vocab_parallel", False)))
     if layout.ep > 1:
-        checks.append(lambda: check_ep_support(config, layout.ep))
+        checks.append(lambda: check_ep_support(config, layout.ep, layout.pp))
     if layout.cp > 1:
         checks.append(lambda: check_cp_support(config, layout.cp, layout.tp))
     reasons = []

@@ -32,13 +32,39 @@ def test_ep_must_divide_the_ranks_experts_spread_over():
 
 
 @pytest.mark.parametrize(("fields", "fix"), [
-    (dict(strategy="zero3"), "use FSDP2"), (dict(strategy="fsdp_full_shard", pp=2), "set pp_size=1"),
+    (dict(strategy="zero3"), "use FSDP2"), (dict(strategy="fsdp_shard_grad_op", pp=2), "use fsdp_full_shard"),
     (dict(strategy="ddp", tp=2), "tp_size=1"), (dict(strategy="fsdp_hybrid_shard", dp_replicate=2), "FULL_SHARD"),
     (dict(strategy="fsdp_full_shard", offload="cpu"), "drop the offload"),
 ])
 def test_products_without_a_parity_test_are_refused_with_the_fix(fields, fix):
     with pytest.raises(ValueError, match=f"ep_size=2.*{fix}"):
         Layout(num_gpus=8, ep=2, **fields)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_full_shard", "ddp"])
+def test_ep_inside_pipeline_stages_spreads_each_stages_experts_over_its_own_data_parallel_ranks(strategy):
+    layout = Layout(strategy=strategy, num_gpus=4, pp=2, ep=2)
+    dims = layout.dims
+    assert (dims.pp, dims.dp, dims.ep, dims.efsdp) == (2, 2, 2, 1)
+    assert "PP2 x EP2" in layout.describe()
+
+
+def test_ep_x_pp_runs_the_model_types_its_records_prove_and_refuses_the_others_by_name():
+    from test_ep_pp import CASES as EP_PP_CASES
+
+    from hf_dist.families import proven_types
+    from hf_dist.support import model_refusals
+
+    assert set(EP_PP_CASES) == proven_types("ep_pp")
+    layout = Layout(strategy="fsdp_full_shard", num_gpus=4, pp=2, ep=2)
+    for name in EP_PP_CASES:
+        assert ep_refusal(moe_config(name), 2, pp=2) is None and model_refusals(moe_config(name), layout) == []
+    unproven = moe_config("deepseek_v3")  # EP and PP each proven, their product not
+    assert ep_refusal(unproven, 2) is None
+    with pytest.raises(ValueError, match=r"ep_size=2 with pp_size=2 is refused: model_type='deepseek_v3' has no "
+                                         r"EP x PP parity case.*proven for mixtral, qwen3_moe"):
+        check_ep_support(unproven, 2, 2)
+    assert any("no EP x PP parity case" in reason for reason in model_refusals(unproven, layout))
 
 
 @pytest.mark.parametrize("name", CASES + SWEEP_CASES)

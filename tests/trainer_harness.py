@@ -71,10 +71,10 @@ def as_loaded(model):
 
 
 def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None,
-               trainer_kwargs: dict | None = None, **overrides):
+               trainer_kwargs: dict | None = None, resume: str | None = None, **overrides):
     """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
     DistTrainingArguments, ``trainer_kwargs`` to DistTrainer; ``model`` (built the same on every rank) replaces the
-    tiny Llama."""
+    tiny Llama; ``resume``: the checkpoint ``train`` resumes from."""
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -100,6 +100,6 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
                                            **(model_kwargs or {})))
     trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=token_dataset(),
                           **(trainer_kwargs or {}))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return losses, full_parameters(trainer), trainer

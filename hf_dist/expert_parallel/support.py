@@ -24,8 +24,9 @@ EP_PARITY_TESTED = tuple(sorted(proven_types("ep")))
 the two the same)."""
 
 
-def ep_refusal(config, ep: int) -> str | None:
-    """Why ``config``'s model cannot run with ``ep_size=ep`` in hf_dist, or None when it can."""
+def ep_refusal(config, ep: int, pp: int = 1) -> str | None:
+    """Why ``config``'s model cannot run with ``ep_size=ep`` (inside ``pp`` pipeline stages) in hf_dist, or None when
+    it can. EP x PP needs its own record (``ep_pp``): the pipeline's and EP's proofs do not make their product's."""
     model_type = getattr(config, "model_type", None)
     config = text_config(config)
     experts = num_experts(config)
@@ -50,15 +51,21 @@ def ep_refusal(config, ep: int) -> str | None:
     if not family(model_type).proves("ep"):
         return (f"model_type={model_type!r} has experts in the form EP runs, but no EP parity case in hf_dist yet "
                 f"(docs/coverage.md lists the proven types)")
+    if pp > 1 and not family(model_type).proves("ep_pp"):
+        proven = ", ".join(sorted(proven_types("ep_pp")))
+        return (f"model_type={model_type!r} has no EP x PP parity case in hf_dist (experts sharded inside pipeline "
+                f"stages are proven for {proven}); use pp_size=1 with ep_size, or ep_size=1 with pp_size")
     return None
 
 
-def check_ep_support(config, ep: int) -> None:
-    """Raise ``ValueError`` naming the model, the rule and the fix when ``ep_size=ep`` cannot run on it."""
+def check_ep_support(config, ep: int, pp: int = 1) -> None:
+    """Raise ``ValueError`` naming the model, the rule and the fix when ``ep_size=ep`` (with ``pp_size=pp``) cannot
+    run on it."""
     if ep == 1:
         return
-    if why := ep_refusal(config, ep):
-        raise ValueError(f"ep_size={ep} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
+    if why := ep_refusal(config, ep, pp):
+        with_pp = f" with pp_size={pp}" if pp > 1 else ""
+        raise ValueError(f"ep_size={ep}{with_pp} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
 
 
 

@@ -2,7 +2,7 @@
 give the unsplit twin's loss and gradients on the real ranks, or training does not start.
 
 ``check_pipeline_layout`` builds ``tiny_twin(config)`` (same class, every behaviour field kept, sizes shrunk),
-runs one fp32 pipeline step of it with the requested ``ParallelDims`` and schedule (TP and FSDP included) on
+runs one fp32 pipeline step of it with the requested ``ParallelDims`` and schedule (TP, FSDP and EP included) on
 a padded batch, and compares the loss and every gradient with the same twin's one-process step on the same
 micro-batches (``hf_dist.models.reference``: a MoE router aux loss per micro-batch, as the run has it). On a
 difference it raises ``ValueError`` on every rank, naming the architecture, the layout and the size of the
@@ -106,16 +106,22 @@ def check_pipeline_layout(config, dims, pipeline_config: PipelineConfig, device=
     if worst[0] <= LOSS_ATOL and worst[1] <= GRAD_RTOL:
         if dist.get_rank() == 0:
             logger.info(
-                "layout canary: pp=%d %s reproduces the unsplit %s twin (loss %.2g, gradients %.2g relative) in %.1f s",
-                dims.pp, pipeline_config.schedule, config.model_type, float(worst[0]), float(worst[1]),
+                "layout canary: %s %s reproduces the unsplit %s twin (loss %.2g, gradients %.2g relative) in %.1f s",
+                _describe(dims), pipeline_config.schedule, config.model_type, float(worst[0]), float(worst[1]),
                 time.perf_counter() - start,
             )
         return
     named = where if float(mine[1]) == float(worst[1]) else "another rank's parameter"
     raise ValueError(
-        f"layout canary: pp={dims.pp} (tp={dims.tp}, dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard}, "
-        f"schedule={pipeline_config.schedule}) does not reproduce {type(config).__name__} "
+        f"layout canary: {_describe(dims)} (schedule={pipeline_config.schedule}) does not reproduce "
+        f"{type(config).__name__} "
         f"(model_type={config.model_type!r}) on a tiny twin of its config: loss differs by {float(worst[0]):.3g} "
         f"(limit {LOSS_ATOL}), gradients by {float(worst[1]):.3g} relative (limit {GRAD_RTOL}, worst here: {named}). "
         f"Training would be silently wrong; use pp_size=1, or report it. layout_canary=False skips this check"
     )
+
+
+def _describe(dims) -> str:
+    """``pp=2 (tp=1, dp_replicate=1, dp_shard=2, ep=2)``: the sizes the canary ran."""
+    return (f"pp={dims.pp} (tp={dims.tp}, dp_replicate={dims.dp_replicate}, dp_shard={dims.dp_shard}, "
+            f"ep={dims.ep})")

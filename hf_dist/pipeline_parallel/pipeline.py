@@ -1,8 +1,9 @@
 """Train and evaluate an HF causal LM split into pipeline stages: ``PipelinedCausalLM``.
 
 Order of application, in ``PipelinedCausalLM.__init__``: split into this rank's stage(s) (``plan_stages``),
-then each stage through ``hf_dist.parallelize`` (tensor parallel inside it, then FSDP2 on the data-parallel axis
-when ``dp_shard > 1``), then the torch ``PipelineStage`` objects and the schedule.
+then each stage through ``hf_dist.parallelize`` (tensor parallel inside it, expert parallel over the stage's
+data-parallel ranks when ``ep > 1``, then FSDP2 on the data-parallel axis when ``dp_shard > 1``), then the torch
+``PipelineStage`` objects and the schedule.
 
 Loss and gradients follow one process with the whole global batch: the last stage sums token losses and
 divides by the loss tokens of the global batch (counted on every rank, summed over the dp axis), and
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
+from hf_dist.expert_parallel import expert_params
 from hf_dist.loss.policy import dims_refusal
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.pipeline_parallel.rng import pipeline_random_stream
@@ -252,11 +254,18 @@ class PipelinedCausalLM:
 
     def _allreduce_grads(self) -> None:
         """Sum the gradients over the dp replicas, in buckets (``hf_dist.data_parallel``), once per step. TP grads
-        are DTensors: their local shards are summed over the replicas of the same tp coordinate."""
+        are DTensors: their local shards are summed over the replicas of the same tp coordinate. Expert shards (EP)
+        already hold every ``ep`` peer's tokens (the exchange's backward): they are summed over ``efsdp`` only."""
         if self.allreduce_group is None:
             return
+        experts = {id(p) for module in self.modules for p in expert_params(module)}
         trainable = [p for p in self.parameters() if p.requires_grad]
-        all_reduce_in_buckets(plan_buckets(trainable[::-1], int(DEFAULT_BUCKET_MB * 2**20)), self.allreduce_group)
+        cap = int(DEFAULT_BUCKET_MB * 2**20)
+        dense = [p for p in trainable if id(p) not in experts]
+        all_reduce_in_buckets(plan_buckets(dense[::-1], cap), self.allreduce_group)
+        if experts and self.dims.efsdp > 1:  # expert shards: summed over the ranks holding the same experts only
+            local = [p for p in trainable if id(p) in experts]
+            all_reduce_in_buckets(plan_buckets(local[::-1], cap), self.dims.get_mesh("efsdp").get_group())
 
     def _broadcast_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The last stage's loss on every rank: sum over pp (zeros elsewhere), then over dp."""

@@ -1,0 +1,132 @@
+"""EP x PP through ``DistTrainer``: 4 gloo ranks, ``pp_size=2`` x 2 data-parallel ranks per stage, ``ep_size=2`` (each
+stage's experts split over its own 2 data-parallel ranks, the rest FSDP2 FULL_SHARD or DDP), against one process.
+
+Tiny qwen3_moe and mixtral (4 experts, router aux loss on at 0.1), loaded from disk as users load theirs, train 3 AdamW
+steps with clipping active; the losses and every parameter (routers, experts, norms) equal a one-process
+``DistTrainer`` on the same global batch (accumulation 4 of the same 2-row micro-batches: the aux loss is the model's
+own per micro-batch, ``hf_dist.models.reference``) within 1e-5. The router statistics travel with the hidden states
+between stages (``pipeline_parallel.stage_module``); without the aux term the first stage's routers move differently
+by far more than the tolerance (checked once, on qwen3_moe), so a stage whose aux gradient were lost fails here. The
+layout canary runs at launch on every run (``layout_canary`` on by default) and must agree. One run saves at step 2
+(the Trainer's default ``save_strategy``) and resumes from there exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from trainer_harness import VOCAB, as_loaded, train_tiny
+
+CASES = ("qwen3_moe", "mixtral")
+"""The model types whose records prove ``ep_pp`` (``tests/test_families.py`` keeps them equal)."""
+FLAVOURS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "ddp": {}}
+STEPS, AUX, MAX_NORM = 3, 0.1, 0.5
+BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8, max_grad_norm=MAX_NORM)
+RESUMED, SAVE_AT = ("qwen3_moe", "fsdp2"), 2
+"""The run that also saves at step 2 (the Trainer's default ``save_strategy``), and resumes from there once."""
+
+
+def _model(name: str, aux: float = AUX):
+    from ep_cases import moe_config
+
+    from hf_dist.models.tiny import build_tiny_model
+
+    config = moe_config(name, aux=aux)
+    config.vocab_size = VOCAB
+    return as_loaded(build_tiny_model(config, seed=0))
+
+
+def _norms(trainer) -> list[float]:
+    return [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+
+
+class _CanaryLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _four_ranks(rank, world, root):
+    from torch.distributed.tensor import DTensor
+
+    canary = _CanaryLog()
+    logger = logging.getLogger("hf_dist.pipeline_parallel.canary")
+    logger.addHandler(canary)
+    logger.setLevel(logging.INFO)
+    out = {}
+    for name in CASES:
+        for flavour, layout in FLAVOURS.items():
+            saves = dict(save_strategy="steps", save_steps=SAVE_AT) if (name, flavour) == RESUMED else {}
+            losses, params, trainer = train_tiny(f"{root}/{name}_{flavour}", model=_model(name), pp_size=2, ep_size=2,
+                                                 **BATCH, **layout, **saves)
+            experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
+            sharded = bool(experts) and all(isinstance(p, DTensor) and p.to_local().shape[0] == 2 for p in experts)
+            out[(name, flavour)] = (losses, _norms(trainer), params if rank == 0 else None, sharded,
+                                    trainer.dims.ep, trainer.dims.pp)
+    name, flavour = RESUMED
+    checkpoint = f"{root}/{name}_{flavour}/checkpoint-{SAVE_AT}"
+    losses, params, _ = train_tiny(f"{root}/resumed", model=_model(name), pp_size=2, ep_size=2, resume=checkpoint,
+                                   **BATCH, **FLAVOURS[flavour])
+    out["resumed"] = (losses, params if rank == 0 else None)
+    return out, canary.messages
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep_pp")
+    return root, run_distributed(_four_ranks, 4, str(root), timeout_s=1500)
+
+
+@pytest.fixture(scope="module")
+def references(runs):
+    root, _ = runs
+    return {name: train_tiny(str(root / f"one_{name}"), model=_model(name), **BATCH)[:2] for name in CASES}
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+@pytest.mark.parametrize("name", CASES)
+def test_ep_pp_equals_one_process(runs, references, name, flavour):
+    _, results = runs
+    ref_losses, ref_params = references[name]
+    for rank, (result, _) in enumerate(results):
+        losses, norms, params, sharded, ep, pp = result[(name, flavour)]
+        assert (ep, pp) == (2, 2) and sharded, rank  # each rank holds 2 of the 4 experts of its stage's layers
+        assert len(losses) == STEPS and min(norms) > MAX_NORM  # clipping active on every step
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    params = results[0][0][(name, flavour)][2]
+    assert set(params) == set(ref_params)
+    torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=0)
+
+
+def test_the_layout_canary_agreed_on_every_run(runs):
+    _, results = runs
+    messages = results[0][1]  # rank 0 logs the verdict
+    agreed = [m for m in messages if m.startswith("layout canary:") and "ep=2" in m and "reproduces" in m]
+    assert len(agreed) == len(CASES) * len(FLAVOURS) + 1, messages  # and the resumed run
+
+
+def test_a_checkpoint_resumes_exactly(runs):
+    """Saved at step 2 (expert shards and optimizer states of every stage), resumed: step 3 as the run without a cut."""
+    _, results = runs
+    for result, _ in results:
+        losses, _, params, *_ = result[RESUMED]
+        resumed_losses, resumed_params = result["resumed"]
+        assert len(resumed_losses) == STEPS  # the first two from the checkpoint's log history
+        torch.testing.assert_close(resumed_losses[-1], losses[-1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[0][0]["resumed"][1], results[0][0][RESUMED][2], atol=1e-6, rtol=0)
+
+
+def test_dropping_the_aux_loss_fails_the_comparison(runs, references, tmp_path):
+    """The aux term moves the first stage's routers by far more than the parity tolerance (once, on qwen3_moe)."""
+    _, results = runs
+    _, no_aux = train_tiny(str(tmp_path / "no_aux"), model=_model("qwen3_moe", aux=0.0), **BATCH)[:2]
+    params = results[0][0][("qwen3_moe", "fsdp2")][2]
+    routers = [k for k in params if k.startswith("model.layers.0.") and k.endswith("mlp.gate.weight")]
+    assert routers and max(float((params[k] - no_aux[k]).abs().max()) for k in routers) > 1e-4
