@@ -293,7 +293,7 @@ def _generate_as_forward(model: nn.Module) -> None:
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer in backward (non-reentrant, which composes with DTensor and FSDP2)."""
     target = unwrap_peft(model)
-    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     frozen_inputs = not any(p.requires_grad for p in target.get_input_embeddings().parameters())
     if hasattr(model, "enable_input_require_grads") and frozen_inputs:
         model.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need a grad-requiring input

@@ -46,7 +46,7 @@ PRESETS: dict[str, list[str]] = {
     "13b": [
         "--max_seq_len", "4096", "--per_device_train_batch_size", "1", "--global_batch_size", "64",
         "--base_learning_rate", "2e-5", "--base_batch_size", "32", "--lr_scaling", "linear",
-        "--bf16", "true", "--gradient_checkpointing", "true", "--num_train_epochs", "1",
+        "--bf16", "true", "--activation_checkpointing", "true", "--num_train_epochs", "1",
         "--lr_scheduler_type", "cosine", "--warmup_steps", "0.03", "--weight_decay", "0.0",
         "--logging_steps", "10", "--eval_strategy", "steps", "--eval_steps", "500", "--save_strategy", "no",
         "--per_device_eval_batch_size", "1", "--output_dir", "runs/harbor-13b", "--report_to", "tensorboard",

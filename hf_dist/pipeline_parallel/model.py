@@ -51,11 +51,13 @@ class PipelineModel(nn.Module):
         self.pipeline.train(mode)
         return self
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **_ignored) -> None:
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **_ignored) -> None:
         """Called by ``Trainer.train``; ``apply_pipeline`` already enabled it per layer before the split."""
         layers = [layer for stage in self.pipeline.modules for layer in stage.owned_layers()]
         if not all(getattr(layer, "gradient_checkpointing", False) for layer in layers):
             raise RuntimeError("activation checkpointing must be enabled before the split (apply_pipeline does it)")
+
+    gradient_checkpointing_enable = activation_checkpointing_enable  # the deprecated name (TRL, older callers)
 
     def add_model_tags(self, tags: list[str] | str) -> None:
         """Tags for the model card (``PreTrainedModel`` API; TRL calls it): kept on the HF model the stages share."""

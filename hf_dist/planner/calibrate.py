@@ -162,7 +162,7 @@ def calibrate(model: ModelSpec, workload: Workload, *, layers: int = 2, steps: i
     layers = min(layers, model.num_hidden_layers)
     net = scaled_model(model, layers, dtype, device)
     if workload.activation_checkpointing:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, model.vocab_size, (workload.micro_batch_size, workload.seq_len), device=device)
     times = timed_steps(net, ids, steps=steps, autocast=autocast)
     step_time = sum(times) / len(times)

@@ -50,7 +50,7 @@ class Workload:
     attention: Attention = "sdpa"
     """``eager`` keeps the (b, heads, s, s) probabilities; ``sdpa``/``flash`` keep only a (b, heads, s) logsumexp."""
     activation_checkpointing: bool = True
-    """Per decoder layer (HF ``gradient_checkpointing_enable``, non-reentrant)."""
+    """Per decoder layer (HF ``activation_checkpointing_enable``, non-reentrant)."""
     gradient_accumulation_steps: int = 1
     """Micro steps per optimizer step (bounds the micro batches a pipeline holds in flight)."""
     chunked_loss: bool = False

@@ -116,7 +116,7 @@ def apply_plan(args) -> ApplyPlan:
     return ApplyPlan(
         device=args.device,
         param_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
-        activation_checkpointing=bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing)),
+        activation_checkpointing=bool(args.activation_checkpointing or (fsdp is not None and fsdp.activation_checkpointing)),
         fsdp=fsdp,
         sequence_parallel=args.layout.sequence_parallel,
         vocab_parallel=args.layout.vocab_parallel,

@@ -114,7 +114,7 @@ class DistTrainer(Trainer):
                 compile_blocks(find_blocks(model), compile_glue.compile_request(args))
         peak = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops()
         fsdp = args.hf_dist_fsdp
-        recompute = bool(args.gradient_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
+        recompute = bool(args.activation_checkpointing or (fsdp is not None and fsdp.activation_checkpointing))
         self.throughput = ThroughputMeter(
             flops=flops, model_parallel=self.dims.tp * self.dims.pp, peak_flops=peak, recompute=recompute
         )
