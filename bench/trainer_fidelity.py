@@ -19,10 +19,13 @@ The swap is checked, not assumed: in both runs every ``Trainer.__init__`` is cou
 instance is an hf_dist class. The swapped run must construct no plain ``Trainer`` and the plain run no hf_dist one;
 the totals are printed and a breach is an error (exit 2).
 
-Both runs: one process per file, ``OMP_NUM_THREADS=1``, offline (``HF_HUB_OFFLINE=1``: tests that need the Hub fail
-in both), no GPU, ``-p no:cacheprovider``, a per-test alarm (``--timeout``). Prints per file the passed / failed /
-skipped counts of each run, the totals, and every test whose outcome differs; exit status 1 when a test passes
-with ``Trainer`` and not with ``DistTrainer``. Not a test: it runs for many minutes.
+Both runs: one process per file, ``OMP_NUM_THREADS=1``, offline (``HF_HUB_OFFLINE=1``), no GPU,
+``-p no:cacheprovider``, a per-test alarm (``--timeout``). The Hub models, tokenizers, datasets and the
+``tests/fixtures/sample_text.txt`` the tests name are tiny stand-ins (``trainer_fidelity_standins``), the same in
+both runs; a test needing anything else fails in both. Names a stored test file imports that the installed
+transformers lacks get placeholders (``MISSING_NAMES``). Prints per file the passed / failed / error / skipped
+counts of each run, the totals, and every test whose outcome differs; exit status 1 when a test passes with
+``Trainer`` and not with ``DistTrainer``. Not a test: it runs for many minutes.
 """
 
 from __future__ import annotations

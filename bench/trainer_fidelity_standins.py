@@ -64,7 +64,7 @@ def build(root: Path) -> None:
     # <|im_start|>/<|im_end|> as bos/eos sees them differ from the model config until the Trainer aligns them
     snap = _snapshot(hub, LLAMA)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                  unk_token="<|endoftext|>")
+                                  unk_token="<|endoftext|>", pad_token="<|endoftext|>")
     tok.save_pretrained(snap)
     AutoModelForCausalLM.from_config(_small("llama", bpe.get_vocab_size(), num_key_value_heads=2, bos_token_id=0,
                                             eos_token_id=0, max_position_embeddings=256)).save_pretrained(snap)
