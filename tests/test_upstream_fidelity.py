@@ -95,3 +95,100 @@ def test_resume_a_model_without_config_as_the_trainer(tmp_path):
     assert len(losses) == 3  # step 1 from the checkpoint's state, steps 2 and 3 trained after the resume
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-6)
     torch.testing.assert_close(weights, ref_weights, rtol=0, atol=1e-6)
+
+
+def _tiny_moe(coef=0.5):
+    """A tiny Qwen3-MoE whose loss includes the router aux term (coefficient large enough to matter), as loaded."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.trainer_harness import as_loaded
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=coef,
+                            output_router_logits=True, pad_token_id=0, use_cache=False)
+    return as_loaded(Qwen3MoeForCausalLM(config))
+
+
+def _lm_batch(rows=4, length=9):
+    ids = (torch.arange(rows * length).reshape(rows, length) * 7 + 3) % 93 + 3
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def test_compute_loss_called_outside_train_is_the_trainers(tmp_path):
+    # upstream test_trainer_moe_loss.py calls compute_loss on a model in train mode before any train(): DistTrainer
+    # read the accumulation of a training step that had not started (AttributeError), and its chunked loss broke a
+    # return_dict=False forward ('tuple' object has no attribute 'logits')
+    from transformers import Trainer, TrainingArguments
+
+    def ce(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                 reduction="sum") / num_items_in_batch
+
+    cases = [({}, {}, {}), ({}, {"return_dict": False, "output_router_logits": False}, {}),
+             ({"label_smoothing_factor": 0.1}, {}, {}), ({}, {}, {"compute_loss_func": ce}),
+             ({"average_tokens_across_devices": False}, {}, {})]
+    for args, forward, extra in cases:
+        losses = []
+        for trainer_cls, args_cls in ((Trainer, TrainingArguments), (DistTrainer, DistTrainingArguments)):
+            model = _tiny_moe().train()
+            trainer = trainer_cls(model=model, args=args_cls(str(tmp_path / trainer_cls.__name__), report_to=[],
+                                                             **args), **extra)
+            losses.append(trainer.compute_loss(trainer.model, {**_lm_batch(), **forward}, num_items_in_batch=32))
+        torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6, msg=f"{args} {forward} {list(extra)}")
+
+
+def _train_moe_two_micro_steps(out, model, **args):
+    """One SGD step of 2 micro-batches (accumulation 2): the trained weights and the logged loss."""
+    from torch.utils.data import Dataset
+
+    batch = _lm_batch(rows=4)
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {k: v[i] for k, v in batch.items()}
+
+    trainer_args = DistTrainingArguments(str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                         max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                                         save_strategy="no", report_to=[], seed=0,
+                                         train_sampling_strategy="sequential", **args)
+    trainer = DistTrainer(model=model, args=trainer_args, train_dataset=Rows())
+    trainer.train()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_router_aux_weight_uses_the_coefficient_the_models_forward_uses(tmp_path):
+    # the model's forward adds ``self.router_aux_loss_coef x aux`` (an attribute set from the config, which upstream
+    # test_trainer_moe_loss.py changes); the reweighing read the config's, so its correction missed by the difference
+    changed = _tiny_moe(coef=0.5)
+    changed.router_aux_loss_coef = 0.05
+    reference = _tiny_moe(coef=0.05)
+    got = _train_moe_two_micro_steps(tmp_path / "attribute", changed)
+    want = _train_moe_two_micro_steps(tmp_path / "config", reference)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_router_aux_is_not_reweighed_in_a_loss_without_it(tmp_path):
+    # with a label smoother the Trainer's loss is not the model's and holds no aux term; the reweighing subtracted
+    # ``coef x aux x (1 - 1/accumulation)`` from it anyway. The Trainer itself trains on the smoothed loss alone.
+    from transformers import Trainer, TrainingArguments
+
+    want = None
+    for trainer_cls, args_cls in ((Trainer, TrainingArguments), (DistTrainer, DistTrainingArguments)):
+        batch = _lm_batch(rows=4)
+        rows = [{k: v[i] for k, v in batch.items()} for i in range(4)]
+        args = args_cls(str(tmp_path / trainer_cls.__name__), per_device_train_batch_size=2,
+                        gradient_accumulation_steps=2, max_steps=1, learning_rate=1.0, optim="sgd",
+                        lr_scheduler_type="constant", save_strategy="no", report_to=[], seed=0,
+                        train_sampling_strategy="sequential", label_smoothing_factor=0.1)
+        trainer = trainer_cls(model=_tiny_moe(), args=args, train_dataset=rows)
+        trainer.train()
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        if want is None:
+            want = weights
+    torch.testing.assert_close(weights, want, rtol=0, atol=1e-6)

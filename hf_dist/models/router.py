@@ -35,6 +35,15 @@ def adds_router_aux_loss(model: nn.Module) -> bool:
                 and load_balancing_fn(model) is not None)
 
 
+def aux_loss_coef(model: nn.Module) -> float | None:
+    """The coefficient ``model``'s forward multiplies its aux loss by: the causal LM's own ``router_aux_loss_coef``
+    attribute (set from the config at init, and what its ``forward`` reads), else the config's."""
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool):
+        coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    return None if coef is None else float(coef)
+
+
 def router_recorder(model: nn.Module):
     """``(router module class, index of the logits in its output)`` from the model's ``_can_record_outputs``."""
     recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")

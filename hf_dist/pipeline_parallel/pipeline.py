@@ -30,6 +30,7 @@ from torch import nn
 from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
 from hf_dist.expert_parallel import expert_params
 from hf_dist.loss.policy import dims_refusal
+from hf_dist.models.router import aux_loss_coef
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.pipeline_parallel.rng import pipeline_random_stream
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
@@ -141,7 +142,7 @@ class PipelinedCausalLM:
         self._parallelize_stages(reshard_after_forward)
         router = self.modules[0].router_stats
         self.loss_fn = TokenWeightedLoss(experts=router.experts if router is not None else 0)
-        self.router_aux_coef = float(causal_lm_of(model).config.router_aux_loss_coef) if router is not None else 0.0
+        self.router_aux_coef = (aux_loss_coef(causal_lm_of(model)) or 0.0) if router is not None else 0.0
         self._build_schedule()
 
     # -- construction ------------------------------------------------------------------------------

@@ -20,22 +20,29 @@ from hf_dist.context_parallel import context_parallel_state, split_targets
 
 @contextlib.contextmanager
 def training_step(trainer):
-    """Marks the Trainer's ``training_step``: the batch prepared inside it is a training batch, split over cp.
+    """Marks the Trainer's ``training_step``: the batch prepared inside it is a training batch, split over cp, and
+    the loss computed inside it is one micro step of an optimizer step (``in_training_step``).
 
     The Trainer prepares the CP inputs *before* it calls ``model.train()``, so ``model.training`` cannot tell a
     training step from an evaluation: a model loaded with ``from_pretrained`` (eval mode) or left in eval mode by an
     ``evaluate()`` would see its first micro-batch whole on every cp rank, counted cp times."""
-    trainer._cp_training_step = True
+    trainer._in_training_step = True
     try:
         yield
     finally:
-        trainer._cp_training_step = False
+        trainer._in_training_step = False
+
+
+def in_training_step(trainer) -> bool:
+    """Whether the Trainer is inside ``training_step`` (not evaluating, nor ``compute_loss`` called on its own, as
+    transformers' tests and subclasses do outside ``train()``, where no accumulation is under way)."""
+    return getattr(trainer, "_in_training_step", False)
 
 
 def prepare_inputs(trainer, model, inputs: dict):
     """``(context, inputs)`` for one training step under CP; evaluation and layouts without CP are left alone."""
     state = context_parallel_state(trainer.model)
-    if state is None or not getattr(trainer, "_cp_training_step", False):
+    if state is None or not in_training_step(trainer):
         return contextlib.nullcontext, inputs
     return state.split, split_targets(inputs, state)
 

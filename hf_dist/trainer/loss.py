@@ -38,6 +38,8 @@ def chunked_loss_for(trainer, model: nn.Module, inputs: dict) -> ChunkedCausalLM
     """The chunked loss to call instead of ``model`` for this batch, or None for the model's own forward."""
     if not model.training or "labels" not in inputs or trainer_refusal(trainer) is not None:
         return None
+    if inputs.get("return_dict") is False:  # the caller wants the model's tuple; the chunked loss returns a ModelOutput
+        return None
     if type(model).__name__ == "OptimizedModule":  # accelerate's whole-model compile: hooks inside would be traced
         return None
     cached = getattr(trainer, "_chunked_loss", None)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hf_dist.families import num_experts as expert_count
-from hf_dist.models.router import load_balancing_fn
+from hf_dist.models.router import aux_loss_coef, load_balancing_fn
 
 SCOPES = ("micro_batch", "global_batch")
 
@@ -47,10 +47,10 @@ def check_scope(scope: str) -> None:
 def router_aux_parts(model, outputs) -> tuple[float, torch.Tensor] | None:
     """``(router_aux_loss_coef, aux_loss)`` of a MoE forward whose loss includes the aux term, else None."""
     aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
-    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    coef = aux_loss_coef(model)
     if aux is None or not torch.is_tensor(aux) or not coef:
         return None
-    return float(coef), aux
+    return coef, aux
 
 
 def _gather_rows(per_layer: tuple[torch.Tensor, ...], mask: torch.Tensor, group) -> tuple[tuple, torch.Tensor]:
@@ -97,8 +97,11 @@ def reweigh_router_loss(trainer, model, loss, outputs, inputs, num_items_in_batc
 
     ``loss`` is what ``Trainer.compute_loss`` returned: ``(lm + coef x aux) x s``, with ``s`` the number of dp
     processes when the Trainer normalised by ``num_items_in_batch`` (it then skips dividing by the accumulation),
-    else 1 (and the Trainer divides by the accumulation afterwards).
+    else 1 (and the Trainer divides by the accumulation afterwards). A loss the Trainer did not take from the model
+    (a label smoother, ``compute_loss_func``, no labels given to the model) holds no aux term: it is left as is.
     """
+    if trainer.label_smoother is not None or trainer.compute_loss_func is not None or "labels" not in inputs:
+        return loss
     parts = router_aux_parts(trainer.accelerator.unwrap_model(model), outputs)
     if parts is None:
         return loss

@@ -211,12 +211,13 @@ class DistTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The Trainer's own, with the model's loss made chunk by chunk where exact (``hf_dist.trainer.loss``) and,
-        in training, a MoE router aux term weighted the same for any batch split (``hf_dist.trainer.router_loss``).
+        in a training step, a MoE router aux term weighted the same for any batch split
+        (``hf_dist.trainer.router_loss``). Called on its own, outside ``train()``, it returns the Trainer's loss.
         A caller asking for the outputs (a subclass reading the logits) gets the model's own forward, whole logits."""
         chunked = None if return_outputs else chunked_loss_for(self, model, inputs)
         loss, outputs = super().compute_loss(chunked or model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
-        if model.training:
+        if context.in_training_step(self):
             loss = router_loss.reweigh_router_loss(self, model, loss, outputs, inputs, num_items_in_batch)
             if self.args.dist_logging:
                 self.expert_load.add(self.accelerator.unwrap_model(model), outputs)
