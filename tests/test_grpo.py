@@ -19,6 +19,7 @@ ranks (accelerate's DDP): completions, metrics (non-zero advantages) and weights
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -120,7 +121,8 @@ def _gathered_blocks(trainer) -> list[int]:
     return counts
 
 
-def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = False, **overrides):
+def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = False, output_dir: Path | None = None,
+         resume: str | None = None, **overrides):
     from datasets import Dataset
 
     tokenizer = _tokenizer(folder / "tokenizer")
@@ -132,19 +134,20 @@ def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = Fa
         return character_reward(completions)
 
     reward.__name__ = "character_reward"
-    with tempfile.TemporaryDirectory() as out:
-        args = config_cls(
-            output_dir=out, max_steps=STEPS, learning_rate=2.0 if lora else 0.5, optim="sgd",
-            lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0,
-            disable_tqdm=True, dataloader_num_workers=0, bf16=False, gradient_checkpointing=False, max_grad_norm=1.0,
-            beta=BETA, num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION,
-            generation_kwargs=None if sample else {"do_sample": False}, **overrides,
-        )
+    settings = dict(
+        max_steps=STEPS, learning_rate=2.0 if lora else 0.5, optim="sgd", lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, bf16=False, gradient_checkpointing=False, max_grad_norm=1.0, beta=BETA,
+        num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION,
+        generation_kwargs=None if sample else {"do_sample": False},
+    )
+    with contextlib.nullcontext(output_dir) if output_dir else tempfile.TemporaryDirectory() as out:
+        args = config_cls(output_dir=str(out), **(settings | overrides))
         trainer = trainer_cls(model=_policy(path, lora), reward_funcs=reward, args=args,
                               train_dataset=Dataset.from_dict({"prompt": _pairs(12, seed=0)["prompt"]}),
                               processing_class=tokenizer, peft_config=_lora_config() if lora else None)
         gathered = _gathered_blocks(trainer) if getattr(trainer, "owns_layout", False) else []
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     logs = [log for log in trainer.state.log_history if "loss" in log]
     metrics = {k: [log[k] for log in logs] for k in logs[0] if k not in SKIPPED and "time" not in k}
     dims = getattr(trainer, "dims", None)
@@ -174,6 +177,12 @@ def _rank_runs(rank, world_size, folder, names):
     results["sampled_fsdp2"] = _run(folder, DistGRPOConfig, DistGRPOTrainer, lora=False, sample=True,
                                     global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2, fsdp2=True)
     results["sampled_trl"] = _run(folder, GRPOConfig, GRPOTrainer, lora=False, sample=True, **trl_ddp)
+    # hf_dist's sharded FSDP2 checkpoint at step 2 (one folder for both ranks), then a fresh trainer resumes from it
+    saving = dict(global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2, fsdp2=True, save_strategy="steps",
+                  save_steps=2, output_dir=Path(folder) / "resume")
+    results["saved"] = _run(folder, DistGRPOConfig, DistGRPOTrainer, lora=False, **saving)
+    results["resumed"] = _run(folder, DistGRPOConfig, DistGRPOTrainer, lora=False, **saving,
+                              resume=str(Path(folder) / "resume" / "checkpoint-2"))
     return results
 
 
@@ -271,6 +280,19 @@ def test_fixed_seed_sampling_under_fsdp2_matches_trls_grpo_trainer_on_the_same_r
         ref_metrics, ref_state, _, _ = rank_results["sampled_trl"]
         assert min(ref_metrics["reward_std"]) > 0
         _assert_same(metrics, state, ref_metrics, ref_state)
+
+
+def test_resumed_from_an_fsdp2_checkpoint_equals_the_uninterrupted_run(distributed, folder):
+    """save_steps=2 writes hf_dist's sharded checkpoint; a fresh DistGRPOTrainer resumed from it trains step 3 to the
+    same completions, loss, rewards and weights as the run that never stopped."""
+    from hf_dist.checkpoint.kind import checkpoint_kind
+
+    for rank_results in distributed:
+        metrics, state, generated, _ = rank_results["saved"]
+        resumed_metrics, resumed_state, resumed_generated, _ = rank_results["resumed"]
+        assert resumed_generated == generated[-1:]  # only step 3 generated after the resume
+        _assert_same(resumed_metrics, resumed_state, metrics, state)  # steps 1-2 logged in the checkpoint's state
+    assert checkpoint_kind(folder / "resume" / "checkpoint-2") == "hf_dist"
 
 
 def test_one_process_without_hf_dist_fields_is_grpo_trainer(references, folder):
