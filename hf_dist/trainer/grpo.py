@@ -15,10 +15,11 @@ scales with that completion count.
 
 Generation under FSDP2 (``hf_dist.parallelism``): ``generate`` is a forward of the FSDP root, so the root's own
 parameters (embeddings, final norm, lm_head) are gathered for the whole call and each decoder block is gathered by
-its own forward, once per generated token, and resharded after it (FULL_SHARD; explicit prefetch gathers the next
-block early); every rank keeps stepping until all are done (``synced_gpus``), because a block's gather is a
-collective. Never the whole model at once under FULL_SHARD; under SHARD_GRAD_OP the blocks stay gathered until the
-end of ``generate``.
+its own forward, once per generated token. Under FULL_SHARD one block is gathered at a time (with LoRA also the last
+block, which FSDP keeps for backward, until ``generate`` ends: a PeftModel root's forward is not called per token);
+under SHARD_GRAD_OP every block stays gathered until the end of each forward, the whole model. Every rank keeps
+stepping until all are done (``synced_gpus``), because a block's gather is a collective. ``tests/test_grpo.py``
+measures the gathered blocks.
 
 What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trainer.trl_layout``'s rules, called from
 ``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2, full fine-tune and LoRA, with
