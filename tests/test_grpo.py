@@ -9,8 +9,11 @@ Greedy decoding gives every completion of a prompt the same reward, so the advan
 the KL term: the policy starts away from its reference (full fine-tune: the loaded weights perturbed after loading;
 LoRA: adapters initialised non-zero), so the reference model's log-probabilities drive the update. DDP and FSDP2
 (FULL_SHARD, SHARD_GRAD_OP), full fine-tune and LoRA, run in one spawned 2-rank group and must give the one-process
-run's completions token for token, every metric it logs (loss, reward, reward_std, rewards/<func>/mean, kl,
-entropy, completion lengths, clip ratios) and the weights after the steps within 1e-5.
+run's completions token for token, its loss, grad norm, rewards, reward std and completion lengths, and its weights
+after the steps within 1e-5. kl, entropy and the clip ratios depend on how TRL cuts each rank's shuffled generation
+batch into micro-batches (``_split_invariant``), so every logged metric is also compared with TRL's own GRPOTrainer
+on the same 2 ranks. The test also counts the blocks FSDP2 holds gathered during generation, and resumes from an
+hf_dist FSDP2 checkpoint.
 
 Sampling: with do_sample, each rank draws from its own seed (TRL seeds per process), so one process cannot draw the
 same tokens; the fixed-seed case compares DistGRPOTrainer under FSDP2 with TRL's own GRPOTrainer on the same 2
