@@ -2,6 +2,8 @@
 
 Public API: ``ParallelDims`` (the layout), ``BatchContract`` (global batch and LR scaling),
 ``DistTrainer`` / ``DistTrainingArguments`` (drop-in replacements for the HF Trainer classes),
+``DistDPOTrainer`` / ``DistDPOConfig`` and ``DistGRPOTrainer`` / ``DistGRPOConfig`` (TRL's, with the same layouts;
+need ``trl``),
 ``from_pretrained`` (a model loaded straight into the layout of its arguments, each rank reading its slices),
 ``parallelize`` / ``FsdpRequest`` (apply a layout to a model yourself: ``hf_dist.parallelism``),
 ``apply_layout`` / ``ApplyPlan`` (the same, pipelines included, as DistTrainer does it: ``hf_dist.apply``),
@@ -18,6 +20,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ApplyPlan",
     "BatchContract",
+    "DistDPOConfig",
+    "DistDPOTrainer",
+    "DistGRPOConfig",
+    "DistGRPOTrainer",
     "DistTrainer",
     "DistTrainingArguments",
     "FsdpRequest",
@@ -37,6 +43,14 @@ def __getattr__(name: str):
         from hf_dist import trainer
 
         return getattr(trainer, name)
+    if name in ("DistDPOTrainer", "DistDPOConfig"):
+        from hf_dist.trainer import dpo
+
+        return getattr(dpo, name)
+    if name in ("DistGRPOTrainer", "DistGRPOConfig"):
+        from hf_dist.trainer import grpo
+
+        return getattr(grpo, name)
     if name in ("parallelize", "FsdpRequest"):
         from hf_dist import parallelism
 

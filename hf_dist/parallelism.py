@@ -271,6 +271,9 @@ def _generate_as_forward(model: nn.Module) -> None:
     ``generate``, which never passes through the root's forward, so the embedding would meet sharded weights.
     torch's ``register_fsdp_forward_method`` runs the root's pre/post-forward around ``generate``; every unit is
     resharded after it (no backward follows). A plain HF root's forward inside it gathers and reshards as before.
+    Each block's gather is a collective, so every rank keeps stepping until all ranks' sequences are done
+    (``synced_gpus``, which transformers turns on only for FSDP it recognises by its own flag); a rank that stopped
+    at its own end of sequence would leave the others waiting in a gather.
     """
     from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -281,6 +284,8 @@ def _generate_as_forward(model: nn.Module) -> None:
 
     @functools.wraps(gathered_generate)
     def generate(*args, **kwargs):
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            kwargs.setdefault("synced_gpus", True)
         try:
             with torch.no_grad():
                 return gathered_generate(*args, **kwargs)

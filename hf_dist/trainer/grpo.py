@@ -1,0 +1,127 @@
+"""TRL's ``GRPOTrainer`` with hf_dist's layouts: ``DistGRPOTrainer`` and ``DistGRPOConfig``.
+
+Built as ``DistDPOTrainer`` is (``hf_dist.trainer.dpo``): ``DistGRPOConfig`` is TRL's ``GRPOConfig`` with
+``DistTrainingArguments``' fields (``GRPOConfig``'s own defaults kept), ``DistGRPOTrainer`` is ``GRPOTrainer`` over
+``DistTrainer``. ``GRPOTrainer.__init__`` prepares the policy (PEFT adapter), ``DistTrainer.__init__`` lays it out,
+then TRL loads the frozen reference from the policy's path and adds its fused LM head; the reference is then laid out
+here like the policy (``lay_out_reference``: FSDP2-sharded by hf_dist, a whole replica per rank under DDP, as TRL has
+it; under LoRA the policy with its adapters disabled). Generation, rewards, advantages and the per-token
+log-probabilities are TRL's own code, run on the laid-out model.
+
+The batch contract counts completions: ``global_batch_size`` = prompts x ``num_generations`` per optimizer step, so it
+must hold whole prompt groups. Unless ``generation_batch_size`` or ``steps_per_generation`` is set, one generation
+batch is one global batch (TRL's default: ``steps_per_generation`` = the derived accumulation). ``base_learning_rate``
+scales with that completion count.
+
+Generation under FSDP2 (``hf_dist.parallelism``): ``generate`` is a forward of the FSDP root, so the root's own
+parameters (embeddings, final norm, lm_head) are gathered for the whole call and each decoder block is gathered by
+its own forward, once per generated token. Under FULL_SHARD one block is gathered at a time (with LoRA also the last
+block, which FSDP keeps for backward, until ``generate`` ends: a PeftModel root's forward is not called per token);
+under SHARD_GRAD_OP every block stays gathered until the end of each forward, the whole model. Every rank keeps
+stepping until all are done (``synced_gpus``), because a block's gather is a collective. ``tests/test_grpo.py``
+measures the gathered blocks.
+
+What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trainer.trl_layout``'s rules, called from
+``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2, full fine-tune and LoRA, with
+transformers' ``generate`` (``use_vllm=False``), each proven equal to one process in ``tests/test_grpo.py``.
+
+Not here: vLLM or continuous-batching generation under FSDP2, TP/PP/CP/EP (refused); the layouts (``DistTrainer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from transformers import TrainingArguments
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_dist.strategy import Layout
+from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.sft import default_output_dir
+from hf_dist.trainer.trainer import DistTrainer
+from hf_dist.trainer.trl_layout import as_config, check_trl_layout, lay_out_reference, trl_default, \
+    trl_layout_refusal
+
+_GRPO_LEARNING_RATE = next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == "learning_rate")
+_MODEL_PARALLEL = {
+    "tp_size": "generation and the per-token log-probabilities run TRL's fused LM head, which multiplies whole hidden "
+               "states by the whole lm_head weight that tensor parallelism shards",
+    "pp_size": "generation runs the whole model's forward once per new token on every rank, and a pipeline splits "
+               "the model over stages (there is no pipelined generate)",
+    "cp_size": "generation grows each sequence one token at a time on one rank, which context parallelism splits "
+               "over the cp ranks (TRL's GRPOTrainer refuses it too)",
+    "ep_size": "experts are exchanged all-to-all in every generation step, and the frozen reference would need the "
+               "same expert layout",
+}
+_FSDP2_OPTIONS = {
+    "use_vllm": "TRL's vLLM weight sync gathers the policy through accelerate's FSDP, which hf_dist's fully_shard "
+                "is not, and no parity test covers it",
+    "use_transformers_continuous_batching": "generate_batch bypasses the FSDP root's gathered generate, and no "
+                                            "parity test covers it",
+    "sync_ref_model": "TRL syncs the reference under its own FSDP only (hf_dist's fully_shard is not accelerate's "
+                      "FSDP), and no parity test covers it",
+}
+
+
+def grpo_layout_refusal(layout: Layout, args) -> str | None:
+    """Why GRPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
+    ``tests/test_grpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    return trl_layout_refusal(layout, args, config="DistGRPOConfig", model_parallel=_MODEL_PARALLEL,
+                              fsdp2_options=_FSDP2_OPTIONS)
+
+
+def generation_batch_from_contract(args) -> None:
+    """With ``global_batch_size`` and neither ``generation_batch_size`` nor ``steps_per_generation``, one generation
+    batch is the global batch, which must hold whole prompt groups (pure; refuses before any process group)."""
+    if args.global_batch_size is None or args.generation_batch_size is not None or \
+            args.steps_per_generation is not None:
+        return
+    groups, left = divmod(args.global_batch_size, args.num_generations)
+    if left:
+        nearest = sorted({max(groups, 1) * args.num_generations, (groups + 1) * args.num_generations})
+        raise ValueError(
+            f"global_batch_size={args.global_batch_size} counts completions (prompts x num_generations="
+            f"{args.num_generations}) and must hold whole prompt groups; use global_batch_size in {nearest}, or "
+            f"change num_generations")
+    # GRPOConfig derives steps_per_generation = generation_batch_size / (per-device batch x ranks): the accumulation
+    # the contract derives afterwards. Set now because GRPOConfig checks it before the contract exists.
+    args.generation_batch_size = args.global_batch_size
+
+
+@dataclass
+class DistGRPOConfig(DistTrainingArguments, GRPOConfig):
+    """``trl.GRPOConfig`` plus hf_dist's batch contract and layout fields (see ``DistTrainingArguments``).
+
+    ``global_batch_size`` counts completions (prompts x ``num_generations``). ``GRPOConfig``'s defaults stay TRL's
+    (learning rate 1e-6, gradient checkpointing, bf16 when available, logging every 10 steps, dataset columns kept for
+    the reward functions)."""
+
+    bf16: bool | None = trl_default(GRPOConfig, "bf16")
+    gradient_checkpointing: bool = trl_default(GRPOConfig, "gradient_checkpointing")
+    logging_steps: float = trl_default(GRPOConfig, "logging_steps")
+    remove_unused_columns: bool | None = trl_default(GRPOConfig, "remove_unused_columns")
+
+    def __post_init__(self):
+        check_trl_layout(self, grpo_layout_refusal)
+        generation_batch_from_contract(self)
+        if self.learning_rate is None and self.base_learning_rate is None:
+            self.learning_rate = _GRPO_LEARNING_RATE  # GRPOConfig's default, not the Trainer's
+        super().__post_init__()
+
+
+def as_dist_grpo_config(args: TrainingArguments | None) -> DistGRPOConfig | None:
+    """``args`` as ``DistGRPOConfig`` (a ``GRPOConfig`` or ``TrainingArguments`` is converted field by field;
+    ``generation_batch_size``, which ``GRPOConfig`` derived from ``steps_per_generation``, is derived again)."""
+    return as_config(args, DistGRPOConfig, drop=("generation_batch_size",))
+
+
+class DistGRPOTrainer(GRPOTrainer, DistTrainer):
+    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, LoRA) and batch contract."""
+
+    def __init__(self, model, reward_funcs=None, args: TrainingArguments | None = None, *positional, **kwargs):
+        if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
+            args = DistGRPOConfig(output_dir=default_output_dir(model, suffix="GRPO"))
+        super().__init__(model, reward_funcs, as_dist_grpo_config(args), *positional, **kwargs)
+        if self.ref_model is not None:
+            self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
