@@ -164,6 +164,8 @@ def test_without_args_it_writes_where_sft_trainer_would(tmp_path, monkeypatch):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from trl import SFTTrainer
+
     from hf_dist.trainer.sft import DistSFTConfig, DistSFTTrainer
 
     monkeypatch.chdir(tmp_path)
@@ -175,9 +177,36 @@ def test_without_args_it_writes_where_sft_trainer_would(tmp_path, monkeypatch):
     tokenizer.save_pretrained(folder)
     data = Dataset.from_dict({"text": _texts(4)})
 
+    outcomes = []  # SFTConfig's default bf16=None means bf16 where supported: on a CPU, TRL's own error
+    for trainer_cls in (SFTTrainer, DistSFTTrainer):
+        try:
+            outcomes.append(Path(trainer_cls(str(folder), train_dataset=data).args.output_dir).name)
+        except ValueError as error:
+            outcomes.append(str(error))
+    assert outcomes[0] == outcomes[1] and (outcomes[0] == "tiny-thing-SFT" or "bf16" in outcomes[0]), outcomes
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)  # as on a GPU
     by_name = DistSFTTrainer(str(folder), train_dataset=data)
     by_model = DistSFTTrainer(AutoModelForCausalLM.from_pretrained(folder), train_dataset=data,
                               processing_class=tokenizer)
     for trainer in (by_name, by_model):
         assert isinstance(trainer.args, DistSFTConfig)
         assert Path(trainer.args.output_dir).name == "tiny-thing-SFT"
+
+
+@pytest.mark.parametrize("names", [("trl.SFTConfig", "hf_dist.trainer.sft.DistSFTConfig"),
+                                   ("trl.DPOConfig", "hf_dist.trainer.dpo.DistDPOConfig"),
+                                   ("trl.GRPOConfig", "hf_dist.trainer.grpo.DistGRPOConfig")])
+def test_the_dist_configs_keep_trls_defaults(names):
+    """Every field TRL's config defaults differently from the Trainer keeps TRL's default in the Dist config
+    (``DistTrainingArguments`` comes first in the MRO and would restore the Trainer's); the learning rate is
+    ``None`` there on purpose (the batch contract decides it) and resolves to TRL's in ``__post_init__``."""
+    import dataclasses
+    import importlib
+
+    trl_cls, dist_cls = (getattr(importlib.import_module(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1]) for n in names)
+    trl_fields = {f.name: f for f in dataclasses.fields(trl_cls)}
+    differ = {f.name: (f.default, trl_fields[f.name].default) for f in dataclasses.fields(dist_cls)
+              if f.name in trl_fields and f.name != "learning_rate" and f.default != trl_fields[f.name].default}
+    assert differ == {}, differ
+    made = dist_cls(output_dir="unused", use_cpu=True)
+    assert made.learning_rate == trl_fields["learning_rate"].default

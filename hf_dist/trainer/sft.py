@@ -21,13 +21,20 @@ from trl.trainer.utils import get_config_model_id
 
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.trainer import DistTrainer
+from hf_dist.trainer.trl_layout import trl_default
 
 _SFT_LEARNING_RATE = next(f.default for f in dataclasses.fields(SFTConfig) if f.name == "learning_rate")
 
 
 @dataclass
 class DistSFTConfig(DistTrainingArguments, SFTConfig):
-    """``trl.SFTConfig`` plus hf_dist's batch contract and layout fields (see ``DistTrainingArguments``)."""
+    """``trl.SFTConfig`` plus hf_dist's batch contract and layout fields (see ``DistTrainingArguments``).
+    ``SFTConfig``'s defaults stay TRL's (learning rate 2e-5, gradient checkpointing, bf16 when available, logging
+    every 10 steps)."""
+
+    bf16: bool | None = trl_default(SFTConfig, "bf16")
+    gradient_checkpointing: bool = trl_default(SFTConfig, "gradient_checkpointing")
+    logging_steps: float = trl_default(SFTConfig, "logging_steps")
 
     def __post_init__(self):
         # before any process group: TRL's fused LM head (used for the loss and its metrics) multiplies plain hidden
