@@ -6,9 +6,7 @@ depend on, and lists every parameter tensor with its shape, so that parameter co
 model types it describes, and how their layers differ (biases, q/k norms, sinks), are their registry records'
 ``planner`` field (``hf_dist.families``); other types are refused with that reason. ``model_spec(x)`` takes a catalogue name, a local HF config directory or a
 ``PretrainedConfig``; ``get_model_config(name)`` turns a catalogue entry into a ``PretrainedConfig``.
-``GpuSpec`` holds a GPU kind's memory, peak dense bf16 FLOP/s and a typical node's host RAM per GPU;
-``gpu_spec(name)`` looks one up and ``gpu_from_device_name`` maps ``torch.cuda.get_device_name()`` to a kind
-(the one GPU catalogue, used by the planner and by the trainer's runtime MFU).
+The GPU kinds (``GpuSpec``, ``gpu_spec``, ``gpu_from_device_name``) live in ``gpus.py`` and are re-exported here.
 
 Catalogue figures are the published HF ``config.json`` values and NVIDIA's datasheets (dense, no sparsity).
 Not here: memory arithmetic (``memory.py``, ``activations.py``) or choosing layouts (``chooser.py``).
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from hf_dist.families import EXPERT_COUNT_FIELDS, PlannerShape, family, num_experts, types_with
+from hf_dist.planner.gpus import GPU_ALIASES, GPU_CATALOGUE, GpuSpec, gpu_from_device_name, gpu_spec  # noqa: F401
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -243,10 +242,18 @@ MODEL_CATALOGUE: dict[str, ModelSpec] = {spec.name: spec for spec in (
     # decoder_sparse_step 1), num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, vocab_size 151936
     _moe("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 6144, 151936, experts=128, top_k=8, expert_width=768,
          head_dim=128),
+    # Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, num_hidden_layers 94, num_attention_heads 64,
+    # num_key_value_heads 4, head_dim 128, intermediate_size 12288 (no dense MLP layer), num_experts 128,
+    # num_experts_per_tok 8, moe_intermediate_size 1536, vocab_size 151936 (235B total, 22B active)
+    _moe("qwen3-235b-a22b", "qwen3_moe", 4096, 94, 64, 4, 12288, 151936, experts=128, top_k=8, expert_width=1536,
+         head_dim=128),
     # openai/gpt-oss-20b config.json: hidden_size 2880, num_hidden_layers 24, num_attention_heads 64,
     # num_key_value_heads 8, head_dim 64, intermediate_size 2880 (per expert), num_local_experts 32,
     # num_experts_per_tok 4, vocab_size 201088, attention_bias true (sliding/full layers alternate: same shapes)
     _moe("gpt-oss-20b", "gpt_oss", 2880, 24, 64, 8, 2880, 201088, experts=32, top_k=4, expert_width=2880,
+         head_dim=64, attention_bias=True),
+    # openai/gpt-oss-120b config.json: as gpt-oss-20b but num_hidden_layers 36, num_local_experts 128 (117B total)
+    _moe("gpt-oss-120b", "gpt_oss", 2880, 36, 64, 8, 2880, 201088, experts=128, top_k=4, expert_width=2880,
          head_dim=64, attention_bias=True),
     # mistralai/Mixtral-8x7B-v0.1 config.json: hidden_size 4096, num_hidden_layers 32, num_attention_heads 32,
     # num_key_value_heads 8, intermediate_size 14336 (per expert), num_local_experts 8, num_experts_per_tok 2,
@@ -333,78 +340,3 @@ def spec_config(spec: ModelSpec):
         intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, head_dim=spec.head_dim,
         tie_word_embeddings=spec.tie_word_embeddings, **moe,
     )
-
-
-@dataclass(kw_only=True, frozen=True)
-class GpuSpec:
-    """A GPU kind."""
-
-    name: str
-    """Catalogue key, e.g. ``a100-80gb``."""
-    memory_bytes: int
-    """Device memory as ``nvidia-smi`` reports its total (MiB x 2**20)."""
-    peak_bf16_flops: float
-    """Peak dense bf16 tensor-core FLOP/s (datasheet, no sparsity)."""
-    host_ram_per_gpu_bytes: int
-    """Host RAM per GPU of a typical node (the default of ``--host-ram-gb``; see ``GPU_CATALOGUE``)."""
-    device_names: tuple[str, ...] = ()
-    """Substrings of ``torch.cuda.get_device_name()`` that identify this kind (most specific kinds first)."""
-
-
-_MIB, _GIB = 2**20, 2**30
-GPU_CATALOGUE: dict[str, GpuSpec] = {g.name: g for g in (
-    # peak: NVIDIA datasheets, dense bf16. Host RAM per GPU: the 8-GPU cloud node of that kind (AWS p4d/p4de
-    # 1,152 GiB, p5/p5e/p6-b200 2,048 GiB, g6e 1,536 GiB, g6/g5 768 GiB); PCIe/NVL H100 and A10: 128 / 96 GiB.
-    GpuSpec(name="h100-pcie", memory_bytes=81559 * _MIB, peak_bf16_flops=756e12, host_ram_per_gpu_bytes=128 * _GIB,
-            device_names=("H100 PCIe",)),
-    GpuSpec(name="h100-nvl", memory_bytes=95830 * _MIB, peak_bf16_flops=835e12, host_ram_per_gpu_bytes=128 * _GIB,
-            device_names=("H100 NVL",)),
-    GpuSpec(name="h100", memory_bytes=81559 * _MIB, peak_bf16_flops=989e12, host_ram_per_gpu_bytes=256 * _GIB,
-            device_names=("H100",)),
-    GpuSpec(name="h200", memory_bytes=143771 * _MIB, peak_bf16_flops=989e12, host_ram_per_gpu_bytes=256 * _GIB,
-            device_names=("H200",)),
-    GpuSpec(name="b200", memory_bytes=183359 * _MIB, peak_bf16_flops=2250e12, host_ram_per_gpu_bytes=256 * _GIB,
-            device_names=("B200",)),
-    GpuSpec(name="a100-40gb", memory_bytes=40960 * _MIB, peak_bf16_flops=312e12, host_ram_per_gpu_bytes=144 * _GIB,
-            device_names=("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB")),
-    GpuSpec(name="a100-80gb", memory_bytes=81920 * _MIB, peak_bf16_flops=312e12, host_ram_per_gpu_bytes=144 * _GIB,
-            device_names=("A100",)),
-    GpuSpec(name="l40s", memory_bytes=46068 * _MIB, peak_bf16_flops=362e12, host_ram_per_gpu_bytes=192 * _GIB,
-            device_names=("L40S",)),
-    GpuSpec(name="l4", memory_bytes=23034 * _MIB, peak_bf16_flops=121e12, host_ram_per_gpu_bytes=96 * _GIB,
-            device_names=("L4",)),
-    GpuSpec(name="a10g", memory_bytes=23028 * _MIB, peak_bf16_flops=70e12, host_ram_per_gpu_bytes=96 * _GIB,
-            device_names=("A10G",)),
-    GpuSpec(name="a10", memory_bytes=23028 * _MIB, peak_bf16_flops=125e12, host_ram_per_gpu_bytes=96 * _GIB,
-            device_names=("A10",)),
-)}
-"""Listed most specific first: ``gpu_from_device_name`` takes the first kind whose name matches."""
-GPU_ALIASES = {"h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200"}
-
-
-def gpu_spec(name: str | GpuSpec) -> GpuSpec:
-    """Look up a GPU kind by name (case-insensitive)."""
-    if isinstance(name, GpuSpec):
-        return name
-    key = GPU_ALIASES.get(name.lower(), name.lower())
-    if key not in GPU_CATALOGUE:
-        raise ValueError(f"gpu={name!r} is not in the GPU catalogue; use one of {', '.join(GPU_CATALOGUE)}")
-    return GPU_CATALOGUE[key]
-
-
-def gpu_from_device_name(device_name: str) -> GpuSpec | None:
-    """The catalogue kind of a ``torch.cuda.get_device_name()`` string, e.g. ``NVIDIA H100 PCIe``; None if unknown.
-
-    Words are matched whole, so ``L4`` does not match ``L40S`` and ``A10`` does not match ``A100``.
-    """
-    padded = f" {device_name.upper().replace('_', ' ')} "
-    for spec in GPU_CATALOGUE.values():
-        for pattern in spec.device_names:
-            p = pattern.upper()
-            i = padded.find(p)
-            while i >= 0:
-                before, after = padded[i - 1], padded[i + len(p)]
-                if not before.isalnum() and not after.isalnum():
-                    return spec
-                i = padded.find(p, i + 1)
-    return None
