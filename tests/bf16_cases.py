@@ -35,9 +35,6 @@ LAYOUTS: dict[str, tuple[dict, str, str]] = {
 }
 """layout -> (DistTrainingArguments overrides on 2 ranks, model, what the user asks for: ``bf16`` is ``bf16=True``
 on an fp32 model, ``pure_bf16`` is ``bf16=True`` on a model loaded in bf16)"""
-TESTED = tuple(x for x in LAYOUTS if x != "zero2")
-"""What ``tests/test_bf16_layouts.py`` runs: ZeRO-2 (DeepSpeed's engine, as ZeRO-3 but with whole parameters) is in
-``bench/bf16.py`` only; the two DeepSpeed engines' start-up on CPU would double the test's time."""
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp2_pure": "FSDP2 pure_bf16", "tp": "TP=2", "tp_sp": "TP=2+SP",
           "pp": "PP=2", "cp": "CP=2", "ep_fsdp2": "EP=2 x FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 
