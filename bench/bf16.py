@@ -1,6 +1,6 @@
 """bf16 per layout: each layout's error against one fp32 process beside one bf16 process's error against it.
 
-    python bench/bf16.py [--layouts ddp fsdp2 fsdp2_pure tp tp_sp pp cp ep_fsdp2]
+    python bench/bf16.py [--layouts ddp ddp_pure fsdp2 fsdp2_pure tp tp_sp pp cp ep_fsdp2 zero2 zero3]
 
 2 gloo ranks, one spawn; the layouts, models, batch and optimizer are ``tests/bf16_cases.py`` (3 SGD-with-momentum
 steps, global batch 4, tiny Llama / tiny Qwen3-MoE with its router aux loss on). For each layout trained with
@@ -62,6 +62,10 @@ def main() -> None:
           f"{'ratio':>7}  dtypes as forecast")
     for line in rows(refs, per_rank, opts.layouts):
         print(line)
+    for (name, precision), run in sorted(refs.items()):
+        if precision == "fp32":  # the scale of a defect: a wrong gradient is off by about an update
+            change = max((p - run["initial"][k]).abs().max().item() for k, p in run["params"].items())
+            print(f"largest parameter change of the fp32 run, {name}: {change:.2e}")
 
 
 if __name__ == "__main__":

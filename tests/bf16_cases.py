@@ -23,6 +23,7 @@ LR = 0.1
 
 LAYOUTS: dict[str, tuple[dict, str, str]] = {
     "ddp": ({}, "llama", "bf16"),
+    "ddp_pure": ({}, "llama", "pure_bf16"),
     "fsdp2": ({"fsdp2": True}, "llama", "bf16"),
     "fsdp2_pure": ({"fsdp2": True}, "llama", "pure_bf16"),
     "tp": ({"tp_size": 2}, "llama", "bf16"),
@@ -35,8 +36,9 @@ LAYOUTS: dict[str, tuple[dict, str, str]] = {
 }
 """layout -> (DistTrainingArguments overrides on 2 ranks, model, what the user asks for: ``bf16`` is ``bf16=True``
 on an fp32 model, ``pure_bf16`` is ``bf16=True`` on a model loaded in bf16)"""
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp2_pure": "FSDP2 pure_bf16", "tp": "TP=2", "tp_sp": "TP=2+SP",
-          "pp": "PP=2", "cp": "CP=2", "ep_fsdp2": "EP=2 x FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+LABELS = {"ddp": "DDP", "ddp_pure": "DDP pure_bf16", "fsdp2": "FSDP2", "fsdp2_pure": "FSDP2 pure_bf16",
+          "tp": "TP=2", "tp_sp": "TP=2+SP", "pp": "PP=2", "cp": "CP=2", "ep_fsdp2": "EP=2 x FSDP2", "zero2": "ZeRO-2",
+          "zero3": "ZeRO-3"}
 
 
 def model(name: str, dtype):
@@ -165,6 +167,7 @@ def errors(run: dict, fp32: dict) -> tuple[float, float]:
 
 EXCHANGES: dict[str, dict[str, tuple[str, ...]]] = {
     "ddp": {"all_reduce": ("reduction",)},
+    "ddp_pure": {"all_reduce": ("reduction",)},
     "fsdp2": {"all_gather": ("gathered",), "reduce_scatter": ("reduction",)},
     "fsdp2_pure": {"all_gather": ("gathered",), "reduce_scatter": ("reduction",)},
     # forward: the row-parallel outputs (a matmul's); backward: the gradients of the column-parallel inputs (the

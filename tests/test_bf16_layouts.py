@@ -4,13 +4,13 @@ most ``FACTOR`` times one bf16 process's, and the step ledger's dtypes are the o
 The cases are ``tests/bf16_cases.py`` (``bench/bf16.py`` prints the same comparison as a table; docs/benchmarks.md).
 
 Why ``FACTOR = 4``: bf16 keeps 8 significant bits, and a layout rounds at other points than one process does
-(the order of a sum over ranks; FSDP2's policy keeps the residual stream and the gathered weights in bf16 where one
-process under autocast keeps them fp32), so its error is another draw of the same rounding noise: the same order,
-not the same value. Measured over the 8 layouts at 3 and 5 steps, ratios 0.85-2.6 (losses) and 0.85-1.7
-(parameter changes). A defect (a gradient not averaged, a lost aux-loss term, a stale shard) is off by the size of
-an update (the largest fp32 parameter change, 7e-3 here), 50-100 times the one-process bf16 error: 4 separates the
-two with room on both sides. The dtype half is what keeps the comparison honest: a layout that silently trained in
-fp32 would pass the first half with an error near 0.
+(the order of a sum over ranks; FSDP2's and DeepSpeed's policies keep the residual stream and the weights in bf16
+where one process under autocast keeps them fp32), so its error is another draw of the same rounding noise: the
+same order, not the same value. Measured (bench/bf16.py, 11 layouts at 3 steps, 8 of them also at 5): ratios
+0.88-2.6 for the losses, 0.85-1.7 for the parameter changes. A defect (a gradient not averaged, a lost aux-loss
+term, a stale shard) is off by about an update: the largest fp32 parameter change is 1.2e-2 (Llama) and 1.7e-2
+(Qwen3-MoE), 50-190 times the one-process bf16 error. 4 separates the two with room on both sides. The dtype half
+keeps the comparison honest: a layout that silently trained in fp32 would pass the first half with an error near 0.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_the_presets_each_layout_runs(runs):
 
     _, per_rank = runs
     presets = {layout: forecast(layout, per_rank[0][layout])[0] for layout in LAYOUTS}
-    assert presets == {"ddp": "bf16_autocast", "fsdp2": "bf16_mixed", "fsdp2_pure": "pure_bf16",
+    assert presets == {"ddp": "bf16_autocast", "ddp_pure": "pure_bf16", "fsdp2": "bf16_mixed", "fsdp2_pure": "pure_bf16",
                        "tp": "bf16_autocast", "tp_sp": "bf16_autocast", "pp": "pure_bf16", "cp": "bf16_autocast",
                        "ep_fsdp2": "bf16_mixed", "zero2": "bf16_mixed", "zero3": "bf16_mixed"}
 
