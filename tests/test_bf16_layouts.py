@@ -66,8 +66,8 @@ def test_the_presets_each_layout_runs(runs):
 
     _, per_rank = runs
     presets = {layout: forecast(layout, per_rank[0][layout])[0] for layout in LAYOUTS}
-    assert presets == {"ddp": "bf16_autocast", "ddp_pure": "pure_bf16", "fsdp2": "bf16_mixed", "fsdp2_pure": "pure_bf16",
-                       "tp": "bf16_autocast", "tp_sp": "bf16_autocast", "pp": "pure_bf16", "cp": "bf16_autocast",
+    assert presets == {"ddp": "bf16_autocast", "ddp_pure": "pure_bf16", "fsdp2": "bf16_mixed",
+                       "fsdp2_pure": "pure_bf16", "tp": "bf16_autocast", "tp_sp": "bf16_autocast", "pp": "pure_bf16", "cp": "bf16_autocast",
                        "ep_fsdp2": "bf16_mixed", "zero2": "bf16_mixed", "zero3": "bf16_mixed"}
 
 
@@ -78,3 +78,18 @@ def test_fp32_reference_computes_in_fp32(runs):
         led = run["ledger"]
         dtypes = {d for phase in led["matmul_dtypes"].values() for d in phase} | set(led["param_dtypes"])
         assert (dtypes == {"float32"}) == (precision == "fp32"), (name, precision, dtypes)
+
+
+def test_precision_record_rules():
+    """Pure: the FSDP2 reduction stays fp32 in every bf16 preset; DeepSpeed has its own row; names are checked."""
+    from hf_dist.planner.workload import make_layout
+    from hf_dist.precision import PRECISION_DTYPES, tensor_dtypes
+
+    ddp, fsdp, zero3 = (make_layout(s, 2) for s in ("ddp", "fsdp_full_shard", "zero3"))
+    assert tensor_dtypes(ddp, "pure_bf16") == PRECISION_DTYPES["pure_bf16"]
+    assert tensor_dtypes(fsdp, "pure_bf16").reduction == "float32"
+    assert tensor_dtypes(fsdp, "pure_bf16").gathered == "bfloat16"
+    assert tensor_dtypes(zero3, "bf16_mixed").parameters == "bfloat16"
+    assert tensor_dtypes(zero3, "fp32") == PRECISION_DTYPES["fp32"]
+    with pytest.raises(ValueError, match="precision='bf16' is not a preset"):
+        tensor_dtypes(ddp, "bf16")

@@ -69,6 +69,7 @@ from hf_dist.loss.policy import chunk_tokens_for
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import lm_head_tp
+from hf_dist.precision import itemsize, tensor_dtypes
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -142,8 +143,6 @@ def dtype_bytes(workload: Workload, layout: Layout) -> tuple[int, int, bool]:
     LoRA on a bf16 precision keeps the frozen base in bf16, so the model computes in bf16 and autocast has
     nothing to cast (the adapters' casts are negligible).
     """
-    from hf_dist.precision import itemsize, tensor_dtypes
-
     if workload.precision != "fp32" and layout.lora_rank:
         return 2, 2, False
     dtypes = tensor_dtypes(layout, workload.precision)
