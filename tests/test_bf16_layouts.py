@@ -67,8 +67,9 @@ def test_the_presets_each_layout_runs(runs):
     _, per_rank = runs
     presets = {layout: forecast(layout, per_rank[0][layout])[0] for layout in LAYOUTS}
     assert presets == {"ddp": "bf16_autocast", "ddp_pure": "pure_bf16", "fsdp2": "bf16_mixed",
-                       "fsdp2_pure": "pure_bf16", "tp": "bf16_autocast", "tp_sp": "bf16_autocast", "pp": "pure_bf16", "cp": "bf16_autocast",
-                       "ep_fsdp2": "bf16_mixed", "zero2": "bf16_mixed", "zero3": "bf16_mixed"}
+                       "fsdp2_pure": "pure_bf16", "tp": "bf16_autocast", "tp_sp": "bf16_autocast",
+                       "pp": "pure_bf16", "cp": "bf16_autocast", "ep_fsdp2": "bf16_mixed", "zero2": "bf16_mixed",
+                       "zero3": "bf16_mixed"}
 
 
 def test_fp32_reference_computes_in_fp32(runs):
@@ -93,3 +94,17 @@ def test_precision_record_rules():
     assert tensor_dtypes(zero3, "fp32") == PRECISION_DTYPES["fp32"]
     with pytest.raises(ValueError, match="precision='bf16' is not a preset"):
         tensor_dtypes(ddp, "bf16")
+
+
+def test_deepspeed_master_starts_from_bf16_weights(runs):
+    """What docs/layouts.md says: DeepSpeed casts the module to bf16 before it copies the fp32 master, so ZeRO's
+    training starts from the rounded weights (its parameter errors are measured from there)."""
+    import torch
+
+    refs, per_rank = runs
+    loaded = refs[("llama", "fp32")]["initial"]
+    for layout in ("zero2", "zero3"):
+        start = per_rank[0][layout]["initial"]
+        assert any(not torch.equal(start[k], v) for k, v in loaded.items())
+        for name, value in loaded.items():
+            torch.testing.assert_close(start[name], value.bfloat16().float(), atol=0, rtol=0, msg=name)
