@@ -55,7 +55,7 @@ from hf_dist.planner import Workload, estimate_memory, estimate_throughput, gpu_
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.memory import gib
 from hf_dist.planner.throughput import flops_per_token
-from hf_dist.strategy import precision_that_runs
+from hf_dist.precision import precision_that_runs
 
 A100 = gpu_spec("a100-80gb")
 

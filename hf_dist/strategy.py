@@ -9,8 +9,8 @@ launch-config readers of ``hf_dist.trainer`` call (they also refuse DeepSpeed st
 (``hf_dist.planner``) chooses among ``Layout``s, config generation (``hf_dist.configs``) writes the files that
 launch one, and a training run resolves its one ``Layout`` from its arguments and launcher
 (``hf_dist.trainer.layout.resolve_layout``, in ``DistTrainingArguments``), which the trainer,
-``hf_dist.from_pretrained`` and the checkpoint manifest use; ``precision_that_runs`` says which tensors are bf16 and
-which fp32 for a layout.
+``hf_dist.from_pretrained`` and the checkpoint manifest use; ``hf_dist.precision.precision_that_runs`` says which
+tensors are bf16 and which fp32 for a layout.
 
 Not here: what a given model can run (``hf_dist.support.model_refusals``, the registry), batch arithmetic
 (``hf_dist.batch``), memory, or files.
@@ -49,10 +49,6 @@ _OFFLOAD_WHY = {
                           "fsdp_full_shard with offload='cpu'",
     "fsdp_hybrid_shard": "hf_dist offloads with fsdp_full_shard only; use fsdp_full_shard with offload='cpu'",
 }
-MixedPrecision = Literal["bf16", "fp32", "pure_bf16"]
-MIXED_PRECISIONS: tuple[str, ...] = ("bf16", "fp32", "pure_bf16")
-"""What the user asks for: ``bf16`` (``--bf16`` with fp32 master weights), ``fp32``, or ``pure_bf16`` (a model
-loaded in bf16 and trained with no fp32 copy: bf16 parameters, gradients and Adam states, 8 bytes/parameter)."""
 
 
 def streams_weights(*, fsdp: bool, tp: int, pp: int) -> bool:
@@ -384,27 +380,3 @@ _FSDP_KIND = {"fsdp_full_shard": "FULL_SHARD", "fsdp_shard_grad_op": "SHARD_GRAD
 def _check_positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-Precision = Literal["fp32", "bf16_autocast", "bf16_mixed", "pure_bf16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "bf16_mixed", "pure_bf16")
-
-
-def precision_that_runs(layout: Layout, mixed_precision: str) -> Precision:
-    """Which tensors are bf16 when ``layout`` trains with ``mixed_precision`` (``MIXED_PRECISIONS``).
-
-    With ``bf16``: FSDP2 (hf_dist's ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=fp32)``) and DeepSpeed keep an fp32 master and compute with bf16 parameters
-    (``bf16_mixed``); DDP and DDP x TP/PP keep fp32 parameters and compute under ``torch.autocast``
-    (``bf16_autocast``, the Trainer's ``--bf16``). Pipeline stages do not autocast: with ``pp > 1`` the model
-    is loaded in bf16 and trains in bf16 throughout (``pure_bf16``).
-    """
-    if mixed_precision not in MIXED_PRECISIONS:
-        raise ValueError(f"precision={mixed_precision!r} is not known; use one of {', '.join(MIXED_PRECISIONS)}")
-    if layout.is_deepspeed and mixed_precision == "pure_bf16":
-        return "bf16_mixed"  # DeepSpeed keeps an fp32 master partition whatever the module's dtype
-    if mixed_precision != "bf16":
-        return mixed_precision  # type: ignore[return-value]
-    if layout.pp > 1:
-        return "pure_bf16"
-    return "bf16_mixed" if layout.is_fsdp or layout.is_deepspeed else "bf16_autocast"

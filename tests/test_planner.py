@@ -66,7 +66,7 @@ def test_harbor_fsdp_full_shard_lands_within_10_percent_of_41_gb():
       * 40 checkpointed bf16 layer inputs and the recomputed layer's saved set;
       * the caching allocator's slack over the transient bytes, 1 GiB of CUDA context + NCCL buffers.
     """
-    from hf_dist.strategy import precision_that_runs
+    from hf_dist.precision import precision_that_runs
 
     model, gpu = model_spec("llama-2-13b"), gpu_spec("a100-80gb")
     layout = make_layout("fsdp_full_shard", 8)

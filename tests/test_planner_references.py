@@ -9,7 +9,8 @@ import pytest
 
 from hf_dist.planner import PlanRequest, Workload, choose_layout, estimate_memory, gpu_spec, make_layout, model_spec
 from hf_dist.planner.host import host_memory
-from hf_dist.strategy import Layout, precision_that_runs
+from hf_dist.precision import precision_that_runs
+from hf_dist.strategy import Layout
 
 BF16 = Workload(seq_len=2048, micro_batch_size=1, precision="bf16_mixed", activation_checkpointing=True)
 

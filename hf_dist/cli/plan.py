@@ -11,7 +11,7 @@ import sys
 
 from hf_dist.planner.host import LOADINGS
 from hf_dist.planner.workload import ATTENTIONS
-from hf_dist.strategy import MIXED_PRECISIONS
+from hf_dist.precision import MIXED_PRECISIONS
 
 
 DEFAULT_SEQ_LEN = 4096

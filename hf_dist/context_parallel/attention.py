@@ -114,10 +114,23 @@ def context_parallel_attention(module: nn.Module, query, key, value, attention_m
         return inner(module, query, key, value, attention_mask, **kwargs)
     group = state.group
     # (B, H, S/cp, D) -> (B, H/cp, S, D): heads scattered, sequence gathered
-    query, key, value = (all_to_all(t, 1, 2, group) for t in (query, key, value))
+    query, key, value = (all_to_all(_compute_dtype(t), 1, 2, group) for t in (query, key, value))
     output, _ = inner(module, query, key, value, attention_mask, **kwargs)
     # (B, S, H/cp, D) -> (B, S/cp, H, D); per-head weights of a subset of heads are not returned
     return all_to_all(output, 1, 2, group), None
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype the attention computes in: under autocast (the Trainer's ``bf16=True`` on fp32 weights)
+    rotary leaves q and k in fp32 while the attention's matmuls cast them to the autocast dtype; casting before the
+    exchange instead of after moves half the bytes and changes no value (an all-to-all only permutes elements; in
+    backward the gradients arrive in that dtype and are exchanged before the cast's backward widens them)."""
+    device = t.device.type
+    if torch.is_autocast_enabled(device) and t.is_floating_point():
+        wanted = torch.get_autocast_dtype(device)
+        if t.element_size() > torch.empty((), dtype=wanted).element_size():
+            return t.to(wanted)
+    return t
 
 
 def register(inner: str) -> str:

@@ -14,7 +14,8 @@
 Bytes are the size of the collective's whole buffer on one rank: the gathered output of an all-gather, the input
 of a reduce-scatter or all-to-all, the tensor of an all-reduce, send or recv (what a ring moves is ``(n-1)/n`` of
 it). ``attach_ledger(trainer)`` records one optimizer step of a ``Trainer`` (from the end of the step before to the
-end of that step, so the batch's token count is in it), with the dtypes of parameters, gradients and the loss.
+end of that step, so the batch's token count is in it), with the dtypes of parameters, gradients, optimizer
+states and the loss, and the operand dtype of every counted matmul in forward and backward.
 
 Not here: the theoretical minimum of a layout (``hf_dist.metrics.ledger_minimum``), the table (``bench/ledger.py``).
 """
@@ -86,6 +87,11 @@ class StepLedger:
     grad_dtypes: dict[str, int] = field(default_factory=dict)
     """dtype -> elements of the local gradients just before the optimizer step."""
     loss_dtype: str = "-"
+    matmul_dtypes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """``forward``/``backward`` -> operand dtype -> FLOPs: the precision the matmuls and attention really ran in
+    (under autocast the parameters stay fp32 and only this shows bf16)."""
+    optimizer_dtypes: dict[str, int] = field(default_factory=dict)
+    """dtype -> elements of this rank's optimizer state tensors (Adam moments, SGD momentum; not 0-d steps)."""
 
     def add(self, kind: str, group: str, tensors: list[torch.Tensor], multiplier: int = 1, site: str = "") -> None:
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
@@ -101,7 +107,8 @@ class StepLedger:
         """A picklable copy (no defaultdict, no tensors)."""
         return {"comms": {k: Tally(v.count, v.bytes, list(v.sizes), dict(v.sites)) for k, v in self.comms.items()},
                 "flops": self.flops, "param_dtypes": dict(self.param_dtypes), "grad_dtypes": dict(self.grad_dtypes),
-                "loss_dtype": self.loss_dtype}
+                "loss_dtype": self.loss_dtype, "optimizer_dtypes": dict(self.optimizer_dtypes),
+                "matmul_dtypes": {phase: dict(d) for phase, d in self.matmul_dtypes.items()}}
 
 
 def _is_dtensor_type(t) -> bool:
@@ -194,6 +201,17 @@ class LocalFlopCounter(FlopCounterMode):
             aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
         })
+        self.by_dtype: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        """``forward``/``backward`` -> the first operand's dtype -> FLOPs"""
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if func_packet in self.flop_registry:
+            operand = next((t for t in _tensors(args) if t.is_floating_point()), None)
+            if operand is not None:  # the autograd engine runs backward: its graph task id is set
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+                flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+                self.by_dtype[phase][str(operand.dtype).removeprefix("torch.")] += flops
+        return super()._count_flops(func_packet, out, args, kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_is_dtensor_type(t) for t in types):
@@ -231,6 +249,7 @@ def measure(labels: dict[str, str] | None = None, *, where: bool = False, flops:
         yield ledger
     if flops:
         ledger.flops = int(counter.get_total_flops())
+        ledger.matmul_dtypes = {phase: dict(d) for phase, d in counter.by_dtype.items()}
 
 
 def local_dtypes(tensors) -> dict[str, int]:
@@ -264,6 +283,10 @@ class _LedgerCallback:
             self._stack.close()
             self._stack = None
             self.ledger.param_dtypes = local_dtypes(self._model().parameters())
+            optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)  # accelerate's wrapper
+            self.ledger.optimizer_dtypes = local_dtypes(
+                t for state in optimizer.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._stack is not None:

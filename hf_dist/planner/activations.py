@@ -69,6 +69,7 @@ from hf_dist.loss.policy import chunk_tokens_for
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import lm_head_tp
+from hf_dist.precision import itemsize, tensor_dtypes
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -142,11 +143,11 @@ def dtype_bytes(workload: Workload, layout: Layout) -> tuple[int, int, bool]:
     LoRA on a bf16 precision keeps the frozen base in bf16, so the model computes in bf16 and autocast has
     nothing to cast (the adapters' casts are negligible).
     """
-    if workload.precision == "fp32":
-        return 4, 4, False
-    if workload.precision in ("bf16_mixed", "pure_bf16") or layout.lora_rank:
+    if workload.precision != "fp32" and layout.lora_rank:
         return 2, 2, False
-    return 4, 2, True
+    dtypes = tensor_dtypes(layout, workload.precision)
+    residual, matmuls = itemsize(dtypes.residual), itemsize(dtypes.matmuls)
+    return residual, matmuls, residual != matmuls
 
 
 def _layer(model: ModelSpec, workload: Workload, layout: Layout) -> LayerActivations:

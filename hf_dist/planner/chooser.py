@@ -25,7 +25,7 @@ With ``lora=True`` every layout is also tried with LoRA adapters on a frozen bas
 A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
 transient allocation) is at most ``(1 - safety_margin)`` of the GPU's memory and what it offloads fits the
 node's host RAM (``host.py``); a loading peak over the host RAM is a warning. Each layout is evaluated in the
-precision it will run (``hf_dist.strategy.precision_that_runs``). Layouts the batch contract or the model's
+precision it will run (``hf_dist.precision.precision_that_runs``). Layouts the batch contract or the model's
 TP shape (``hf_dist.support.model_refusals``, the rules training applies) rule out are rejected
 with the rule's message.
 
@@ -43,7 +43,7 @@ from hf_dist.planner.host import HostMemory, Loading, host_memory
 from hf_dist.planner.workload import Attention, Layout, Workload, make_layout
 from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_memory, gib
 from hf_dist.planner.throughput import Throughput, estimate_throughput
-from hf_dist.strategy import MIXED_PRECISIONS, MixedPrecision, precision_that_runs
+from hf_dist.precision import MIXED_PRECISIONS, MixedPrecision, precision_that_runs
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 
 

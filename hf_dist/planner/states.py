@@ -46,6 +46,7 @@ from dataclasses import dataclass, fields, replace
 
 from hf_dist.planner.catalogue import ModelSpec, spec_config
 from hf_dist.planner.workload import FSDP_STRATEGIES, Layout, Workload
+from hf_dist.precision import itemsize, tensor_dtypes
 from hf_dist.tensor_parallel.plans import lm_head_split
 
 ZERO3_SUB_GROUP_SIZE = 1_000_000_000
@@ -158,9 +159,9 @@ def _ds_partition_overlap(shapes: list[tuple[int, ...]], partition: int) -> int:
 
 def _gather_bytes(workload: Workload, layout: Layout) -> int:
     """Bytes per element of gathered units: FSDP gathers the stored dtype unless it casts (bf16_mixed/LoRA)."""
-    if workload.precision == "fp32":
-        return 4
-    return 2 if workload.precision in ("bf16_mixed", "pure_bf16") or layout.lora_rank else 4
+    if workload.precision != "fp32" and layout.lora_rank:
+        return 2
+    return itemsize(tensor_dtypes(layout, workload.precision).gathered)
 
 
 def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers: int, first: bool = True,
@@ -185,13 +186,14 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
     sharded = layout.strategy in FSDP_STRATEGIES
     train_el = shard_elements(trainable, s, "fsdp2")
     frozen_bytes = (4 if workload.precision == "fp32" else 2) * shard_elements(frozen, s, "fsdp2")
-    w = 2 if workload.precision == "pure_bf16" else 4  # trainable parameter, gradient and Adam-moment bytes
+    dtypes = tensor_dtypes(layout, workload.precision)  # trainable parameter, gradient and Adam-moment bytes
+    w, g, o = itemsize(dtypes.parameters), itemsize(dtypes.gradients), itemsize(dtypes.optimizer_states)
     if layout.strategy == "ddp" and workload.precision == "bf16_mixed" and not frozen:
         params, master, grads = 2 * train_el, 4 * train_el, 2 * train_el
     else:
-        params, master, grads = w * train_el + frozen_bytes, 0, w * train_el
-    optim = 2 * w * train_el + 4 * len(trainable)
-    gb = _gather_bytes(workload, layout)
+        params, master, grads = w * train_el + frozen_bytes, 0, g * train_el
+    optim = 2 * o * train_el + 4 * len(trainable)
+    gb, rb = _gather_bytes(workload, layout), itemsize(dtypes.reduction)
     at_loss = in_backward = unsharded = 0
     if sharded:
         unit_el = sum(_numel(x) for x in unit)
@@ -202,7 +204,7 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
             at_loss, in_backward = gb * root_el, gb * (2 * unit_el + root_el)
         trained_unit = unit_el if not frozen else 0
         # the unit's gradients and its fp32 reduce-scatter input, while lm_head's gradient waits for the root
-        unsharded = gb * trained_unit + 4 * trained_unit + (gb * sum(_numel(x) for x in lm_head) if not frozen else 0)
+        unsharded = gb * trained_unit + rb * trained_unit + (gb * sum(_numel(x) for x in lm_head) if not frozen else 0)
     buckets = grads if layout.strategy == "ddp" else 0
     step_temp = 0  # fused AdamW (the Trainer's default, adamw_torch_fused) updates in place
     cpu = 0

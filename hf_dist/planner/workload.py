@@ -4,7 +4,8 @@
 activation checkpointing. ``Layout`` is ``hf_dist.strategy``'s, shared with config
 generation and the trainer; ``make_layout`` builds one from a world size.
 
-Precision presets (what sits in memory; ``hf_dist.strategy.precision_that_runs`` says which one a layout runs):
+Precision presets (what sits in memory; ``hf_dist.precision.precision_that_runs`` says which one a layout runs;
+``hf_dist.precision.tensor_dtypes`` the dtype of each tensor class):
   * ``fp32``: parameters, gradients and Adam states in fp32; compute in fp32.
   * ``bf16_autocast``: fp32 parameters (they are the master copy), fp32 gradients and Adam states; matmuls run
     in bf16 under ``torch.autocast`` (the HF Trainer's ``bf16=True`` with DDP). The residual stream stays fp32.
@@ -23,13 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hf_dist.precision import PRECISIONS, Precision  # noqa: F401 -- re-exported for the planner
 from hf_dist.strategy import (  # noqa: F401 -- re-exported for the planner
     FSDP_STRATEGIES,
-    PRECISIONS,
     STRATEGIES,
     ZERO_STRATEGIES,
     Layout,
-    Precision,
     Strategy,
 )
 
