@@ -17,7 +17,7 @@ from hf_dist.planner.flops import module_flop_counts
 from hf_dist.planner.states import model_states
 from hf_dist.planner.throughput import flop_counts
 
-PRESETS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
+PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-20b", "gpt-oss-120b", "mixtral-8x7b")
 
 
 def _small(name: str):
@@ -49,6 +49,9 @@ def test_published_total_and_active_parameter_counts():
     # model cards: Qwen3-30B-A3B 30.5B total / 3.3B active (3.35B); Mixtral-8x7B 46.7B / 12.9B; gpt-oss-20b 20.9B total
     assert billions["qwen3-30b-a3b"] == (30.5, 3.4) and billions["mixtral-8x7b"] == (46.7, 12.9)
     assert billions["gpt-oss-20b"][0] == 20.9
+    # Qwen3-235B-A22B: 235B total / 22B active; gpt-oss-120b: 116.8B total (its card's 5.1B active leaves the input
+    # embedding out, like gpt-oss-20b's: only totals are compared for gpt-oss)
+    assert billions["qwen3-235b-a22b"] == (235.1, 22.2) and billions["gpt-oss-120b"][0] == 116.8
 
 
 def _expected_params(spec, layout, bytes_per: int) -> int:
