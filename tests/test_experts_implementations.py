@@ -173,3 +173,34 @@ def test_the_chosen_implementation_is_the_one_that_runs(runs, implementation, la
         # grouped_mm: torch's CPU kernel in forward and backward, never transformers' fallback loop
         assert ("aten._grouped_mm" in run["ops"]) == (implementation == "grouped_mm"), run["ops"]
         assert not any("fallback" in op for op in run["ops"]), run["ops"]
+
+
+def test_the_proven_list_is_what_this_file_runs():
+    from hf_dist.support import PROVEN_EXPERTS_IMPLEMENTATIONS
+
+    assert PROVEN_EXPERTS_IMPLEMENTATIONS == IMPLEMENTATIONS
+
+
+@pytest.mark.parametrize("implementation", ("sonicmoe", "deepgemm"))
+@pytest.mark.parametrize(("tp", "ep"), [(2, 1), (1, 2)])
+def test_an_unproven_experts_implementation_is_refused_under_tp_and_ep(tmp_path, implementation, tp, ep):
+    """From the config a user loads with ``experts_implementation=...`` (as ``hf_dist.from_pretrained`` reads it),
+    before any weight or process group; the proven ones and layouts without TP/EP pass."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from ep_cases import moe_config
+    from hf_dist.support import model_refusals
+
+    moe_config("qwen3_moe").save_pretrained(tmp_path)
+    layout = SimpleNamespace(tp=tp, ep=ep, pp=1, cp=1, vocab_parallel=False)
+    config = AutoConfig.from_pretrained(tmp_path, experts_implementation=implementation)
+    assert model_refusals(config, layout) == [
+        f"experts_implementation={implementation!r} has no parity proof under tp_size={tp} / ep_size={ep} in hf_dist "
+        f"(proven equal to one process: eager, batched_mm, grouped_mm); load with experts_implementation='grouped_mm' "
+        f"(or another proven one), or run with tp_size=1 and ep_size=1"]
+    assert model_refusals(config, SimpleNamespace(tp=1, ep=1, pp=1, cp=1)) == []
+    for proven in IMPLEMENTATIONS + (None,):
+        config = AutoConfig.from_pretrained(tmp_path, **({} if proven is None else {"experts_implementation": proven}))
+        assert model_refusals(config, layout) == []
