@@ -77,17 +77,14 @@ def _loaded(implementation: str):
     return as_loaded(moe_model("qwen3_moe"), experts_implementation=implementation)
 
 
-def _train(model, step_fn, batches) -> dict:
-    from transformers import Trainer
-
+def _train(model, step_fn, batches, clip) -> dict:
+    """AdamW steps of ``step_fn`` (forward and backward, returns the loss), ``clip`` returning the gradient norm."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, norms, ops = [], [], {}
     with _Calls() as calls, _count_grouped_mm(ops):
         for batch in batches:
             losses.append(step_fn(model, batch))
-            norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)) if dist.is_initialized()
-                         and any(hasattr(p, "device_mesh") for p in model.parameters())
-                         else float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            norms.append(float(clip(model)))
             optimizer.step()
             optimizer.zero_grad()
     return {"losses": losses, "norms": norms, "calls": calls.counts, "ops": ops}
@@ -103,11 +100,13 @@ def _one_process(implementation: str, batches: list[dict], micro: int) -> dict:
         return total
 
     model = _loaded(implementation)
-    out = _train(model, step, batches)
+    out = _train(model, step, batches, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
     return {**out, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def _parallel(implementation: str, layout: str, batches: list[dict], rank: int, world: int) -> dict:
+    from transformers import Trainer
+
     from hf_dist import FsdpRequest, ParallelDims, parallelize
     from hf_dist.state_dict import full_state_dict
 
@@ -125,7 +124,7 @@ def _parallel(implementation: str, layout: str, batches: list[dict], rank: int, 
         dist.all_reduce(loss)
         return float(loss) / world
 
-    out = _train(model, step, batches)
+    out = _train(model, step, batches, lambda m: Trainer._mixed_mesh_grad_norm(None, m, MAX_NORM))  # both meshes
     return {**out, "state": full_state_dict(model)}
 
 
