@@ -7,7 +7,8 @@ model-family registry (``hf_dist.families``) for what is proven:
 - pp: ``pipeline_parallel.support.check_pipeline_support`` (and no more stages than layers);
 - tp: ``tensor_parallel.checks.check_tp_sizes`` (support, then the sizes its plan shards);
 - ep: ``expert_parallel.support.check_ep_support`` (inside pipeline stages too: the ``ep_pp`` records);
-- cp: ``context_parallel.support.check_cp_support`` (heads divide tp x cp).
+- cp: ``context_parallel.support.check_cp_support`` (heads divide tp x cp);
+- tp or ep with MoE experts: the experts implementation the config names (``PROVEN_EXPERTS_IMPLEMENTATIONS``).
 
 ``DistTrainer`` (its model, and each ``model_init`` model), ``hf_dist.from_pretrained`` (the config, before any
 weight) and the Harbor recipe (before it writes data) ask it through ``hf_dist.trainer.model_support``; the planner
@@ -17,6 +18,11 @@ asks it before writing a file, and ``bench/coverage.py`` for what the run says o
 """
 
 from __future__ import annotations
+
+PROVEN_EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+"""transformers' experts implementations (``from_pretrained(..., experts_implementation=...)``) proven equal to one
+process under EP x FSDP2 and TP (``tests/test_experts_implementations.py``). The others (``deepgemm``, ``sonicmoe``:
+CUDA kernels from the Hub) have never run under hf_dist's EP or TP."""
 
 
 def model_refusals(config, layout) -> list[str]:
@@ -36,6 +42,8 @@ def model_refusals(config, layout) -> list[str]:
         checks.append(lambda: check_ep_support(config, layout.ep, layout.pp))
     if layout.cp > 1:
         checks.append(lambda: check_cp_support(config, layout.cp, layout.tp))
+    if layout.tp > 1 or layout.ep > 1:
+        checks.append(lambda: _check_experts_implementation(config, layout))
     reasons = []
     for check in checks:
         try:
@@ -50,6 +58,16 @@ def _check_stage_count(config, pp: int) -> None:
     if isinstance(layers, int) and pp > layers:
         raise ValueError(f"pp_size={pp} exceeds num_hidden_layers={layers}: each stage needs a layer; use "
                          f"pp_size <= {layers}")
+
+
+def _check_experts_implementation(config, layout) -> None:
+    chosen = getattr(config, "_experts_implementation", None)  # None: transformers picks grouped_mm (or eager)
+    if chosen is not None and chosen not in PROVEN_EXPERTS_IMPLEMENTATIONS:
+        proven = ", ".join(PROVEN_EXPERTS_IMPLEMENTATIONS)
+        raise ValueError(
+            f"experts_implementation={chosen!r} has no parity proof under tp_size={layout.tp} / ep_size={layout.ep} in "
+            f"hf_dist (proven equal to one process: {proven}); load with experts_implementation='grouped_mm' (or "
+            f"another proven one), or run with tp_size=1 and ep_size=1")
 
 
 def check_model_layout(config, layout) -> None:

@@ -53,8 +53,9 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in sd.items()}
 
 
-def as_loaded(model):
-    """``model`` written with ``save_pretrained`` and read back with ``from_pretrained`` (eval mode, as a user's)."""
+def as_loaded(model, **load_kwargs):
+    """``model`` written with ``save_pretrained`` and read back with ``from_pretrained(**load_kwargs)`` (eval mode, as
+    a user's)."""
     import tempfile
 
     from safetensors.torch import save_model
@@ -65,7 +66,7 @@ def as_loaded(model):
     with tempfile.TemporaryDirectory(prefix="hf_dist_tiny_") as folder:
         model.config.save_pretrained(folder)
         save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype, **load_kwargs)
     assert not loaded.training  # what from_pretrained returns; the layouts must not depend on train mode
     return loaded
 
