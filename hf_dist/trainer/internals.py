@@ -76,6 +76,8 @@ OUTSIDE_THE_TRAINER: tuple[PrivateMember, ...] = (
     _m(_MODEL, "_tied_weights_keys", "read", "state_dict", "which weights a gathered state dict leaves tied"),
     _m(_MODEL, "_can_record_outputs", "read", "models.router",
        "where the router logits are recorded (the MoE aux loss under layouts that split the forward)"),
+    _m("transformers.PretrainedConfig", "_experts_implementation", "read", "support",
+       "the experts implementation a model runs, refused under TP/EP unless a parity test proves it"),
     _m("transformers.PretrainedConfig", "_attn_implementation", "set", "context_parallel.attention, data.packing",
        "CP swaps in its all-to-all attention under a registered name; packing reads which kernel runs"),
     _m("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", "read", "context_parallel.attention",
