@@ -90,7 +90,14 @@ def test_expert_lora_under_fsdp2_and_ep_equals_one_process(tmp_path):
 
 
 def test_expert_adapter_reloads_and_merges_as_peft(tmp_path):
+    """PEFT reloads the adapter with the same logits; hf_dist's merged export of a checkpoint of it equals PEFT's own
+    ``merge_and_unload`` in every value (and passes its PEFT-backed tensor verification)."""
     from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
+
+    from hf_dist import ParallelDims
+    from hf_dist.checkpoint import save_checkpoint
+    from hf_dist.checkpoint.export import export_checkpoint
 
     model = peft_moe(tmp_path / "base")
     with torch.no_grad():  # B is zero at init: move every adapter so the reload and merge are not trivial
@@ -98,9 +105,19 @@ def test_expert_adapter_reloads_and_merges_as_peft(tmp_path):
             if "lora_B" in name:
                 param.normal_(0, 0.1)
     model.save_pretrained(tmp_path / "adapter")
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=None, step=0, samples_consumed=0,
+                    layout=ParallelDims(world_size=1), batch_contract=None)
+    report = export_checkpoint(tmp_path / "ckpt", tmp_path / "merged_export", adapter="merged")
+    assert report.verification == "tensors"
     ids = PROBE
     reloaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
     expected = model(input_ids=ids).logits
     torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
     merged = reloaded.merge_and_unload()
     torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+    written = load_file(str(tmp_path / "merged_export" / "model.safetensors"))
+    peft_merged = merged.state_dict()
+    assert set(written) == set(peft_merged) and report.tensors_verified == len(written)
+    torch.testing.assert_close(written, {k: peft_merged[k] for k in written}, atol=0, rtol=0)
+    unmerged = model.get_base_model().model.layers[1].mlp.experts.base_layer.base_layer.down_proj
+    assert (written["model.layers.1.mlp.experts.down_proj"] - unmerged).abs().max() > 1e-3  # the merge moved it

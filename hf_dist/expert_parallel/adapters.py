@@ -19,16 +19,8 @@ Not here: which models run EP (``support``), the plan (``apply``).
 from __future__ import annotations
 
 import contextlib
-import re
 
 from torch import nn
-
-_BASE_LAYER = re.compile(r"(?:\.base_layer)+(?=\.)")
-
-
-def plan_name(name: str) -> str:
-    """A parameter's name as the model's EP plan spells it (PEFT's ``.base_layer`` segments dropped)."""
-    return _BASE_LAYER.sub("", name)
 
 
 def _param_wrappers(module: nn.Module) -> list[nn.Module]:

@@ -29,16 +29,16 @@ import re
 
 from torch import nn
 
-from hf_dist.expert_parallel.adapters import plan_name, shard_expert_adapters
+from hf_dist.expert_parallel.adapters import shard_expert_adapters
 from hf_dist.expert_parallel.support import check_ep_support, ep_plan
-from hf_dist.models.peft_utils import unwrap_peft
+from hf_dist.models.peft_utils import unwrap_peft, without_base_layers
 from hf_dist.parallel_dims import ParallelDims
 
 
 def _expand(plan: dict[str, str], modules: list[str], params: list[str]) -> dict[str, str]:
     """The plan's patterns (``layers.*.mlp.experts``) matched against the model's module and parameter names (any
     prefix: ``model.``, PEFT's; a parameter inside PEFT's ``ParamWrapper``s as if unwrapped)."""
-    names = {name: name for name in modules} | {plan_name(name): name for name in params}
+    names = {name: name for name in modules} | {without_base_layers(name): name for name in params}
     expanded: dict[str, str] = {}
     for pattern, style in plan.items():
         regex = re.compile(r"(?:.*\.)?" + re.escape(pattern).replace(r"\*", r"\d+"))
