@@ -28,3 +28,10 @@ def without_base_layers(name: str) -> str:
     """A tensor name as the unwrapped model spells it: PEFT's ``.base_layer`` segments dropped (nested
     ``ParamWrapper``s put several in a row: ``mlp.experts.base_layer.base_layer.gate_up_proj``)."""
     return _BASE_LAYER.sub("", name)
+
+
+def peft_rank(model: nn.Module) -> int:
+    """The largest LoRA rank of ``model``'s adapters (1 for adapters without one); 0 for a plain model."""
+    if not is_peft_model(model):
+        return 0
+    return max((getattr(config, "r", 1) or 1 for config in model.peft_config.values()), default=0)
