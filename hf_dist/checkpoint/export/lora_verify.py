@@ -41,7 +41,8 @@ def _peft_layer(weight: torch.Tensor, config, adapter: str) -> nn.Module:
                   is_target_conv_1d_layer=bool(config.fan_in_fan_out))
 
 
-def lora_targets(ckpt: Path, config: dict, pairs: dict, base_keys: dict[str, str]) -> dict[str, tuple[str, bool | None]]:
+def lora_targets(ckpt: Path, config: dict, pairs: dict,
+                 base_keys: dict[str, str]) -> dict[str, tuple[str, bool | None]]:
     """``{base key: (LoRA module, swapped)}`` for every base weight an adapter changes. ``swapped`` is None for a
     layer adapter (``lora.Linear``: the weight is ``<module>.base_layer.weight``); for a parameter adapter (PEFT's
     ``ParamWrapper``, ``target_parameters``: nested once per targeted parameter, so the weight is
