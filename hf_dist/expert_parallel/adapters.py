@@ -7,7 +7,8 @@ columns ``k*E + e``), reshaped with the wrapper's ``num_experts`` on every forwa
 adapters of its own experts, placed as the experts are (``Shard(0)`` on the ``ep`` mesh): ``lora_A`` ``Shard(0)``,
 ``lora_B`` ``_StridedShard(1, split_factor=r)`` (torch's private placement FSDP2 x TP uses) -- whose local block is
 exactly PEFT's ``[out, r * E / ep]`` layout for the local experts -- and ``num_experts`` becomes ``E / ep``.
-Gathered (``full_tensor``, state dicts, checkpoints) they are PEFT's tensors again, so saving and ``AutoPeftModelForCausalLM`` see the usual adapter.
+Gathered (``full_tensor``, state dicts, checkpoints) they are PEFT's tensors again, so saving and
+``AutoPeftModelForCausalLM`` see the usual adapter.
 
 The dispatch goes on the outermost wrapper (the plan's ``mlp.experts``), so the received tokens run PEFT's forward
 (the adapted weights) on local expert ids; that forward reads nested parameters, so they are made local tensors around
