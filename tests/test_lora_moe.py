@@ -1,8 +1,9 @@
 """LoRA on a mixture-of-experts model: adapters on attention and, through PEFT's ``target_parameters``, on the
-3-D expert weights (``mlp.experts.gate_up_proj`` / ``down_proj``). Under FSDP2 and under EP=2 x FSDP2 (each rank holding
-its experts' adapters; also with activation checkpointing) on 2 gloo ranks the adapters train equal to one process (aux loss on); the adapter DistTrainer
-saves under EP reloads with ``AutoPeftModelForCausalLM`` and gives the one-process trained model's logits, and PEFT's
-own ``merge_and_unload`` of it too.
+3-D expert weights (``mlp.experts.gate_up_proj`` / ``down_proj``). Under FSDP2 and under EP=2 x FSDP2 (each rank
+holding its experts' adapters; also with activation checkpointing) on 2 gloo ranks the adapters train equal to one
+process (aux loss on); the adapter DistTrainer saves under EP reloads with ``AutoPeftModelForCausalLM`` and gives the
+one-process trained model's logits, and PEFT's own ``merge_and_unload`` of it too. hf_dist's merged export of expert
+adapters equals ``merge_and_unload`` in every value.
 """
 
 import tempfile
