@@ -29,17 +29,20 @@ import re
 
 from torch import nn
 
+from hf_dist.expert_parallel.adapters import shard_expert_adapters
 from hf_dist.expert_parallel.support import check_ep_support, ep_plan
-from hf_dist.models.peft_utils import unwrap_peft
+from hf_dist.models.peft_utils import unwrap_peft, without_base_layers
 from hf_dist.parallel_dims import ParallelDims
 
 
-def _expand(plan: dict[str, str], names: list[str]) -> dict[str, str]:
-    """The plan's patterns (``layers.*.mlp.experts``) matched against ``names`` (any prefix: ``model.``, PEFT's)."""
+def _expand(plan: dict[str, str], modules: list[str], params: list[str]) -> dict[str, str]:
+    """The plan's patterns (``layers.*.mlp.experts``) matched against the model's module and parameter names (any
+    prefix: ``model.``, PEFT's; a parameter inside PEFT's ``ParamWrapper``s as if unwrapped)."""
+    names = {name: name for name in modules} | {without_base_layers(name): name for name in params}
     expanded: dict[str, str] = {}
     for pattern, style in plan.items():
         regex = re.compile(r"(?:.*\.)?" + re.escape(pattern).replace(r"\*", r"\d+"))
-        expanded |= {name: style for name in names if regex.fullmatch(name)}
+        expanded |= {real: style for name, real in names.items() if regex.fullmatch(name)}
     return expanded
 
 
@@ -49,12 +52,14 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> list[nn.Modul
 
     target = unwrap_peft(model)
     check_ep_support(target.config, dims.ep, dims.pp)
-    names = [n for n, _ in target.named_modules()] + [n for n, _ in target.named_parameters()]
-    plan = _expand(ep_plan(target.config), names)
+    plan = _expand(ep_plan(target.config), [n for n, _ in target.named_modules()],
+                   [n for n, _ in target.named_parameters()])
     modules = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
     if not modules:
         raise ValueError(f"the expert-parallel plan of {type(target).__name__} matched no module (plan: "
                          f"{ep_plan(target.config)}); this model cannot run with ep_size={dims.ep}")
+    for name in modules:  # before the dispatch reads the experts' (local) count
+        shard_expert_adapters(target.get_submodule(name), dims.get_mesh("ep"))
     apply_expert_parallelism(target, dims.get_mesh("ep"), dims.get_mesh("tp"), plan, ep_implementation="all_to_all")
     experts = [target.get_submodule(name) for name in modules]
     for module in experts:

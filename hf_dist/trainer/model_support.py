@@ -12,16 +12,21 @@ Not here: the layout's own rules (``hf_dist.strategy.Layout``), applying it (``h
 
 from __future__ import annotations
 
+import dataclasses
+
 from hf_dist.support import check_model_layout
 
 
-def check_model_support(config, args) -> None:
+def check_model_support(config, args, lora_rank: int = 0) -> None:
     """``ValueError`` naming the model, the rule and the fix when ``config``'s model cannot run ``args.layout``.
 
     ``config`` is a transformers ``PretrainedConfig`` (``AutoConfig.from_pretrained`` is enough: no weights);
-    ``args`` a ``DistTrainingArguments`` (its resolved ``layout`` is read). Pure: no process group.
+    ``args`` a ``DistTrainingArguments`` (its resolved ``layout`` is read); ``lora_rank`` the model's LoRA rank
+    (``peft_rank``: 0 for a plain model), for the layout rules about adapters. Pure: no process group.
     """
     layout = args.layout
+    if lora_rank and not layout.lora_rank:
+        layout = dataclasses.replace(layout, lora_rank=lora_rank)  # the Layout rules run again, adapters known
     if max(layout.pp, layout.tp, layout.ep, layout.cp) == 1:
         return
     if config is None:

@@ -84,7 +84,8 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)
     dims = args.layout.dims  # the run's one Layout, resolved by DistTrainingArguments
     config = meta.load_config(directory, model_kwargs, overrides)
-    check_model_support(config, args)  # from the config alone: before any weight loads or process group starts
+    lora_rank = (getattr(peft_config, "r", 1) or 1) if peft_config is not None else 0
+    check_model_support(config, args, lora_rank)  # from the config alone: before any weight loads or process group
     if not args.layout.streaming_load:
         return meta.transformers_load(directory, dtype, model_kwargs, overrides, peft_config, args.seed)
     device = args.device  # starts the process group

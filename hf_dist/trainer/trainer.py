@@ -26,6 +26,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_dist.file_modes import give_user_mode
+from hf_dist.models.peft_utils import peft_rank
 from hf_dist.loss.policy import loss_option_refusal
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.compile import compile_blocks
@@ -70,7 +71,7 @@ class DistTrainer(Trainer):
                                                                                           "compute_loss_func")):
             raise ValueError(why)  # before any process group
         if model is not None:  # before any process group (model_init's models are checked when made)
-            check_model_support(getattr(model, "config", None), args)
+            check_model_support(getattr(model, "config", None), args, peft_rank(model))
         args.device  # initialises the process group with the backend launch_env chose
         teardown.register()  # destroyed at exit, before interpreter finalisation (else exit -6 under load)
         self.pending_save = None  # the last asynchronous checkpoint, until committed (checkpoint_glue)
@@ -123,7 +124,7 @@ class DistTrainer(Trainer):
     def call_model_init(self, trial=None):
         """``model_init``'s new model with the layout applied (at start, and again per train() / search trial)."""
         model = super().call_model_init(trial)
-        check_model_support(getattr(model, "config", None), self.args)
+        check_model_support(getattr(model, "config", None), self.args, peft_rank(model))
         model = self._prepare_model(model, self.args)
         previous = getattr(self, "model", None)  # None during __init__; the replaced model in train()
         if self.dims.pp_enabled and previous is not None:

@@ -4,7 +4,8 @@ Adapter-only writes ``adapter_model.safetensors`` + ``adapter_config.json`` as P
 (adapter name dropped from the keys). Every adapter tensor must be whole: not empty (the ZeRO-3/FSDP1 failure
 where an adapter saved as 0-element placeholders) and covered by its saved chunks (not one rank's shard), with
 the rank the config declares. Merged writes a plain causal-LM folder, shard by shard: each base weight is read
-with its ``lora_A``/``lora_B`` and merged as ``W + scale * B @ A``.
+with its ``lora_A``/``lora_B`` and merged as ``W + scale * B @ A``; a parameter adapter (PEFT's ``target_parameters``
+on 3-D expert weights ``[E, out, in]``) as ``W_e + scale * B_e @ A_e`` for each expert ``e``.
 
 Verification (``verify``, ``lora_verify``), by default with about one tensor in memory: the merged folder's
 structure on ``meta`` and each merged weight against PEFT's own merge of that one module (a ``peft`` LoRA layer
@@ -34,8 +35,9 @@ from hf_dist.checkpoint.export.dcp import (
     verify_checksums,
 )
 from hf_dist.checkpoint.export.folder import ExportReport, compare_logits, prepare_out, write_model_weights
-from hf_dist.checkpoint.export.lora_verify import verify_adapter, verify_merged
+from hf_dist.checkpoint.export.lora_verify import lora_targets, verify_adapter, verify_merged
 from hf_dist.hub_writer import ADAPTER_FILES
+from hf_dist.models.peft_utils import without_base_layers
 
 BASE_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
@@ -76,13 +78,14 @@ def _check_adapter(metas: dict, pairs: dict, config: dict) -> None:
             check_complete_tensor(key, metas[key])
             size = tuple(metas[key].size)
             rank_dim = size[0] if which == "A" else size[1]
-            if not config.get("rank_pattern") and rank_dim != r:
+            # a parameter adapter (target_parameters) stacks r rows/columns per expert
+            per_expert = config.get("target_parameters") and rank_dim % r == 0
+            if not config.get("rank_pattern") and rank_dim != r and not per_expert:
                 raise mf.CheckpointError(f"{key} has shape {size} but the adapter config says r={r}")
 
 
 def _base_name(key: str) -> str:
-    name = key[len(BASE_PREFIX) :] if key.startswith(BASE_PREFIX) else key
-    return name.replace(".base_layer.", ".")
+    return without_base_layers(key[len(BASE_PREFIX) :] if key.startswith(BASE_PREFIX) else key)
 
 
 def _scale(config: dict) -> float:
@@ -99,23 +102,35 @@ def _delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return b @ a * scale
 
 
+def _param_delta(a: torch.Tensor, b: torch.Tensor, scale: float, experts: int, swapped: bool) -> torch.Tensor:
+    """A parameter adapter's ``[E, out, in]`` (``swapped``) or ``[E, in, out]`` update: expert ``e``'s ``B_e @ A_e``,
+    with ``A [E * r, in]`` holding the experts' rows one after another and ``B [out, r * E]`` their columns
+    interleaved (column ``k * E + e``), as PEFT's ``ParamWrapper`` lays them out."""
+    a3 = a.reshape(experts, -1, a.shape[-1])  # [E, r, in]
+    b3 = b.reshape(b.shape[0], -1, experts)  # [out, r, E]
+    return torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", b3, a3) * scale
+
+
 def _merged_producer(ckpt: Path, metas: dict, pairs: dict, base_keys: dict[str, str], config: dict):
     scale, transpose = _scale(config), bool(config.get("fan_in_fan_out"))
-    module_of = {key: key.rsplit(".base_layer.", 1)[0] for key in base_keys.values() if ".base_layer." in key}
+    targets = lora_targets(ckpt, config, pairs, base_keys)
 
     def produce(names: list[str]) -> dict[str, torch.Tensor]:
         keys = [base_keys[n] for n in names]
-        lora_keys = [pairs[module_of[k]][w] for k in keys if k in module_of and module_of[k] in pairs for w in "AB"]
+        lora_keys = [pairs[targets[k][0]][w] for k in keys if k in targets for w in "AB"]
         tensors = read_tensors(ckpt, keys + lora_keys, metas)
         out = {}
         for name, key in zip(names, keys):
             weight = tensors[key]
-            module = module_of.get(key)
-            if module in pairs:
+            if key in targets:
+                module, swapped = targets[key]
                 a, b = tensors[pairs[module]["A"]], tensors[pairs[module]["B"]]
-                delta = _delta(a, b, scale)
-                # one rounding to the weight's dtype, after the sum (as PEFT's in-place merge rounds)
-                weight = (weight + (delta.T if transpose else delta)).to(weight.dtype)
+                if swapped is None:
+                    delta = _delta(a, b, scale)
+                    # one rounding to the weight's dtype, after the sum (as PEFT's in-place merge rounds)
+                    weight = (weight + (delta.T if transpose else delta)).to(weight.dtype)
+                else:  # PEFT's ParamWrapper rounds its update to the weight's dtype before adding it
+                    weight = weight + _param_delta(a, b, scale, weight.shape[0], swapped).to(weight.dtype)
             out[name] = weight
         return out
 
@@ -161,12 +176,6 @@ def export_peft(
     metas = tensor_metadata(ckpt)
     pairs, base = _split_keys(metas, adapter_dir.name)
     _check_adapter(metas, pairs, config)
-    if mode == "merged" and config.get("target_parameters"):
-        raise ValueError(
-            f"adapter='merged' with target_parameters={config['target_parameters']}: merging LoRA on parameters "
-            f"(3-D MoE expert weights, PEFT's ParamWrapper) is not in hf_dist's export; export adapter='adapter' and "
-            f"merge with PEFT (AutoPeftModelForCausalLM.from_pretrained(...).merge_and_unload())"
-        )
     checked = verify_checksums(ckpt, manifest)  # before the output folder is touched
     prepare_out(out, overwrite)
     report = ExportReport(out_dir=out, checksums_verified=checked)

@@ -41,6 +41,51 @@ def _peft_layer(weight: torch.Tensor, config, adapter: str) -> nn.Module:
                   is_target_conv_1d_layer=bool(config.fan_in_fan_out))
 
 
+def lora_targets(ckpt: Path, config: dict, pairs: dict,
+                 base_keys: dict[str, str]) -> dict[str, tuple[str, bool | None]]:
+    """``{base key: (LoRA module, swapped)}`` for every base weight an adapter changes. ``swapped`` is None for a
+    layer adapter (``lora.Linear``: the weight is ``<module>.base_layer.weight``); for a parameter adapter (PEFT's
+    ``ParamWrapper``, ``target_parameters``: nested once per targeted parameter, so the weight is
+    ``<module>.base_layer....<parameter>``) it is whether PEFT reads the 3-D weight as ``[E, out, in]``. Which wrapper
+    holds which parameter is read from the PEFT model built on ``meta`` for this config, not guessed from names."""
+    wrappers: dict[str, tuple[str, bool]] = {}  # wrapper module -> (its base weight's key, swapped)
+    if config.get("target_parameters"):
+        from peft import LoraConfig, get_peft_model
+        from peft.tuners.lora.layer import ParamWrapper
+
+        known = {k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__}
+        peft_model = get_peft_model(meta_model(ckpt / HF_DIR), LoraConfig(**known))
+        for name, module in peft_model.named_modules():
+            if isinstance(module, ParamWrapper):
+                inner, base = name, module
+                while isinstance(base, ParamWrapper):
+                    inner, base = f"{inner}.base_layer", base.base_layer
+                wrappers[name] = (f"{inner}.{module.parameter_name}", module._did_swap_in_out_features)
+    targets = {key: (module, swapped) for module, (key, swapped) in wrappers.items() if module in pairs}
+    for key in base_keys.values():
+        module = key.rsplit(".base_layer.", 1)[0] if key.endswith(".base_layer.weight") else None
+        if module in pairs and module not in wrappers:
+            targets[key] = (module, None)
+    return targets
+
+
+def peft_merged_param(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config, adapter: str,
+                      swapped: bool) -> torch.Tensor:
+    """The 3-D ``weight`` with the parameter adapter ``(a, b)`` merged in by PEFT's ``ParamWrapper.merge()``."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    with torch.no_grad():
+        holder = nn.Module()
+        holder.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        holder.is_transposed = not swapped  # PEFT reads [E, in, out] when the experts module says so
+        layer = ParamWrapper(holder, adapter, parameter_name="weight", config=config, r=config.r,
+                             lora_alpha=config.lora_alpha)
+        layer.lora_A[adapter].weight = nn.Parameter(a, requires_grad=False)
+        layer.lora_B[adapter].weight = nn.Parameter(b, requires_grad=False)
+        layer.merge(adapter_names=[adapter])
+        return holder.weight.detach()
+
+
 def peft_merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, config, adapter: str) -> torch.Tensor:
     """``weight`` with the adapter ``(a, b)`` merged in by PEFT's ``merge()``."""
     with torch.no_grad():
@@ -58,14 +103,17 @@ def verify_merged(ckpt: Path, out: Path, metas: dict, pairs: dict, base_keys: di
     from peft import LoraConfig
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
+    targets = lora_targets(ckpt, config.to_dict(), pairs, base_keys)
 
     def expected(name: str) -> torch.Tensor:
         key = base_keys[name]
-        module = key.rsplit(".base_layer.", 1)[0] if ".base_layer." in key else None
-        if module not in pairs:
+        if key not in targets:
             return read_tensors(ckpt, [key], metas)[key]
+        module, swapped = targets[key]
         a_key, b_key = pairs[module]["A"], pairs[module]["B"]
         t = read_tensors(ckpt, [key, a_key, b_key], metas)
+        if swapped is not None:
+            return peft_merged_param(t[key], t[a_key], t[b_key], config, adapter, swapped)
         return peft_merged_weight(t[key], t[a_key], t[b_key], config, adapter)
 
     return verify_tensors(out, expected, set(base_keys))
