@@ -52,6 +52,7 @@ MODELS = {
     "tiny-Lfm2ForCausalLM": ("lfm2", "lfm2.jinja", "<|im_end|>", "<|endoftext|>"),
     "tiny-Lfm2ForCausalLM-2.5": ("lfm2", "lfm2_2_5.jinja", "<|im_end|>", "<|endoftext|>"),
 }
+REWARD_MODELS = {"tiny-Qwen2ForSequenceClassification-2.5": "qwen2"}
 TOKENIZER_ONLY = {"Qwen/Qwen3-4B": ("qwen3", "qwen3.jinja")}  # chat_template_path="Qwen/Qwen3-4B"
 ARCH_EXTRAS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
@@ -107,6 +108,17 @@ def build_datasets() -> None:
     _write_rows("zen", "conversational_prompt_completion", [{"prompt": m[:1], "completion": m[1:]} for m in chats])
     _write_rows("zen", "standard_implicit_prompt_preference",
                 [{"chosen": a, "rejected": b} for a, b in zip(lines, shuffled)])
+    others = [" " + line.split(" ", 1)[-1] for line in shuffled]  # a rejected completion: another line's tail
+    _write_rows("zen", "standard_preference",
+                [{"prompt": p, "chosen": c, "rejected": r} for (p, c), r in zip(halves, others)])
+    _write_rows("zen", "conversational_preference", [
+        {"prompt": m[:1], "chosen": m[1:], "rejected": [{"role": "assistant", "content": r.strip()}]}
+        for m, r in zip(chats, others)])
+    _write_rows("zen", "conversational_implicit_prompt_preference", [
+        {"chosen": m, "rejected": [m[0], {"role": "assistant", "content": r.strip()}]}
+        for m, r in zip(chats, others)])
+    _write_rows("zen", "standard_prompt_only", [{"prompt": p} for p, _ in halves])
+    _write_rows("zen", "conversational_prompt_only", [{"prompt": m[:1]} for m in chats])
     thinking = [[m[0], dict(m[1], thinking="The Zen of Python.")] for m in chats]
     _write_rows("harmony", "language_modeling", [{"messages": m} for m in thinking])
     _write_rows("harmony", "prompt_completion", [{"prompt": m[:1], "completion": m[1:]} for m in thinking])
@@ -183,7 +195,7 @@ def _snapshot(repo_id: str) -> Path:
 def build_models() -> dict[str, str]:
     """Write every stand-in; returns name -> "ok" or why it could not be built (its tests then fail in both runs)."""
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
     templates = Path(__import__("trl").__file__).parent / "chat_templates"
     tok_obj = _tokenizer_object()
@@ -219,6 +231,16 @@ def build_models() -> dict[str, str]:
             status[name] = "ok"
         except Exception as exc:  # noqa: BLE001 -- reported in the table; the tests naming it fail in both runs
             status[name] = f"not built: {type(exc).__name__}: {str(exc)[:100]}"
+    for name, model_type in REWARD_MODELS.items():  # GRPO's reward model: a one-label sequence classifier
+        torch.manual_seed(0)
+        config = small_config(model_type, tok_obj.get_vocab_size())
+        config.num_labels = 1
+        tok = tokenizer("<|im_end|>", "<|endoftext|>", "qwen2_5.jinja")
+        config.pad_token_id = tok.pad_token_id
+        snap = _snapshot(f"trl-internal-testing/{name}")
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(snap)
+        tok.save_pretrained(snap)
+        status[name] = "ok (reward model)"
     snap = _snapshot("trl-internal-testing/tiny-RemoteForCausalLM")
     AutoModelForCausalLM.from_config(small_config("qwen2", tok_obj.get_vocab_size())).save_pretrained(snap)
     config = json.loads((snap / "config.json").read_text())  # the same weights, declared as repository code
@@ -238,12 +260,29 @@ def build_models() -> dict[str, str]:
 
 # ---- what the test package's conftest installs ------------------------------------------------------------------
 
-def install(swap: bool) -> None:
-    """Redirect the Hub datasets, default TRL configs to fp32 where no bf16 GPU exists, and (``swap``) replace
-    ``trl.SFTTrainer`` by ``hf_dist``'s ``DistSFTTrainer`` before the test module imports it."""
+# trainer -> TRL's class name -> hf_dist's replacement (module, name); configs too, so the tests build hf_dist's
+SWAPS = {
+    "sft": {"SFTTrainer": ("hf_dist.trainer.sft", "DistSFTTrainer"),
+            "SFTConfig": ("hf_dist.trainer.sft", "DistSFTConfig")},
+    "dpo": {"DPOTrainer": ("hf_dist.trainer.dpo", "DistDPOTrainer"),
+            "DPOConfig": ("hf_dist.trainer.dpo", "DistDPOConfig")},
+    "grpo": {"GRPOTrainer": ("hf_dist.trainer.grpo", "DistGRPOTrainer"),
+             "GRPOConfig": ("hf_dist.trainer.grpo", "DistGRPOConfig")},
+}
+
+
+def install(swap: bool, trainer: str = "sft") -> None:
+    """Redirect the Hub datasets, default TRL configs to fp32 where no bf16 GPU exists, record the class of every
+    trainer built (``TRL_BUILT_LOG``), and (``swap``) replace ``trl.<X>Trainer`` / ``trl.<X>Config`` by hf_dist's
+    classes before the test module imports them."""
+    import importlib
+
     import datasets
     import torch
+    import transformers
+    import trl
     from trl.trainer import base_config
+    from trl.trainer import utils as trl_utils
 
     original_load = datasets.load_dataset
 
@@ -263,12 +302,33 @@ def install(swap: bool) -> None:
         original_post_init(self)
 
     base_config._BaseConfig.__post_init__ = post_init
+    if not hasattr(trl_utils, "get_kbit_device_map"):  # imported by older GRPO test files, used only under bnb
+        def get_kbit_device_map():
+            raise NotImplementedError("get_kbit_device_map is not in this trl (harness stand-in)")
+
+        trl_utils.get_kbit_device_map = get_kbit_device_map
+    log = os.environ.get("TRL_BUILT_LOG")
+    if log:  # the swap is counted, not assumed: every Trainer built, by class
+        original_init = transformers.Trainer.__init__
+
+        def init(self, *args, **kwargs):
+            config = kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None)
+            with open(log, "a") as out:
+                out.write(f"{type(self).__module__}.{type(self).__qualname__} "
+                          f"{type(config).__module__}.{type(config).__qualname__}\n")
+            original_init(self, *args, **kwargs)
+
+        transformers.Trainer.__init__ = init
     if swap:
-        import trl
+        for name, (module, replacement) in SWAPS[trainer].items():
+            setattr(trl, name, getattr(importlib.import_module(module), replacement))
 
-        from hf_dist.trainer.sft import DistSFTTrainer
 
-        trl.SFTTrainer = DistSFTTrainer
+def trainer_under_test(trainer: str) -> str:
+    import trl
+
+    return ", ".join(f"{name} -> {getattr(trl, name).__module__}.{getattr(trl, name).__qualname__}"
+                     for name in SWAPS[trainer])
 
 
 @pytest.fixture
@@ -284,8 +344,8 @@ def lazy_shared_datadir(tmp_path):
 
 @pytest.fixture(autouse=True)
 def per_test_timeout():
-    """Fail a test that runs past ``SFT_TEST_TIMEOUT`` seconds (no pytest-timeout here)."""
-    seconds = int(os.environ.get("SFT_TEST_TIMEOUT", "300"))
+    """Fail a test that runs past ``TRL_TEST_TIMEOUT`` seconds (no pytest-timeout here)."""
+    seconds = int(os.environ.get("TRL_TEST_TIMEOUT", "300"))
 
     def expire(signum, frame):
         raise TimeoutError(f"test ran past {seconds} s (harness timeout)")
@@ -322,6 +382,7 @@ require_peft = _skip_unless(_has("peft"), "peft")
 require_peft_target_parameters = _skip_unless(_has("peft"), "peft with target_parameters")
 require_torch_accelerator = _skip_unless(_cuda_count() > 0, "an accelerator")
 require_torch_multi_accelerator = _skip_unless(_cuda_count() > 1, "several accelerators")
+require_vllm = _skip_unless(_has("vllm"), "vllm")
 require_vision = _skip_unless(_has("PIL"), "vision (PIL)")
 xfail_data_parallel = pytest.mark.xfail(_cuda_count() > 1, reason="nn.DataParallel")
 
@@ -330,6 +391,9 @@ def is_ampere_or_newer(device_index: int = 0) -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+require_ampere_or_newer = _skip_unless(is_ampere_or_newer(), "an Ampere or newer GPU")
 
 
 class TrlTestCase:
