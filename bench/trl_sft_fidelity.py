@@ -64,7 +64,8 @@ def prepare(test_file: Path, work: Path, trainer: str) -> Path:
     (package / "conftest.py").write_text(CONFTEST)
     shutil.copyfile(test_file, package / f"test_{trainer}_trainer.py")
     standins = Path(environment(work, swap=False)["TRL_STANDINS"])
-    if not (standins / "hub" / "models--trl-internal-testing--tiny-Qwen2ForSequenceClassification-2.5").is_dir():
+    if not all((standins / path).exists() for path in (
+            "hub/models--trl-internal-testing--tiny-LlamaForSequenceClassification-3.2", "data/toolcall/preference")):
         subprocess.run([sys.executable, str(BENCH / "trl_sft_standins.py"), str(standins)], check=True,
                        env=environment(work, swap=False))
     return package

@@ -52,7 +52,9 @@ MODELS = {
     "tiny-Lfm2ForCausalLM": ("lfm2", "lfm2.jinja", "<|im_end|>", "<|endoftext|>"),
     "tiny-Lfm2ForCausalLM-2.5": ("lfm2", "lfm2_2_5.jinja", "<|im_end|>", "<|endoftext|>"),
 }
-REWARD_MODELS = {"tiny-Qwen2ForSequenceClassification-2.5": "qwen2"}
+# name -> (model_type, chat template, extra special token the tests set as pad token or None)
+REWARD_MODELS = {"tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "qwen2_5.jinja", None),
+                 "tiny-LlamaForSequenceClassification-3.2": ("llama", "llama3_2.jinja", "<|finetune_right_pad_id|>")}
 TOKENIZER_ONLY = {"Qwen/Qwen3-4B": ("qwen3", "qwen3.jinja")}  # chat_template_path="Qwen/Qwen3-4B"
 ARCH_EXTRAS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
@@ -122,6 +124,10 @@ def build_datasets() -> None:
     thinking = [[m[0], dict(m[1], thinking="The Zen of Python.")] for m in chats]
     _write_rows("harmony", "language_modeling", [{"messages": m} for m in thinking])
     _write_rows("harmony", "prompt_completion", [{"prompt": m[:1], "completion": m[1:]} for m in thinking])
+    _write_rows("harmony", "preference", [
+        {"prompt": m[:1], "chosen": m[1:],
+         "rejected": [{"role": "assistant", "content": r.strip(), "thinking": "Another line."}]}
+        for m, r in zip(thinking, others)])
     tools = json.dumps([{"type": "function", "function": {
         "name": "zen_line", "description": "Line i of the Zen of Python.",
         "parameters": {"type": "object", "properties": {"i": {"type": "integer", "description": "line"}},
@@ -133,6 +139,12 @@ def build_datasets() -> None:
         {"role": "tool", "name": "zen_line", "content": x},
         {"role": "assistant", "content": x},
     ]} for i, x in enumerate(lines)])
+    _write_rows("toolcall", "preference", [{"tools": tools, "prompt": [
+        {"role": "user", "content": f"What is line {i} of the Zen?"},
+        {"role": "assistant", "tool_calls": [dict(call, function=dict(call["function"], arguments={"i": i}))]},
+        {"role": "tool", "name": "zen_line", "content": x},
+    ], "chosen": [{"role": "assistant", "content": x}], "rejected": [{"role": "assistant", "content": r.strip()}]}
+        for i, (x, r) in enumerate(zip(lines, others))])
 
 
 def load_standin_dataset(path, name=None, split=None, streaming=False, **kwargs):
@@ -231,11 +243,13 @@ def build_models() -> dict[str, str]:
             status[name] = "ok"
         except Exception as exc:  # noqa: BLE001 -- reported in the table; the tests naming it fail in both runs
             status[name] = f"not built: {type(exc).__name__}: {str(exc)[:100]}"
-    for name, model_type in REWARD_MODELS.items():  # GRPO's reward model: a one-label sequence classifier
+    for name, (model_type, template, extra) in REWARD_MODELS.items():  # GRPO's reward models: one-label classifiers
         torch.manual_seed(0)
-        config = small_config(model_type, tok_obj.get_vocab_size())
+        tok = tokenizer("<|im_end|>", "<|endoftext|>", template)
+        if extra is not None:
+            tok.add_special_tokens({"additional_special_tokens": [extra]})
+        config = small_config(model_type, len(tok))
         config.num_labels = 1
-        tok = tokenizer("<|im_end|>", "<|endoftext|>", "qwen2_5.jinja")
         config.pad_token_id = tok.pad_token_id
         snap = _snapshot(f"trl-internal-testing/{name}")
         AutoModelForSequenceClassification.from_config(config).save_pretrained(snap)
