@@ -65,7 +65,7 @@ def prepare(test_file: Path, work: Path, trainer: str) -> Path:
     shutil.copyfile(test_file, package / f"test_{trainer}_trainer.py")
     standins = Path(environment(work, swap=False)["TRL_STANDINS"])
     if not all((standins / path).exists() for path in (
-            "hub/models--trl-internal-testing--tiny-LlamaForSequenceClassification-3.2", "data/toolcall/preference")):
+            "hub/models--trl-internal-testing--tiny-Gemma2ForCausalLM", "data/toolcall/preference")):
         subprocess.run([sys.executable, str(BENCH / "trl_sft_standins.py"), str(standins)], check=True,
                        env=environment(work, swap=False))
     return package

@@ -51,9 +51,11 @@ MODELS = {
     "tiny-Olmo3ForCausalLM": ("olmo3", None, "<|endoftext|>", "<|endoftext|>"),
     "tiny-Lfm2ForCausalLM": ("lfm2", "lfm2.jinja", "<|im_end|>", "<|endoftext|>"),
     "tiny-Lfm2ForCausalLM-2.5": ("lfm2", "lfm2_2_5.jinja", "<|im_end|>", "<|endoftext|>"),
+    "tiny-Gemma2ForCausalLM": ("gemma2", None, "<|endoftext|>", "<|endoftext|>"),
 }
 # name -> (model_type, chat template, extra special token the tests set as pad token or None)
 REWARD_MODELS = {"tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "qwen2_5.jinja", None),
+                 "tiny-Qwen3ForSequenceClassification": ("qwen3", "qwen3.jinja", None),
                  "tiny-LlamaForSequenceClassification-3.2": ("llama", "llama3_2.jinja", "<|finetune_right_pad_id|>")}
 TOKENIZER_ONLY = {"Qwen/Qwen3-4B": ("qwen3", "qwen3.jinja")}  # chat_template_path="Qwen/Qwen3-4B"
 ARCH_EXTRAS = {
@@ -68,6 +70,7 @@ ARCH_EXTRAS = {
     "nemotron_h": dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
                        n_groups=1),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "gemma2": dict(head_dim=8, tie_word_embeddings=True),  # Gemma2 ties the LM head to the embeddings
 }
 
 
