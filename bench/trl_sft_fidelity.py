@@ -5,15 +5,15 @@
     python bench/trl_sft_fidelity.py --trainer dpo PATH/TO/test_dpo_trainer.py
     python bench/trl_sft_fidelity.py --trainer grpo PATH/TO/test_grpo_trainer.py
 
-The test file is TRL's ``tests/test_<trainer>_trainer.py`` for the installed trl, obtained by the user (nothing
-here fetches it, and no TRL code is part of hf_dist). It is copied into a test package under ``--work`` whose
-``testing_utils.py`` and ``conftest.py`` come from ``bench/trl_sft_standins.py``: offline stand-ins for the Hub
-models and datasets the tests name, and, in the second run, ``trl.SFTTrainer`` / ``trl.SFTConfig`` (or the DPO or
-GRPO pair) replaced by ``hf_dist``'s ``DistSFTTrainer`` / ``DistSFTConfig`` (``DistDPO...``, ``DistGRPO...``)
-before the test module imports them. The swap is counted, not assumed: every ``transformers.Trainer`` built is
-logged with its class and its arguments' class, and the script fails when the plain run built an hf_dist trainer
-or the swapped run built TRL's. Both runs are one process each (``OMP_NUM_THREADS=1``, ``-p no:cacheprovider``,
-no ``-x``).
+The test file is TRL's ``tests/test_<trainer>_trainer.py`` for the installed trl, obtained by the user (nothing here
+fetches it, and no TRL code is part of hf_dist). It is copied into a test package under ``--work`` whose
+``testing_utils.py`` and ``conftest.py`` come from ``bench/trl_test_harness.py``, with offline stand-ins for the Hub
+models and datasets the tests name from ``bench/trl_sft_standins.py``, and, in the second run, ``trl.SFTTrainer`` /
+``trl.SFTConfig`` (or the DPO or GRPO pair) replaced by ``hf_dist``'s ``DistSFTTrainer`` / ``DistSFTConfig``
+(``DistDPO...``, ``DistGRPO...``) before the test module imports them. The swap is counted, not assumed: every
+``transformers.Trainer`` built is logged with its class and its arguments' class, and the script fails when the
+plain run built an hf_dist trainer or the swapped run built TRL's. Both runs are one process each
+(``OMP_NUM_THREADS=1``, ``-p no:cacheprovider``, no ``-x``).
 
 Prints every test's outcome in both runs, the counts, the trainers built, and the tests that pass with TRL's
 class and fail with hf_dist's (exit status 1 when there is any). Not a test: it runs for minutes.
@@ -33,7 +33,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 TRAINERS = {"sft": ("SFTTrainer", "DistSFTTrainer"), "dpo": ("DPOTrainer", "DistDPOTrainer"),
             "grpo": ("GRPOTrainer", "DistGRPOTrainer")}
-TESTING_UTILS = """from trl_sft_standins import (  # noqa: F401  (stand-in for TRL's tests/testing_utils.py)
+TESTING_UTILS = """from trl_test_harness import (  # noqa: F401  (stand-in for TRL's tests/testing_utils.py)
     TrlTestCase, ignore_warnings, is_ampere_or_newer, require_ampere_or_newer, require_bitsandbytes, require_kernels,
     require_liger_kernel, require_peft, require_peft_target_parameters, require_torch_accelerator,
     require_torch_multi_accelerator, require_vision, require_vllm, xfail_data_parallel,
@@ -43,15 +43,15 @@ CONFTEST = f"""import os
 import sys
 
 sys.path.insert(0, {str(BENCH)!r})
-import trl_sft_standins  # noqa: E402
+import trl_test_harness  # noqa: E402
 
 TRAINER = os.environ.get("TRL_TRAINER", "sft")
-trl_sft_standins.install(swap=os.environ.get("TRL_SWAP") == "dist", trainer=TRAINER)
-from trl_sft_standins import lazy_shared_datadir, per_test_timeout  # noqa: E402,F401
+trl_test_harness.install(swap=os.environ.get("TRL_SWAP") == "dist", trainer=TRAINER)
+from trl_test_harness import lazy_shared_datadir, per_test_timeout  # noqa: E402,F401
 
 
 def pytest_report_header(config):
-    return "under test: " + trl_sft_standins.trainer_under_test(TRAINER)
+    return "under test: " + trl_test_harness.trainer_under_test(TRAINER)
 """
 
 
@@ -86,6 +86,7 @@ def run(package: Path, work: Path, trainer: str, swap: bool, select: str | None)
     """Test id -> passed / failed / error / skipped, from pytest's JUnit XML; and the trainers built, by class."""
     stem = f"{trainer}-{'dist' if swap else 'plain'}"
     report, built = work / f"{stem}.xml", work / f"{stem}.built"
+    report.unlink(missing_ok=True)
     built.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", str(package / f"test_{trainer}_trainer.py"), "-q", "-p",
                "no:cacheprovider", f"--junitxml={report}", "--rootdir", str(work)]
@@ -94,6 +95,8 @@ def run(package: Path, work: Path, trainer: str, swap: bool, select: str | None)
     env = dict(environment(work, swap), TRL_TRAINER=trainer, TRL_BUILT_LOG=str(built))
     with open(work / f"{stem}.log", "w") as log:
         subprocess.run(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if not report.exists():  # pytest stopped before collecting (e.g. the conftest failed): say where to look
+        raise SystemExit(f"no test report from the {stem} run; see {work / f'{stem}.log'}")
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         outcome = "passed"
