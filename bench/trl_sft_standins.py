@@ -1,13 +1,14 @@
-"""Offline stand-ins for the Hub fixtures of TRL's SFT tests, and what its test package imports (see trl_sft_fidelity).
+"""Offline stand-ins for the Hub fixtures of TRL's SFT, DPO and GRPO tests (see trl_sft_fidelity).
 
-Nothing is fetched. Models: tiny random models of the architectures the tests name, written into a Hub-layout
-cache (``HF_HUB_CACHE``) so that ``from_pretrained("trl-internal-testing/tiny-...")`` resolves offline; one
-byte-level BPE tokenizer trained on the Zen of Python, with each architecture's chat template read from the
-installed ``trl`` package (``trl/chat_templates``); a remote-code model (a Qwen2 declared as
-``RemoteForCausalLM``). Datasets: the Zen of Python (``import this``) in the configurations the tests load
-(``zen``: standard/conversational x language-modeling/prompt-completion, implicit-prompt preference; ``harmony``
-with a ``thinking`` field; ``toolcall`` with tools as a JSON string), 17 train and 2 test rows each, as JSON
-files that ``datasets.load_dataset`` is redirected to.
+Nothing is fetched. Models: tiny random models of the architectures the tests name, written
+into a Hub-layout cache (``HF_HUB_CACHE``) so that ``from_pretrained("trl-internal-testing/tiny-...")`` resolves
+offline; one byte-level BPE tokenizer trained on the Zen of Python, with each architecture's chat template read from
+the installed ``trl`` package (``trl/chat_templates``); one-label sequence classifiers as GRPO's reward models; a
+remote-code model (a Qwen2 declared as ``RemoteForCausalLM``). Datasets: the Zen of Python (``import this``) in the
+configurations the tests load (``zen``: standard/conversational x language-modeling/prompt-completion/prompt-only/
+preference, implicit-prompt preference; ``harmony`` with a ``thinking`` field; ``toolcall`` with tools as a JSON
+string), 17 train and 2 test rows each, as JSON files that ``datasets.load_dataset`` is redirected to. No image
+datasets or vision-language models: the tests that need them fail in both runs.
 
 The stand-ins differ from the Hub fixtures in vocabulary and token counts; they serve both runs of the comparison
 equally. Tests that assert Qwen's token ids (151643-151645) need ``TRL_STANDINS_QWEN_VOCAB=1``: the Qwen2.5
@@ -18,16 +19,12 @@ Not a test module and not part of hf_dist.
 from __future__ import annotations
 
 import codecs
-import functools
 import json
 import os
 import random
-import signal
 import sys
-import warnings
 from pathlib import Path
 
-import pytest
 
 REV = "0" * 40
 HUB_DATASETS = ("trl-internal-testing/zen", "trl-internal-testing/harmony", "trl-internal-testing/toolcall")
@@ -51,7 +48,12 @@ MODELS = {
     "tiny-Olmo3ForCausalLM": ("olmo3", None, "<|endoftext|>", "<|endoftext|>"),
     "tiny-Lfm2ForCausalLM": ("lfm2", "lfm2.jinja", "<|im_end|>", "<|endoftext|>"),
     "tiny-Lfm2ForCausalLM-2.5": ("lfm2", "lfm2_2_5.jinja", "<|im_end|>", "<|endoftext|>"),
+    "tiny-Gemma2ForCausalLM": ("gemma2", None, "<|endoftext|>", "<|endoftext|>"),
 }
+# name -> (model_type, chat template, extra special token the tests set as pad token or None)
+REWARD_MODELS = {"tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "qwen2_5.jinja", None),
+                 "tiny-Qwen3ForSequenceClassification": ("qwen3", "qwen3.jinja", None),
+                 "tiny-LlamaForSequenceClassification-3.2": ("llama", "llama3_2.jinja", "<|finetune_right_pad_id|>")}
 TOKENIZER_ONLY = {"Qwen/Qwen3-4B": ("qwen3", "qwen3.jinja")}  # chat_template_path="Qwen/Qwen3-4B"
 ARCH_EXTRAS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
@@ -65,6 +67,7 @@ ARCH_EXTRAS = {
     "nemotron_h": dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
                        n_groups=1),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "gemma2": dict(head_dim=8, tie_word_embeddings=True),  # Gemma2 ties the LM head to the embeddings
 }
 
 
@@ -107,9 +110,24 @@ def build_datasets() -> None:
     _write_rows("zen", "conversational_prompt_completion", [{"prompt": m[:1], "completion": m[1:]} for m in chats])
     _write_rows("zen", "standard_implicit_prompt_preference",
                 [{"chosen": a, "rejected": b} for a, b in zip(lines, shuffled)])
+    others = [" " + line.split(" ", 1)[-1] for line in shuffled]  # a rejected completion: another line's tail
+    _write_rows("zen", "standard_preference",
+                [{"prompt": p, "chosen": c, "rejected": r} for (p, c), r in zip(halves, others)])
+    _write_rows("zen", "conversational_preference", [
+        {"prompt": m[:1], "chosen": m[1:], "rejected": [{"role": "assistant", "content": r.strip()}]}
+        for m, r in zip(chats, others)])
+    _write_rows("zen", "conversational_implicit_prompt_preference", [
+        {"chosen": m, "rejected": [m[0], {"role": "assistant", "content": r.strip()}]}
+        for m, r in zip(chats, others)])
+    _write_rows("zen", "standard_prompt_only", [{"prompt": p} for p, _ in halves])
+    _write_rows("zen", "conversational_prompt_only", [{"prompt": m[:1]} for m in chats])
     thinking = [[m[0], dict(m[1], thinking="The Zen of Python.")] for m in chats]
     _write_rows("harmony", "language_modeling", [{"messages": m} for m in thinking])
     _write_rows("harmony", "prompt_completion", [{"prompt": m[:1], "completion": m[1:]} for m in thinking])
+    _write_rows("harmony", "preference", [
+        {"prompt": m[:1], "chosen": m[1:],
+         "rejected": [{"role": "assistant", "content": r.strip(), "thinking": "Another line."}]}
+        for m, r in zip(thinking, others)])
     tools = json.dumps([{"type": "function", "function": {
         "name": "zen_line", "description": "Line i of the Zen of Python.",
         "parameters": {"type": "object", "properties": {"i": {"type": "integer", "description": "line"}},
@@ -121,6 +139,12 @@ def build_datasets() -> None:
         {"role": "tool", "name": "zen_line", "content": x},
         {"role": "assistant", "content": x},
     ]} for i, x in enumerate(lines)])
+    _write_rows("toolcall", "preference", [{"tools": tools, "prompt": [
+        {"role": "user", "content": f"What is line {i} of the Zen?"},
+        {"role": "assistant", "tool_calls": [dict(call, function=dict(call["function"], arguments={"i": i}))]},
+        {"role": "tool", "name": "zen_line", "content": x},
+    ], "chosen": [{"role": "assistant", "content": x}], "rejected": [{"role": "assistant", "content": r.strip()}]}
+        for i, (x, r) in enumerate(zip(lines, others))])
 
 
 def load_standin_dataset(path, name=None, split=None, streaming=False, **kwargs):
@@ -183,7 +207,7 @@ def _snapshot(repo_id: str) -> Path:
 def build_models() -> dict[str, str]:
     """Write every stand-in; returns name -> "ok" or why it could not be built (its tests then fail in both runs)."""
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
     templates = Path(__import__("trl").__file__).parent / "chat_templates"
     tok_obj = _tokenizer_object()
@@ -219,6 +243,18 @@ def build_models() -> dict[str, str]:
             status[name] = "ok"
         except Exception as exc:  # noqa: BLE001 -- reported in the table; the tests naming it fail in both runs
             status[name] = f"not built: {type(exc).__name__}: {str(exc)[:100]}"
+    for name, (model_type, template, extra) in REWARD_MODELS.items():  # GRPO's reward models: one-label classifiers
+        torch.manual_seed(0)
+        tok = tokenizer("<|im_end|>", "<|endoftext|>", template)
+        if extra is not None:
+            tok.add_special_tokens({"additional_special_tokens": [extra]})
+        config = small_config(model_type, len(tok))
+        config.num_labels = 1
+        config.pad_token_id = tok.pad_token_id
+        snap = _snapshot(f"trl-internal-testing/{name}")
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(snap)
+        tok.save_pretrained(snap)
+        status[name] = "ok (reward model)"
     snap = _snapshot("trl-internal-testing/tiny-RemoteForCausalLM")
     AutoModelForCausalLM.from_config(small_config("qwen2", tok_obj.get_vocab_size())).save_pretrained(snap)
     config = json.loads((snap / "config.json").read_text())  # the same weights, declared as repository code
@@ -234,121 +270,6 @@ def build_models() -> dict[str, str]:
     tokenizer("<|im_end|>", "<|endoftext|>", "qwen2_5.jinja").save_pretrained(snap)
     status["tiny-RemoteForCausalLM"] = "ok (remote code)"
     return status
-
-
-# ---- what the test package's conftest installs ------------------------------------------------------------------
-
-def install(swap: bool) -> None:
-    """Redirect the Hub datasets, default TRL configs to fp32 where no bf16 GPU exists, and (``swap``) replace
-    ``trl.SFTTrainer`` by ``hf_dist``'s ``DistSFTTrainer`` before the test module imports it."""
-    import datasets
-    import torch
-    from trl.trainer import base_config
-
-    original_load = datasets.load_dataset
-
-    def load_dataset(path, name=None, *args, **kwargs):
-        if path in HUB_DATASETS:
-            return load_standin_dataset(path, name, **kwargs)
-        return original_load(path, name, *args, **kwargs)
-
-    datasets.load_dataset = load_dataset
-    # TRL's configs default to bf16=True, which TrainingArguments refuses without a bf16 GPU: default to fp32 there
-    # (a test's explicit bf16=True stays), identically for both runs
-    original_post_init = base_config._BaseConfig.__post_init__
-
-    def post_init(self):
-        if self.bf16 is None and not torch.cuda.is_available():
-            self.bf16 = False
-        original_post_init(self)
-
-    base_config._BaseConfig.__post_init__ = post_init
-    if swap:
-        import trl
-
-        from hf_dist.trainer.sft import DistSFTTrainer
-
-        trl.SFTTrainer = DistSFTTrainer
-
-
-@pytest.fixture
-def lazy_shared_datadir(tmp_path):
-    """pytest-datadir's fixture, holding the one file the SFT tests read (a ChatML template of our own)."""
-    folder = tmp_path / "shared_data"
-    folder.mkdir()
-    (folder / "template.jinja").write_text(
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-    return folder
-
-
-@pytest.fixture(autouse=True)
-def per_test_timeout():
-    """Fail a test that runs past ``SFT_TEST_TIMEOUT`` seconds (no pytest-timeout here)."""
-    seconds = int(os.environ.get("SFT_TEST_TIMEOUT", "300"))
-
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran past {seconds} s (harness timeout)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-# ---- the names the test module imports from its package's testing_utils ------------------------------------------
-
-def _skip_unless(available: bool, what: str):
-    return pytest.mark.skipif(not available, reason=f"test requires {what}")
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-def _cuda_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-require_bitsandbytes = _skip_unless(_has("bitsandbytes"), "bitsandbytes")
-require_kernels = _skip_unless(_has("kernels"), "kernels")
-require_liger_kernel = _skip_unless(_has("liger_kernel"), "liger-kernel")
-require_peft = _skip_unless(_has("peft"), "peft")
-require_peft_target_parameters = _skip_unless(_has("peft"), "peft with target_parameters")
-require_torch_accelerator = _skip_unless(_cuda_count() > 0, "an accelerator")
-require_torch_multi_accelerator = _skip_unless(_cuda_count() > 1, "several accelerators")
-require_vision = _skip_unless(_has("PIL"), "vision (PIL)")
-xfail_data_parallel = pytest.mark.xfail(_cuda_count() > 1, reason="nn.DataParallel")
-
-
-def is_ampere_or_newer(device_index: int = 0) -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (8, 0)
-
-
-class TrlTestCase:
-    @pytest.fixture(autouse=True)
-    def set_tmp_dir(self, tmp_path):
-        self.tmp_dir = str(tmp_path)
-
-
-def ignore_warnings(message: str | None = None, category: type[Warning] = Warning):
-    def decorator(test):
-        @functools.wraps(test)
-        def wrapper(*args, **kwargs):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=message or "", category=category)
-                return test(*args, **kwargs)
-
-        return wrapper
-
-    return decorator
 
 
 if __name__ == "__main__":
