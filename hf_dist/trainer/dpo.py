@@ -21,7 +21,6 @@ Not here: GRPO (``hf_dist.trainer.grpo``), precomputed reference log-probs or a 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from transformers import TrainingArguments
@@ -31,10 +30,9 @@ from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
-from hf_dist.trainer.trl_layout import as_config, check_trl_layout, lay_out_reference, trl_default, \
-    trl_layout_refusal
+from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
+    trl_default, trl_layout_refusal
 
-_DPO_LEARNING_RATE = next(f.default for f in dataclasses.fields(DPOConfig) if f.name == "learning_rate")
 _MODEL_PARALLEL = {
     "tp_size": "tensor parallelism shards lm_head and hidden states, which TRL's fused LM head multiplies whole to "
                "sum each sequence's log-probabilities (a vocabulary-parallel log-softmax is needed)",
@@ -73,8 +71,7 @@ class DistDPOConfig(DistTrainingArguments, DPOConfig):
 
     def __post_init__(self):
         check_dpo_layout(self)
-        if self.learning_rate is None and self.base_learning_rate is None:
-            self.learning_rate = _DPO_LEARNING_RATE  # DPOConfig's default, not the Trainer's
+        default_trl_learning_rate(self, DPOConfig)
         super().__post_init__()
 
 

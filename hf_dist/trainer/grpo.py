@@ -30,7 +30,6 @@ Not here: vLLM or continuous-batching generation under FSDP2, TP/PP/CP/EP (refus
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from transformers import TrainingArguments
@@ -40,10 +39,9 @@ from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
-from hf_dist.trainer.trl_layout import as_config, check_trl_layout, lay_out_reference, trl_default, \
-    trl_layout_refusal
+from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
+    trl_default, trl_layout_refusal
 
-_GRPO_LEARNING_RATE = next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == "learning_rate")
 _MODEL_PARALLEL = {
     "tp_size": "generation and the per-token log-probabilities run TRL's fused LM head, which multiplies whole hidden "
                "states by the whole lm_head weight that tensor parallelism shards",
@@ -105,8 +103,7 @@ class DistGRPOConfig(DistTrainingArguments, GRPOConfig):
     def __post_init__(self):
         check_trl_layout(self, grpo_layout_refusal)
         generation_batch_from_contract(self)
-        if self.learning_rate is None and self.base_learning_rate is None:
-            self.learning_rate = _GRPO_LEARNING_RATE  # GRPOConfig's default, not the Trainer's
+        default_trl_learning_rate(self, GRPOConfig)
         super().__post_init__()
 
 

@@ -21,9 +21,8 @@ from trl.trainer.utils import get_config_model_id
 
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.trainer import DistTrainer
-from hf_dist.trainer.trl_layout import trl_default
+from hf_dist.trainer.trl_layout import default_trl_learning_rate, trl_default
 
-_SFT_LEARNING_RATE = next(f.default for f in dataclasses.fields(SFTConfig) if f.name == "learning_rate")
 
 
 @dataclass
@@ -52,8 +51,7 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
                 f"whole sequence's labels with the logits, which context parallelism splits over the cp ranks, and "
                 f"DistSFTTrainer has no CP parity test yet; use DistTrainer with cp_size (completion-only labels "
                 f"as -100), or drop cp_size")
-        if self.learning_rate is None and self.base_learning_rate is None:
-            self.learning_rate = _SFT_LEARNING_RATE  # SFTConfig's default, not the Trainer's
+        default_trl_learning_rate(self, SFTConfig)
         super().__post_init__()
 
 

@@ -36,6 +36,14 @@ def trl_default(config_cls, name: str):
     return field(default=trl_field.default, metadata=trl_field.metadata)
 
 
+def default_trl_learning_rate(args, config_cls) -> None:
+    """Give ``args`` ``config_cls``'s own learning rate when neither ``learning_rate`` nor ``base_learning_rate`` was
+    set (``DistTrainingArguments`` keeps ``learning_rate=None`` to tell "not given" from an explicit value; the
+    Trainer's 5e-5 would otherwise follow)."""
+    if args.learning_rate is None and args.base_learning_rate is None:
+        args.learning_rate = {f.name: f for f in dataclasses.fields(config_cls)}["learning_rate"].default
+
+
 def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Mapping[str, str],
                        fsdp2_options: Mapping[str, str]) -> str | None:
     """Why a TRL trainer does not run on ``layout`` with ``args`` (pure), or None.
