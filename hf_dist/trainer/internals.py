@@ -153,6 +153,10 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                   where="trainer.trainer",
                   why="the Trainer's _sync_replicated_trainable_parameters registers an all-reduce hook on every plain "
                       "parameter unless marked: hf_dist reduces gradients itself, the hooks reduced them twice"),
+    PrivateMember(owner=_T, name="_run_epoch", kind="override", where="trainer.trainer",
+                  called_by="_inner_training_loop",
+                  why="a run resumed at max_steps mid-epoch trained one step more than max_steps (the Trainer checks "
+                      "the count only after a step)"),
     PrivateMember(owner=_T, name="_clip_grad_norm", kind="override", where="trainer.trainer",
                   called_by="_run_epoch",
                   why="under PP the gradient norm spans every stage's rank, not only this rank's parameters"),

@@ -254,6 +254,18 @@ class DistTrainer(Trainer):
             param._replicated_grad_hook_registered = True
         super()._sync_replicated_trainable_parameters(model)
 
+    def _run_epoch(self, model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
+                   ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained,
+                   steps_trained_in_current_epoch):
+        if 0 < self.state.max_steps <= self.state.global_step:
+            # Resumed at (or past) max_steps in the middle of an epoch: the Trainer checks the step count only
+            # after a step, so it would train one step more than asked (and a restarted run would differ).
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(model, epoch, train_dataloader, steps_in_epoch, num_update_steps_per_epoch, trial,
+                                  ignore_keys_for_eval, start_time, resume_from_checkpoint, epochs_trained,
+                                  steps_trained_in_current_epoch)
+
     def _clip_grad_norm(self, model):
         if self.dims.pp_enabled:  # the norm over every stage, not just this rank's
             return step.pipeline_clip_grad_norm(self)
