@@ -44,9 +44,11 @@ class ApplyPlan:
 def apply_layout(model: nn.Module, dims: ParallelDims, plan: ApplyPlan) -> nn.Module:
     """``model`` laid out for ``dims`` (its mesh built here): this rank's pipeline stages under PP, else
     ``hf_dist.parallelize``. A model on ``meta`` stays there (it is filled after the layout)."""
+    from hf_dist.internals import check_internals
     from hf_dist.parallelism import parallelize
     from hf_dist.pipeline_parallel.apply import apply_pipeline
 
+    check_internals()  # a private library member the layouts rely on that is gone: stop before any mesh
     dims.build_mesh(plan.device.type)
     if any(p.is_meta for p in model.parameters()):  # built on meta: move what already holds values (buffers, adapters)
         model._apply(lambda t: t if t.is_meta else t.to(plan.device))

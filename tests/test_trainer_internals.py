@@ -1,4 +1,4 @@
-"""Guarded internals: every private Trainer method DistTrainer overrides is listed in ``hf_dist.trainer.internals``,
+"""Guarded internals: every private Trainer method DistTrainer overrides is listed in ``hf_dist.internals``,
 still exists with the same parameters, is still called by the Trainer method the list names, and is called in a
 real run (FSDP2 owned by hf_dist on one gloo rank: accumulation, clipping, eval, best model, save, resume)."""
 
@@ -13,7 +13,7 @@ import pytest
 from transformers import Trainer
 
 from dist_utils import run_distributed
-from hf_dist.trainer import internals
+from hf_dist import internals
 from hf_dist.trainer.trainer import DistTrainer
 
 OVERRIDES = {m.name: m for m in internals.overrides()}
@@ -47,6 +47,18 @@ def test_a_missing_member_stops_with_the_versions(monkeypatch):
     monkeypatch.delattr(Trainer, "_clip_grad_norm")
     with pytest.raises(RuntimeError, match=r"transformers.Trainer._clip_grad_norm.*transformers>=5.23,<5.25"):
         internals.check_internals()
+
+
+def test_the_loader_and_apply_layout_stop_first_too(monkeypatch, tmp_path):
+    """``hf_dist.from_pretrained`` and ``hf_dist.apply_layout`` run the guard before reading anything they are given
+    (here: a folder that does not exist, no arguments, no mesh), not only ``DistTrainer``."""
+    import hf_dist
+
+    monkeypatch.delattr(Trainer, "_clip_grad_norm")
+    with pytest.raises(RuntimeError, match=r"transformers.Trainer._clip_grad_norm"):
+        hf_dist.from_pretrained(str(tmp_path / "missing"), None)
+    with pytest.raises(RuntimeError, match=r"transformers.Trainer._clip_grad_norm"):
+        hf_dist.apply_layout(None, None, None)
 
 
 def test_versions_outside_the_tested_range_warn_once_on_the_main_process(monkeypatch, caplog):

@@ -18,6 +18,7 @@ import os
 import torch
 from torch import nn
 
+from hf_dist.internals import check_internals
 from hf_dist.loading import meta, stream_weights
 from hf_dist.loading.checkpoint_files import CheckpointFiles
 from hf_dist.loading.key_map import KeyMap, key_map
@@ -79,6 +80,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     from hf_dist.planner.flops import module_flop_counts
     from hf_dist.trainer.layout import apply_owned_layout
 
+    check_internals()  # before any weight loads: a private member the loader or the layouts rely on is gone
     resolve, model_kwargs, dtype, overrides = meta.split_kwargs(dict(from_pretrained_kwargs))
     directory = meta.checkpoint_dir(name_or_dir, resolve)
     dtype = _as_dtype(dtype, args, lora=peft_config is not None)

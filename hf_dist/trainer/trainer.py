@@ -42,7 +42,7 @@ from hf_dist.trainer import (
 )
 from hf_dist.trainer.loss import chunked_loss_for, count_shifted_labels, local_token_count
 from hf_dist.trainer.args import DistTrainingArguments
-from hf_dist.trainer.internals import check_internals
+from hf_dist.internals import check_internals
 from hf_dist.trainer.laid_out import laid_out_by_hf_dist
 from hf_dist.trainer.model_support import check_model_support
 from hf_dist.trainer.layout import apply_owned_layout
@@ -290,7 +290,7 @@ class DistTrainer(Trainer):
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------
-    # Every private method overridden in this class is listed, with why, in hf_dist.trainer.internals.
+    # Every private method overridden in this class is listed, with why, in hf_dist.internals.
     # Layouts hf_dist owns checkpoint through hf_dist.checkpoint (sharded, atomic); the rest as the Trainer does.
     def _save_checkpoint(self, model, trial) -> None:
         if not self.owns_layout:  # the Trainer's own format, into a folder holding nothing else

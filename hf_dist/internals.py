@@ -3,13 +3,14 @@
 
 An override of a method the base class stops calling fails silently (gradient sync or clipping just stops), so
 each one is listed here with the reason and the public ``Trainer`` method that calls it. ``check_internals`` runs
-when a ``DistTrainer`` is built and stops with the installed versions if one of them is gone (every member whose
+when a ``DistTrainer`` is built, in ``hf_dist.from_pretrained`` before any weight and in ``hf_dist.apply_layout``
+before any mesh, and stops with the installed versions if one of them is gone (every member whose
 owner is an importable path: a class, module or object of the library), and warns once (main process) when
 transformers, accelerate, torch, peft or trl is outside the tested range;
 ``tests/test_trainer_internals.py`` checks that each override is still *called*, in a real run, for the versions
 in ``TESTED_VERSIONS`` (the bounds in ``setup.cfg`` and the README).
 
-Not here: the overrides themselves (``trainer.py`` and the modules of ``hf_dist.trainer`` call what this lists).
+Not here: the code that touches them (each member's ``where`` names the module).
 """
 
 from __future__ import annotations
