@@ -184,11 +184,6 @@ class Layout:
         if self.offload != "none":
             raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: expert shards are not offloaded "
                              f"(no parity test covers it); drop the offload or set ep_size=1")
-        if self.lora_rank and not self.is_fsdp:
-            raise ValueError(f"ep_size={self.ep} with LoRA (lora_rank={self.lora_rank}) and {self.strategy}: the "
-                             f"adapters train wrong under EP x DDP (tiny qwen3_moe, 3 steps: loss 2.7e-4 and adapters "
-                             f"3e-3 off one process, attention-only adapters too); use FSDP2 (fsdp='full_shard', "
-                             f"fsdp_config={{'version': 2}}) with ep_size, or ep_size=1")
         if self.ep not in valid_ep_sizes(self.dp, self.tp):  # tp == 1 here (TP x EP is refused above)
             valid = valid_ep_sizes(self.dp, self.tp)
             raise ValueError(f"ep_size={self.ep} does not divide the {self.dp} data-parallel ranks (world "

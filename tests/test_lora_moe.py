@@ -1,6 +1,6 @@
 """LoRA on a mixture-of-experts model: adapters on attention and, through PEFT's ``target_parameters``, on the
-3-D expert weights (``mlp.experts.gate_up_proj`` / ``down_proj``). Under FSDP2 and under EP=2 x FSDP2 (each rank
-holding its experts' adapters; also with activation checkpointing) on 2 gloo ranks the adapters train equal to one
+3-D expert weights (``mlp.experts.gate_up_proj`` / ``down_proj``). Under FSDP2, EP=2 x FSDP2 (each rank holding its
+experts' adapters; also with activation checkpointing) and EP=2 x DDP on 2 gloo ranks the adapters train equal to one
 process (aux loss on); the adapter DistTrainer saves under EP reloads with ``AutoPeftModelForCausalLM`` and gives the
 one-process trained model's logits, and PEFT's own ``merge_and_unload`` of it too. hf_dist's merged export of expert
 adapters equals ``merge_and_unload`` in every value.
@@ -38,7 +38,8 @@ def peft_moe(base_dir=None):
 
 FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
 LAYOUTS = {"fsdp2": FSDP2, "ep2_fsdp2": FSDP2 | {"ep_size": 2},
-           "ep2_fsdp2_recompute": FSDP2 | {"ep_size": 2, "gradient_checkpointing": True}}  # the dispatch recomputed
+           "ep2_fsdp2_recompute": FSDP2 | {"ep_size": 2, "gradient_checkpointing": True},  # the dispatch recomputed
+           "ep2_ddp": {"ep_size": 2}}  # the frozen expert shards must not be broadcast over dp (each rank's differ)
 PROBE = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
 
 

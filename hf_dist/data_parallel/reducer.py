@@ -136,9 +136,10 @@ def replicate(model: nn.Module, dp_mesh, *, bucket_cap_mb: float = DEFAULT_BUCKE
     """Plain data parallelism over ``dp_mesh``, in place: parameters broadcast from dp rank 0 (as DDP does at
     construction), gradients averaged in buckets of ``bucket_cap_mb`` MiB (module docstring).
 
-    ``experts``: ``(params_of, efsdp_mesh, dp)`` under expert parallelism: the expert shards differ between the
-    ``ep`` ranks, so they are broadcast and summed over ``efsdp_mesh`` (the ranks holding the same experts) by a
-    second reducer, and divided by ``dp``; the first reducer keeps the other parameters.
+    ``experts``: ``(params_of, efsdp_mesh, dp)`` under expert parallelism: the expert shards (``params_of``: all
+    of them, frozen ones too -- LoRA on a frozen base) differ between the ``ep`` ranks, so they are broadcast over
+    ``efsdp_mesh`` (the ranks holding the same experts) and, the trainable ones, summed there by a second reducer
+    and divided by ``dp``; the first reducer keeps the other parameters.
 
     The model gains ``no_sync()``, ``set_requires_gradient_sync(bool)`` and ``gradient_reducer`` (its buckets).
     """
@@ -155,7 +156,8 @@ def replicate(model: nn.Module, dp_mesh, *, bucket_cap_mb: float = DEFAULT_BUCKE
         params_of, efsdp_mesh, dp = experts
         _broadcast(params_of(model), efsdp_mesh.get_group())
         reducers.append(GradientReducer(model, efsdp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
-                                        params_of=params_of, divisor=dp))
+                                        params_of=lambda m: [p for p in params_of(m) if p.requires_grad],
+                                        divisor=dp))
 
     @contextlib.contextmanager
     def no_sync() -> Iterator[None]:

@@ -74,5 +74,6 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters of the experts modules (sharded over ``ep``; reduced over ``efsdp``)."""
-    return [p for m in expert_modules(model) for p in m.parameters() if p.requires_grad]
+    """Every parameter of the experts modules, frozen ones included (sharded over ``ep``: each rank's differ, so
+    none may be broadcast or reduced over the data-parallel ranks; the trainable ones are reduced over ``efsdp``)."""
+    return [p for m in expert_modules(model) for p in m.parameters()]
