@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from hf_dist.batch import BatchContract
 from hf_dist.loss.policy import layout_refusal
 from hf_dist.planner.catalogue import GpuSpec, ModelSpec, spec_config
+from hf_dist.planner.communication import Links
 from hf_dist.planner.host import HostMemory, Loading, host_memory
 from hf_dist.planner.workload import Attention, Layout, Workload, make_layout
 from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_memory, gib
@@ -89,8 +90,10 @@ class PlanRequest:
     """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
     efficiency_source: str | None = None
     """Where ``base_efficiency`` comes from, for the report."""
-    efficiency_measured_tp: int = 1
-    """The TP degree ``base_efficiency`` was measured with (``Calibration.measured_tp``); 1: TP factor assumed."""
+    intra_node_bandwidth: float | None = None
+    """Bytes/s per GPU per direction inside a node; None: the GPU kind's (``GpuSpec.intra_node_bytes_per_s``)."""
+    inter_node_bandwidth: float | None = None
+    """Bytes/s per GPU per direction between nodes; None: the GPU kind's (``GpuSpec.inter_node_bytes_per_s``)."""
     useful_fraction: float = 1.0
     """Share of non-padding tokens (from the dataset's lengths), for useful tokens/s and MFU."""
 
@@ -105,6 +108,9 @@ class PlanRequest:
             raise ValueError(f"precision={self.precision!r} is not known; use one of {', '.join(MIXED_PRECISIONS)}")
         if self.host_ram_bytes is not None and self.host_ram_bytes <= 0:
             raise ValueError(f"host_ram_bytes={self.host_ram_bytes} must be positive")
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive (bytes/s)")
 
     @property
     def world_size(self) -> int:
@@ -113,6 +119,11 @@ class PlanRequest:
     @property
     def memory_limit(self) -> int:
         return int(self.gpu.memory_bytes * (1 - self.safety_margin))
+
+    @property
+    def links(self) -> Links:
+        """The link bandwidths the communication time uses."""
+        return Links.of(self.gpu, intra_node=self.intra_node_bandwidth, inter_node=self.inter_node_bandwidth)
 
     @property
     def host_ram(self) -> int:
@@ -227,9 +238,9 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
                         chunked_loss=layout_refusal(layout) is None)  # as DistTrainer will compute the loss
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
     host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
-    throughput = estimate_throughput(req.model, workload, layout, req.gpu, gpus_per_node=req.num_gpus,
+    throughput = estimate_throughput(req.model, workload, layout, req.gpu, links=req.links,
                                      base_efficiency=req.base_efficiency, efficiency_source=req.efficiency_source,
-                                     useful_fraction=req.useful_fraction, measured_tp=req.efficiency_measured_tp)
+                                     useful_fraction=req.useful_fraction)
     gpu_fits, host_fits = memory.fit_bytes <= req.memory_limit, host.offload <= req.host_ram
     reasons = [] if gpu_fits else [
         f"does not fit: needs {gib(memory.fit_bytes):.1f} GiB per GPU (in use {gib(memory.total):.1f} + largest "
@@ -258,23 +269,53 @@ def _loading_warning(host: HostMemory, layout: Layout, req: PlanRequest) -> str:
             f"{gib(req.host_ram):.0f} GiB: {fix}")
 
 
+CHOICE_MARGIN = 0.05
+"""A layout later in the decision table is chosen only when its forecast step is more than this much faster: the
+planner's throughput anchors (``bench/planner_anchors.py``) miss published runs by up to 5 %, so a smaller
+difference does not say which layout is faster."""
+
+
+def _pick(candidates: list[Candidate]) -> Candidate | None:
+    """The first fitting candidate in decision-table order whose step time is within ``CHOICE_MARGIN`` of the
+    fastest fitting one (LoRA layouts only, when one fits: ``--lora`` prefers them)."""
+    fitting = [c for c in candidates if c.fits]
+    if any(c.layout.lora_rank for c in fitting):
+        fitting = [c for c in fitting if c.layout.lora_rank]
+    if not fitting:
+        return None
+    fastest = min(c.throughput.step_time_s for c in fitting)
+    return next(c for c in fitting if c.throughput.step_time_s <= fastest * (1 + CHOICE_MARGIN))
+
+
+def _why_not(c: Candidate, chosen: Candidate, fastest: float) -> str:
+    """Why a fitting candidate was not chosen (``fastest``: the fastest fitting step time ``_pick`` compared)."""
+    if chosen.layout.lora_rank and not c.layout.lora_rank:
+        return "--lora: a LoRA layout fits and is preferred to a full fine-tune"
+    mine, theirs = c.throughput.step_time_s, chosen.throughput.step_time_s
+    if mine > fastest * (1 + CHOICE_MARGIN):
+        return f"slower than {chosen.name}: {mine:.3g} s/step vs {theirs:.3g}"
+    order = (f"tier {chosen.tier} vs {c.tier}" if c.tier != chosen.tier
+             else "same tier: EP before FSDP before ZeRO")
+    return (f"{mine:.3g} s/step vs {chosen.name}'s {theirs:.3g}: within {CHOICE_MARGIN:.0%}, and {chosen.name} comes "
+            f"first in the decision table ({order})")
+
+
 def choose_layout(req: PlanRequest) -> Plan:
-    """Evaluate every layout of the decision table and pick the first that fits."""
+    """Evaluate every layout of the decision table and pick the fastest that fits (``_pick``)."""
     ranks = ([req.lora_rank] if req.lora else []) + [0]
     candidates = [c for rank in ranks for tier, strategy, kwargs in _tiers(req)
                   if (c := _evaluate(req, tier, strategy, kwargs, rank)) is not None]
-    chosen = next((c for c in candidates if c.fits), None)
+    chosen = _pick(candidates)
+    fastest = min((c.throughput.step_time_s for c in candidates if c.fits and bool(c.layout.lora_rank) ==
+                   bool(chosen.layout.lora_rank)), default=0.0) if chosen else 0.0
     out = []
     for c in candidates:
         if c is chosen:
-            c = replace(c, chosen=True, reason=f"chosen: the first layout in decision-table order that fits "
-                                               f"({gib(c.memory.fit_bytes):.1f} GiB of {gib(req.memory_limit):.1f})")
+            t = c.throughput
+            c = replace(c, chosen=True, reason=f"chosen: the fastest that fits ({t.step_time_s:.3g} s/step: compute "
+                                               f"{t.compute_s:.3g} + communication {t.communication_s:.3g}; "
+                                               f"{gib(c.memory.fit_bytes):.1f} GiB of {gib(req.memory_limit):.1f})")
         elif c.fits:
-            why = ("--lora: a LoRA layout fits and is preferred to a full fine-tune"
-                   if chosen.layout.lora_rank and not c.layout.lora_rank
-                   else f"communicates more than {chosen.name} (decision table tier {c.tier} vs {chosen.tier})"
-                   if c.tier > chosen.tier
-                   else f"same tier as {chosen.name}, which comes first (EP before FSDP before ZeRO)")
-            c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but rule: {why}")
+            c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but {_why_not(c, chosen, fastest)}")
         out.append(c)
     return Plan(request=req, candidates=out)
