@@ -53,8 +53,8 @@ def register(subparsers) -> None:
                         help="measure the efficiency on this machine: a few training steps of the model scaled down "
                         "to --calibrate-layers layers, in the chosen layout's precision, run with the layout's "
                         "parallelism (DDP/FSDP2/TP, real collectives) on --calibrate-ranks processes, or on one "
-                        "device when only one is available; the forecast then uses it instead of the assumed table "
-                        "and says which ran")
+                        "device when only one is available; the forecast then uses it instead of the assumed compute "
+                        "efficiency and says which ran")
     parser.add_argument("--calibrate-layers", type=int, default=2, help="layers of the scaled-down model (2)")
     parser.add_argument("--calibrate-steps", type=int, default=3, help="measured steps after one warm-up (3)")
     parser.add_argument("--calibrate-ranks", type=int, default=None,

@@ -1,6 +1,10 @@
-"""Choose a layout: the one that communicates least among those that fit, with a reason for every other.
+"""Choose a layout: the fastest that fits, with a reason for every other.
 
-The order is the case study's decision table, least communication first:
+Every layout below is evaluated: memory (does it fit?) and step time, compute plus communication
+(``throughput.py``: FLOPs over the peak and efficiency, and the ledger minimum's bytes over the links). The chosen
+layout is the first in the decision table below whose step is within ``CHOICE_MARGIN`` (5 %) of the fastest that
+fits: a smaller difference is inside the forecast's error, so the table's order (least communication first, native
+before DeepSpeed) decides it. The table, least communication first:
 
   0. DDP (gradients all-reduced once per step)
   1. ZeRO-1 (same traffic, optimizer states sharded)
@@ -12,15 +16,16 @@ The order is the case study's decision table, least communication first:
   7. Offload: ZeRO-2 optimizer to CPU, ZeRO-3 optimizer only, FSDP parameters + optimizer, ZeRO-3 optimizer +
      parameters to CPU, then to NVMe (every one checked against the node's host RAM)
   8. Context parallelism (2, 4, 8, ... up to the world) on top of FULL_SHARD: each sequence split over cp ranks
-     (two all-to-alls of q/k/v/output per layer, ``throughput.cp_all_to_all_s``) -- what fits when one
-     sequence's activations do not fit a GPU whatever the sharding
+     (all-to-alls of q/k/v/output per layer, timed like every collective) -- what fits when one sequence's
+     activations do not fit a GPU whatever the sharding
 Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). For a MoE model
 (``ModelSpec.is_moe``) expert parallelism comes first in tiers 0 and 2, the largest ``ep`` (8, 4, 2, inside a node)
 first: EP x DDP all-reduces expert gradients over ``efsdp = dp / ep`` ranks only, and EP x FSDP2 (FULL_SHARD)
 gathers and reduce-scatters only the dense parameters and the experts over ``efsdp`` (none at ``ep = dp``) while the
-tokens travel (``N·k·h`` per exchange), where layouts without EP move every expert's weights or gradients once per
-step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with FSDP2 FULL_SHARD or DDP).
-With ``lora=True`` every layout is also tried with LoRA adapters on a frozen base, and LoRA layouts come first.
+tokens travel (dispatch and combine all-to-alls of ``N·k·h``, timed), where layouts without EP move every expert's
+weights or gradients once per step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with
+FSDP2 FULL_SHARD or DDP). With ``lora=True`` every layout is also tried with LoRA adapters on a frozen base, and
+LoRA layouts are preferred when one fits.
 
 A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
 transient allocation) is at most ``(1 - safety_margin)`` of the GPU's memory and what it offloads fits the
@@ -87,7 +92,7 @@ class PlanRequest:
     loading: Loading = "auto"
     """How the weights are loaded (``host.py``); ``auto``: as ``hf_dist.from_pretrained`` loads each layout."""
     base_efficiency: float | None = None
-    """Measured compute efficiency (``calibrate.py``); None: the assumed ``BASE_EFFICIENCY`` table."""
+    """Measured compute efficiency (``calibrate.py``); None: the assumed ``ASSUMED_EFFICIENCY``."""
     efficiency_source: str | None = None
     """Where ``base_efficiency`` comes from, for the report."""
     intra_node_bandwidth: float | None = None
