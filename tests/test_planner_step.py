@@ -34,7 +34,9 @@ def test_a_hand_computed_step():
     rows = [(r.kind, r.axis, r.ranks, r.inter_node, r.bytes) for r in t.communication.rows]
     assert rows == [("all_gather", "dp_shard", 2, False, 2 * 427_264), ("reduce_scatter", "dp_shard", 2, False, 427_264)]
     assert t.communication_s == pytest.approx(6.40896e-4, rel=1e-12)
-    assert t.step_time_s == pytest.approx(7.5497472e-5 + 6.40896e-4, rel=1e-12)  # no overlap
+    # data-parallel traffic overlaps compute: the step is the longer of the two
+    assert t.communication.overlappable_s == t.communication_s and t.communication.exposed_s == 0
+    assert t.step_time_s == pytest.approx(6.40896e-4, rel=1e-12)
     assert t.tokens_per_s == pytest.approx(128 / t.step_time_s)
 
     # HYBRID_SHARD over 2 nodes x 2: the same gathers inside a node, and the replicas all-reduce their half of the
@@ -52,6 +54,27 @@ def test_a_hand_computed_step():
     assert [(r.kind, r.axis, r.inter_node) for r in tp.rows] == [("all_reduce", "dp", True), ("all_reduce", "tp", False)]
     assert tp.rows[1].bytes == 6 * 2 * 64 * 64 * 2
     assert tp.rows[1].seconds == pytest.approx(tp.rows[1].bytes * 2 * 1 / 2 / 1e9, rel=1e-12)
+    assert tp.exposed_s == tp.rows[1].seconds and tp.overlappable_s == tp.rows[0].seconds  # TP is on the critical path
+
+
+def test_overlap_matches_torchtitans_64_a100_run():
+    """torchtitan's Llama-2-13B FSDP2 on 64 A100s (8 nodes, local batch 2 x 4,096, selective AC counted as no
+    recompute) publishes 1,904 tokens/s/GPU. At the efficiency its Llama-3-8B row gives (55.2 %) compute takes 4.15 s
+    and the gathers and reduce-scatters across nodes at 25 GB/s per GPU 4.10 s: overlapped, 1,975 tokens/s/GPU
+    (+3.7 %); one after the other, 993 (-48 %). The overlap is what the published run shows."""
+    from hf_dist.planner.throughput import flops_per_token
+
+    # the carried efficiency, as bench/planner_anchors.py derives it
+    ref = flops_per_token(model_spec("llama-3-8b"), Workload(seq_len=8192, activation_checkpointing=False))[1]
+    eff = 2973 * ref / gpu_spec("a100-80gb").peak_bf16_flops
+    work = Workload(seq_len=4096, micro_batch_size=2, precision="bf16_mixed", activation_checkpointing=False)
+    t = estimate_throughput(model_spec("llama-2-13b"), work, Layout(strategy="fsdp_full_shard", num_gpus=8,
+                                                                    num_nodes=8), gpu_spec("a100-80gb"),
+                            base_efficiency=eff)
+    assert round(t.compute_s, 2) == 4.15 and round(t.communication.overlappable_s, 2) == 4.10
+    assert all(r.inter_node for r in t.communication.rows)
+    assert round(t.tokens_per_s / 64) == 1975 and abs(t.tokens_per_s / 64 / 1904 - 1) < 0.05
+    assert round(2 * 4096 / (t.compute_s + t.communication_s)) == 993
 
 
 def _ledger_shape(config, *, micro_batches: int = 1) -> StepShape:
@@ -121,16 +144,17 @@ def test_ep_layouts_are_charged_their_all_to_all():
     (n-1)/n = 7/8 of it over NVLink at 450 GB/s."""
     plan = choose_layout(PlanRequest(model=model_spec("qwen3-30b-a3b"), gpu=gpu_spec("h100"), num_gpus=8,
                                      seq_len=4096, global_batch=8))
-    chosen = plan.chosen
-    assert chosen.name == "fsdp_full_shard+ep8"
-    a2a = [r for r in chosen.throughput.communication.rows if r.kind == "all_to_all"]
+    ep8 = next(c for c in plan.candidates if c.name == "fsdp_full_shard+ep8")
+    a2a = [r for r in ep8.throughput.communication.rows if r.kind == "all_to_all"]
     per_call = 4096 * 8 * 2048 * 2
     assert [(r.axis, r.ranks, r.bytes) for r in a2a] == [("ep", 8, 6 * 48 * per_call)]
     assert a2a[0].seconds == pytest.approx(6 * 48 * per_call * 7 / 8 / 450e9, rel=1e-12)
+    assert ep8.throughput.communication.exposed_s == a2a[0].seconds  # on the critical path, unlike FSDP2's gathers
+    assert ep8.throughput.step_time_s == pytest.approx(ep8.throughput.compute_s + a2a[0].seconds, rel=1e-12)
     # without EP no token moves, but every expert's weights are gathered twice and reduce-scattered
     plain = next(c for c in plan.candidates if c.name == "fsdp_full_shard")
     assert {r.kind for r in plain.throughput.communication.rows} == {"all_gather", "reduce_scatter"}
-    assert plain.throughput.communication_s > chosen.throughput.communication_s
+    assert plain.throughput.communication_s > ep8.throughput.communication_s
 
 
 def test_the_choice_is_the_fastest_that_fits_within_the_margin():
@@ -146,7 +170,8 @@ def test_the_choice_is_the_fastest_that_fits_within_the_margin():
     assert plan.chosen.throughput.step_time_s <= fastest * (1 + CHOICE_MARGIN)
     for c in fitting:
         t = c.throughput
-        assert t.step_time_s == t.compute_s + t.communication_s
+        comm = t.communication
+        assert t.step_time_s == max(t.compute_s, comm.overlappable_s) + comm.exposed_s
         if t.step_time_s > fastest * (1 + CHOICE_MARGIN):
             assert "slower than" in c.reason
     slow = choose_layout(dataclasses.replace(req, inter_node_bandwidth=1e9))  # 1 GB/s between nodes

@@ -7,7 +7,10 @@ checkpointing; under PP the stage with more parameters). Each row's bytes cross 
 the bus factors nccl-tests uses: all-reduce ``2(n-1)/n``, all-gather, reduce-scatter and all-to-all ``(n-1)/n``,
 send and receive 1. A group whose ranks stay inside one node runs at the GPU kind's intra-node bandwidth, a group
 that spans nodes at its inter-node bandwidth per GPU (``gpus.py``; ``ParallelDims.axis_span`` says which). The rows
-run one after another: ``Communication.seconds`` is their sum.
+of one kind run one after another. Data-parallel rows (over ``DATA_PARALLEL_AXES``: FSDP2/ZeRO gathers and
+reduce-scatters, DDP's gradient all-reduce) can hide behind compute (FSDP2 prefetches the next unit while one
+computes; gradients are reduced bucket by bucket during backward): ``Communication.overlappable_s``. TP, PP, EP and
+CP transfers sit between the computations that need them: ``Communication.exposed_s``.
 
 Not here: compute time, and how the two add up to a step (``throughput.py``).
 """
@@ -22,6 +25,9 @@ from hf_dist.planner.catalogue import GpuSpec, ModelSpec
 from hf_dist.planner.states import gathered_itemsize, local_param_shapes, lora_shapes
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.precision import itemsize, tensor_dtypes
+
+DATA_PARALLEL_AXES = frozenset({"world", "dp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp", "efsdp"})
+"""Mesh axes whose collectives synchronise parameters and gradients: they can overlap compute."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,6 +62,8 @@ class LinkRow:
     """Ranks in the group."""
     inter_node: bool
     """Whether the group spans nodes."""
+    overlappable: bool
+    """Data-parallel traffic, which can run while compute does."""
     bytes: int
     """The ledger minimum's bytes (tensor sizes, as the ledger counts them)."""
     seconds: float
@@ -73,6 +81,16 @@ class Communication:
         return sum(r.seconds for r in self.rows)
 
     @property
+    def overlappable_s(self) -> float:
+        """Seconds of data-parallel traffic, which can hide behind compute."""
+        return sum(r.seconds for r in self.rows if r.overlappable)
+
+    @property
+    def exposed_s(self) -> float:
+        """Seconds of TP, PP, EP and CP traffic, on the critical path."""
+        return sum(r.seconds for r in self.rows if not r.overlappable)
+
+    @property
     def intra_node_s(self) -> float:
         return sum(r.seconds for r in self.rows if not r.inter_node)
 
@@ -81,7 +99,8 @@ class Communication:
         return sum(r.seconds for r in self.rows if r.inter_node)
 
     def as_dict(self) -> dict:
-        return {"seconds": self.seconds, "intra_node_s": self.intra_node_s, "inter_node_s": self.inter_node_s,
+        return {"seconds": self.seconds, "overlappable_s": self.overlappable_s, "exposed_s": self.exposed_s,
+                "intra_node_s": self.intra_node_s, "inter_node_s": self.inter_node_s,
                 "rows": [r.__dict__ for r in self.rows]}
 
 
@@ -132,9 +151,10 @@ def communication(model: ModelSpec, workload: Workload, layout: Layout, links: L
         ranks, stride = dims.axis_span(m.axis)
         inter = ranks * stride > layout.num_gpus
         bandwidth = links.inter_node if inter else links.intra_node
-        rows.append(LinkRow(kind=m.kind, axis=m.axis, ranks=ranks, inter_node=inter, bytes=m.bytes,
+        rows.append(LinkRow(kind=m.kind, axis=m.axis, ranks=ranks, inter_node=inter,
+                            overlappable=m.axis in DATA_PARALLEL_AXES, bytes=m.bytes,
                             seconds=m.bytes * bus_factor(m.kind, ranks) / bandwidth))
     return Communication(rows=tuple(rows))
 
 
-__all__ = ["Communication", "LinkRow", "Links", "bus_factor", "communication", "step_shape"]
+__all__ = ["DATA_PARALLEL_AXES", "Communication", "LinkRow", "Links", "bus_factor", "communication", "step_shape"]
