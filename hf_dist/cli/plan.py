@@ -37,6 +37,15 @@ def register(subparsers) -> None:
                         help="sequences per optimizer step (default: micro batch x every GPU, said on stderr)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per dp rank (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--trainer", choices=("sft", "dpo", "grpo"), default="sft",
+                        help="sft (default: a plain or SFT step); dpo: pairs (chosen + rejected in one forward) "
+                        "beside a frozen reference model laid out like the policy; grpo: completions generated in "
+                        "the step (their KV cache), a reference when --beta > 0. dpo and grpo are offered only the "
+                        "layouts DistDPOTrainer / DistGRPOTrainer run")
+    parser.add_argument("--num-generations", type=int, default=None,
+                        help="grpo: completions per prompt (default TRL's 8); --global-batch counts completions")
+    parser.add_argument("--beta", type=float, default=None,
+                        help="grpo: the KL coefficient; > 0 loads a frozen reference model (default TRL's 0.0)")
     parser.add_argument("--lora", action="store_true", help="also consider LoRA on a frozen base, and prefer it")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     parser.add_argument("--precision", choices=MIXED_PRECISIONS, default="bf16",
@@ -120,6 +129,11 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 def _request(args: argparse.Namespace):
     from hf_dist.planner import MemoryAssumptions, PlanRequest, gpu_spec, model_spec
 
+    if args.trainer != "grpo":
+        for flag, value in (("--num-generations", args.num_generations), ("--beta", args.beta)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to --trainer grpo only (this plan is --trainer {args.trainer}); "
+                                 f"drop it or pass --trainer grpo")
     for flag, value in (("--host-ram-gb", args.host_ram_gb), ("--intra-node-gbs", args.intra_node_gbs),
                         ("--inter-node-gbs", args.inter_node_gbs)):
         if value is not None and value <= 0:
@@ -130,7 +144,8 @@ def _request(args: argparse.Namespace):
 
         useful = useful_fraction(read_lengths(args.lengths), args.seq_len)
     return PlanRequest(
-        useful_fraction=useful,
+        useful_fraction=useful, trainer=args.trainer, beta=args.beta,
+        **({"num_generations": args.num_generations} if args.num_generations is not None else {}),
         intra_node_bandwidth=args.intra_node_gbs * 1e9 if args.intra_node_gbs else None,
         inter_node_bandwidth=args.inter_node_gbs * 1e9 if args.inter_node_gbs else None,
         host_ram_bytes=int(args.host_ram_gb * 1e9) if args.host_ram_gb else None, loading=args.loading,

@@ -40,6 +40,7 @@ Not here: the memory or time arithmetic (``memory.py``, ``throughput.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from hf_dist.batch import BatchContract
 from hf_dist.loss.policy import layout_refusal
@@ -51,6 +52,12 @@ from hf_dist.planner.memory import MemoryAssumptions, MemoryBreakdown, estimate_
 from hf_dist.planner.throughput import Throughput, estimate_throughput
 from hf_dist.precision import MIXED_PRECISIONS, MixedPrecision, precision_that_runs
 from hf_dist.tensor_parallel.checks import check_tp_sizes
+from hf_dist.trl_support import TRL_TRAINERS, trainer_layout_refusal
+
+TRAINERS = ("sft", *TRL_TRAINERS)
+GRPO_DEFAULTS = {"num_generations": 8, "beta": 0.0}
+"""TRL's ``GRPOConfig`` defaults the planner assumes (``tests/test_planner_trainers.py`` reads them off TRL): with
+``beta = 0`` GRPO loads no reference model."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -101,6 +108,14 @@ class PlanRequest:
     """Bytes/s per GPU per direction between nodes; None: the GPU kind's (``GpuSpec.inter_node_bytes_per_s``)."""
     useful_fraction: float = 1.0
     """Share of non-padding tokens (from the dataset's lengths), for useful tokens/s and MFU."""
+    trainer: Literal["sft", "dpo", "grpo"] = "sft"
+    """``sft`` (a plain or SFT step); ``dpo``: a micro batch of pairs runs chosen + rejected concatenated, beside a
+    frozen reference; ``grpo``: the batch counts completions, generated in the step (a KV cache), with a reference
+    when ``beta > 0``. DPO and GRPO are offered only the layouts their trainers run (``hf_dist.trl_support``)."""
+    num_generations: int = GRPO_DEFAULTS["num_generations"]
+    """GRPO: completions per prompt; the global batch must hold whole groups."""
+    beta: float | None = None
+    """GRPO's KL coefficient; a reference model is loaded only when it is > 0. None: TRL's default (0.0)."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "num_nodes", "seq_len", "global_batch", "micro_batch", "lora_rank"):
@@ -113,6 +128,7 @@ class PlanRequest:
             raise ValueError(f"precision={self.precision!r} is not known; use one of {', '.join(MIXED_PRECISIONS)}")
         if self.host_ram_bytes is not None and self.host_ram_bytes <= 0:
             raise ValueError(f"host_ram_bytes={self.host_ram_bytes} must be positive")
+        self._check_trainer()
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive (bytes/s)")
@@ -124,6 +140,28 @@ class PlanRequest:
     @property
     def memory_limit(self) -> int:
         return int(self.gpu.memory_bytes * (1 - self.safety_margin))
+
+    def _check_trainer(self) -> None:
+        if self.trainer not in TRAINERS:
+            raise ValueError(f"trainer={self.trainer!r} is not known; use one of {', '.join(TRAINERS)}")
+        if self.trainer != "grpo":
+            return
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ValueError(f"num_generations={self.num_generations!r} must be an integer >= 2 (GRPO normalises "
+                             f"rewards within a prompt's group)")
+        groups, left = divmod(self.global_batch, self.num_generations)
+        if left:
+            nearest = sorted({max(groups, 1) * self.num_generations, (groups + 1) * self.num_generations})
+            raise ValueError(f"global_batch={self.global_batch} counts GRPO completions (prompts x num_generations="
+                             f"{self.num_generations}) and must hold whole prompt groups; use global_batch in "
+                             f"{nearest}, or change num_generations")
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the trainer runs a frozen reference model (DPO always; GRPO when ``beta > 0``)."""
+        if self.trainer == "grpo":
+            return (GRPO_DEFAULTS["beta"] if self.beta is None else self.beta) > 0
+        return self.trainer == "dpo"
 
     @property
     def links(self) -> Links:
@@ -229,6 +267,8 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     except ValueError:
         return None  # a layout hf_dist does not run (hf_dist.strategy.Layout's rules) is never offered
     rule = _shape_rule(req.model, layout)
+    if not rule and req.trainer != "sft" and (why := trainer_layout_refusal(req.trainer, layout)):
+        rule = f"rule: {why}"
     if rule:
         return Candidate(layout=layout, tier=tier, reason=rule)
     try:
@@ -236,11 +276,7 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
                               micro_batch_size=req.micro_batch, tp=tp, pp=pp, cp=cp, seq_len=req.seq_len)
     except ValueError as err:
         return Candidate(layout=layout, tier=tier, reason=f"rule: {err}")
-    workload = Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch,
-                        precision=precision_that_runs(layout, req.precision), attention=req.attention,
-                        activation_checkpointing=req.activation_checkpointing,
-                        gradient_accumulation_steps=batch.gradient_accumulation_steps,
-                        chunked_loss=layout_refusal(layout) is None)  # as DistTrainer will compute the loss
+    workload = _workload(req, layout, batch)
     memory = estimate_memory(req.model, workload, layout, req.assumptions)
     host = host_memory(req.model, workload, layout, memory, loading=req.loading, assumptions=req.assumptions)
     throughput = estimate_throughput(req.model, workload, layout, req.gpu, links=req.links,
@@ -259,6 +295,22 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
     return Candidate(layout=layout, tier=tier, batch=batch, memory=memory, throughput=throughput, host=host,
                      fits=gpu_fits and host_fits, reason="; ".join(reasons), warnings=warnings,
                      workload_precision=workload.precision)
+
+
+def _workload(req: PlanRequest, layout: Layout, batch: BatchContract) -> Workload:
+    """What one rank runs per micro step under ``req.trainer``: DPO's micro batch of pairs is a forward of
+    2 x micro sequences (chosen and rejected concatenated); TRL's fused LM head never holds the ``N x V`` logits
+    (counted as the chunked loss); GRPO generates the rank's share of a global batch at once (one generation batch
+    is one global batch, ``hf_dist.trainer.grpo``)."""
+    trl = req.trainer != "sft"
+    return Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch * (2 if req.trainer == "dpo" else 1),
+                    precision=precision_that_runs(layout, req.precision), attention=req.attention,
+                    activation_checkpointing=req.activation_checkpointing,
+                    gradient_accumulation_steps=batch.gradient_accumulation_steps,
+                    chunked_loss=trl or layout_refusal(layout) is None,  # as DistTrainer will compute the loss
+                    reference_model=req.has_reference,
+                    generation_sequences=req.micro_batch * batch.gradient_accumulation_steps
+                    if req.trainer == "grpo" else 0)
 
 
 def _loading_warning(host: HostMemory, layout: Layout, req: PlanRequest) -> str:
@@ -318,7 +370,8 @@ def choose_layout(req: PlanRequest) -> Plan:
         if c is chosen:
             t = c.throughput
             c = replace(c, chosen=True, reason=f"chosen: the fastest that fits ({t.step_time_s:.3g} s/step: compute "
-                                               f"{t.compute_s:.3g} + communication {t.communication_s:.3g}; "
+                                               f"{t.compute_s:.3g}, communication {t.communication_s:.3g} of which "
+                                               f"{t.communication.exposed_s:.3g} not overlapped; "
                                                f"{gib(c.memory.fit_bytes):.1f} GiB of {gib(req.memory_limit):.1f})")
         elif c.fits:
             c = replace(c, reason=f"fits ({gib(c.memory.fit_bytes):.1f} GiB) but {_why_not(c, chosen, fastest)}")

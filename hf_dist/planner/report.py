@@ -41,6 +41,19 @@ def _communication_lines(c: Candidate) -> list[str]:
     return lines
 
 
+def _trainer_line(req) -> str:
+    """What ``--trainer dpo|grpo`` adds to each layout."""
+    reference = ("a frozen reference model laid out like the policy (its parameters, no gradients or optimizer "
+                 "state; under LoRA the adapter-disabled policy, nothing more)" if req.has_reference
+                 else "no reference model (beta = 0)")
+    if req.trainer == "dpo":
+        return (f"trainer dpo: micro batch {req.micro_batch} pairs = {2 * req.micro_batch} sequences per forward "
+                f"(chosen + rejected); {reference}")
+    return (f"trainer grpo: global batch {req.global_batch} completions = {req.global_batch // req.num_generations} "
+            f"prompts x {req.num_generations} generations, generated at once per rank (a KV cache of seq "
+            f"{req.seq_len} each; generation time not forecast); {reference}")
+
+
 def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
     """The ranked table, the breakdown of every evaluated candidate, and the chosen layout."""
     req = plan.request
@@ -51,11 +64,13 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
         f"seq {req.seq_len}, global batch {req.global_batch}, micro batch {req.micro_batch}, {req.precision}, "
         f"{req.attention}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}; host RAM "
         f"{gib(req.host_ram):.0f} GiB per node, loading {req.loading}",
+        *([_trainer_line(req)] if req.trainer != "sft" else []),
         "GiB per GPU: alloc = max_memory_allocated, resv = max_memory_reserved, in use = resv + CUDA context + NCCL"
         " (nvidia-smi); host = GiB of host RAM per node (loading or offload)",
         f"seconds per optimizer step: compute = executed FLOPs / (peak x efficiency), comm = the ledger minimum's bytes"
         f" over NVLink/PCIe {req.links.intra_node / 1e9:g} GB/s inside a node and {req.links.inter_node / 1e9:g} GB/s"
-        f" per GPU between nodes, step = compute + comm (no overlap assumed)",
+        f" per GPU between nodes; step = max(compute, data-parallel comm) + TP/PP/EP/CP comm (data-parallel"
+        f" collectives overlap compute, the others do not)",
         "",
         f"{'':>2} {'tier':>4}  {'layout':<30} {'alloc':>6} {'resv':>6} {'in use':>6} {'host':>6}  {'compute':>7} "
         f"{'comm':>7} {'step':>7}  {'tokens/s':>9}  reason",
@@ -86,8 +101,9 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
                      f"{gib(chosen.host.peak):.0f} GiB host RAM per node; "
                      f"{chosen.batch.global_batch_size} = {chosen.batch.micro_batch_size} x {chosen.batch.dp} x "
                      f"{chosen.batch.gradient_accumulation_steps} (micro x dp x accumulation); "
-                     f"{t.step_time_s:.2f} s/step (compute {t.compute_s:.2f} + communication "
-                     f"{t.communication_s:.3f}, no overlap assumed), {t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
+                     f"{t.step_time_s:.2f} s/step (compute {t.compute_s:.2f}, communication "
+                     f"{t.communication_s:.3f} of which {t.communication.exposed_s:.3f} not overlapped), "
+                     f"{t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
                      f"(efficiency {t.efficiency:.0%}: {t.efficiency_source})")
         if req.useful_fraction < 1:
             lines.append(f"useful (non-padding) tokens/s: {t.useful_tokens_per_s:,.0f} "
@@ -138,6 +154,8 @@ def plan_json(plan: Plan) -> dict:
         "attention": req.attention, "activation_checkpointing": req.activation_checkpointing,
         "safety_margin": req.safety_margin, "memory_limit": req.memory_limit, "host_ram": req.host_ram,
         "loading": req.loading,
+        "trainer": req.trainer, "reference_model": req.has_reference,
+        "num_generations": req.num_generations if req.trainer == "grpo" else None,
         "candidates": [_candidate_dict(c, req.train_tokens) for c in plan.candidates],
         "chosen": plan.chosen.name if plan.chosen else None,
     }

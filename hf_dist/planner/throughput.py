@@ -89,9 +89,11 @@ def flop_counts(model: ModelSpec, *, lora_rank: int = 0) -> FlopCounts:
 
 
 def flops_per_token(model: ModelSpec, workload: Workload, *, lora_rank: int = 0) -> tuple[float, float]:
-    """``(model FLOPs, executed FLOPs)`` per token."""
-    return flop_counts(model, lora_rank=lora_rank).per_token(workload.seq_len,
-                                                             recompute=workload.activation_checkpointing)
+    """``(model FLOPs, executed FLOPs)`` per token; a frozen reference model's forward is executed, not counted in
+    the model FLOPs (MFU)."""
+    counts = flop_counts(model, lora_rank=lora_rank)
+    model_flops, executed = counts.per_token(workload.seq_len, recompute=workload.activation_checkpointing)
+    return model_flops, executed + (counts.forward(workload.seq_len) if workload.reference_model else 0.0)
 
 
 def efficiency(layout: Layout, *, accumulation: int, base: float | None = None) -> float:
