@@ -31,7 +31,7 @@ Rows and sources:
     same layout (FSDP2 bf16 with an fp32 master, ``precision_that_runs``) 74.0 GiB: the row checks the planner's
     MoE arithmetic against that setup, not hf_dist's memory. The plain-transformers 68.2 GiB is not a row: its
     setup (kernels, precision, batch) is not published with it.
-The "assumed" column is the planner's uncalibrated table for the same layout, for comparison: one constant cannot
+The "assumed" column is the planner's uncalibrated forecast for the same layout, for comparison: one constant cannot
 describe both a tuned stack and an unoptimised Trainer run, which is why ``hf-dist plan --calibrate`` exists.
 
 Recorded 2026-11-23 (the MoE row 2026-11-24) on a 2-core CPU machine, no GPU (pure arithmetic; hf_dist at the
@@ -44,6 +44,10 @@ commit of this file):
     NeMo Qwen3-30B-A3B EP8     reserved (GiB)        48.10      45.59    -5.2%     15%           (pure_bf16, AC assumed)
     llm-foundry MPT-13B        tokens/s/GPU           2060       1960    -4.9%     25%     1128  73.0% (MPT-7B row)
     torchtitan Llama-2-13B     tokens/s/GPU           1904       1975    +3.7%     25%     1278  55.2% (Llama-3-8B row)
+
+Since 2026-11-27 the "assumed" column is 1343 and 1789: the planner's step is compute at an assumed 0.50 plus the
+communication timed from its bytes over the links (data-parallel traffic overlapping compute), instead of a
+per-strategy efficiency table; the other columns are unchanged.
 """
 
 from __future__ import annotations

@@ -166,6 +166,26 @@ class ParallelDims:
         coords["dp"] = coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
         return coords
 
+    def axis_span(self, name: str) -> tuple[int, int]:
+        """``(size, stride)`` of the groups of mesh axis ``name`` (the ranks of one group are ``stride`` apart):
+        the five factors, the flattened ``dp``, ``dp_shard_cp``, ``dp_cp``, ``world``, and ``ep``, ``efsdp`` of the
+        expert mesh. Whether a group stays inside a node follows (``size x stride <= GPUs per node``)."""
+        expert = {"ep": (self.ep, 1), "efsdp": (self.efsdp, self.ep)}
+        if name in expert:
+            return expert[name]
+        groups = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+                  "dp_cp": ("dp_replicate", "dp_shard", "cp"), "world": _FACTORS}.get(name, (name,))
+        if not set(groups) <= set(_FACTORS):
+            raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, *_FLATTENED))}, world, "
+                             f"ep, efsdp")
+        inner = _FACTORS[_FACTORS.index(groups[-1]) + 1:]
+        size = stride = 1
+        for factor in groups:
+            size *= getattr(self, factor)
+        for factor in inner:
+            stride *= getattr(self, factor)
+        return size, stride
+
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel shard of the batch ``rank`` reads."""
         return self.coordinates(rank)["dp"]

@@ -7,7 +7,9 @@ with one GPU each), builds the scaled-down model on each, lays it out with the p
 (``hf_dist.parallelize``: TP, activation checkpointing, FSDP2, as DistTrainer runs them; DDP is
 torch's ``DistributedDataParallel``, which accelerate wraps for DistTrainer), times a few training steps with
 the real collectives, and derives the efficiency: executed FLOPs of every data-parallel rank's tokens over the
-slowest rank's mean step time times the sum of the ranks' peaks. With one rank (one GPU, a one-core CPU, a
+slowest rank's mean step time times the sum of the ranks' peaks. That efficiency includes the scaled-down run's
+own collectives on this machine's links; the forecast adds the whole layout's communication time (its bytes over
+the given bandwidths) on top, so the step it gives is conservative by about those collectives. With one rank (one GPU, a one-core CPU, a
 one-GPU layout, or ``--calibrate-ranks 1``) the one-device path of ``hf_dist.planner.calibrate.calibrate`` runs,
 and its source line says so and why. A failed multi-rank run is an error naming that flag, never a silent switch.
 
@@ -74,7 +76,7 @@ def calibrate_for_plan(model: ModelSpec, workload: Workload, layout: Layout, *, 
         lines = str(err).strip().splitlines()
         reason = lines[-1] if lines else type(err).__name__
         raise RuntimeError(f"the {ranks}-rank calibration failed ({reason}); fix that, or pass --calibrate-ranks 1 "
-                           f"to measure on one device with assumed communication factors") from err
+                           f"to measure one device's compute only") from err
 
 
 def calibrate_on_ranks(model: ModelSpec, workload: Workload, layout: Layout, *, ranks: int, layers: int = 2,

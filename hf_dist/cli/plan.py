@@ -21,10 +21,11 @@ DEFAULT_SEQ_LEN = 4096
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="estimate per-GPU memory of every layout, choose the one that communicates least and fits",
-        description="Estimate the per-GPU peak memory (every term named) and the step time of DDP, ZeRO-1/2/3, "
-        "FSDP, TP, PP and offload layouts for a model, and choose the first that fits in the order of least "
-        "communication. --out writes the chosen layout's configs (hf_dist.configs).",
+        help="estimate per-GPU memory and step time of every layout, choose the fastest that fits",
+        description="Estimate the per-GPU peak memory (every term named) and the step time (compute, and "
+        "communication from the ledger minimum's bytes over the links) of DDP, ZeRO-1/2/3, FSDP, TP, PP, EP, CP and "
+        "offload layouts for a model, and choose the fastest that fits (within 5%%, the first in the order of least "
+        "communication). --out writes the chosen layout's configs (hf_dist.configs).",
     )
     parser.add_argument("--model", required=True, help="catalogue name (e.g. llama-2-13b) or a local HF config dir")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
@@ -36,6 +37,15 @@ def register(subparsers) -> None:
                         help="sequences per optimizer step (default: micro batch x every GPU, said on stderr)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward per dp rank (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--trainer", choices=("sft", "dpo", "grpo"), default="sft",
+                        help="sft (default: a plain or SFT step); dpo: pairs (chosen + rejected in one forward) "
+                        "beside a frozen reference model laid out like the policy; grpo: completions generated in "
+                        "the step (their KV cache), a reference when --beta > 0. dpo and grpo are offered only the "
+                        "layouts DistDPOTrainer / DistGRPOTrainer run")
+    parser.add_argument("--num-generations", type=int, default=None,
+                        help="grpo: completions per prompt (default TRL's 8); --global-batch counts completions")
+    parser.add_argument("--beta", type=float, default=None,
+                        help="grpo: the KL coefficient; > 0 loads a frozen reference model (default TRL's 0.0)")
     parser.add_argument("--lora", action="store_true", help="also consider LoRA on a frozen base, and prefer it")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     parser.add_argument("--precision", choices=MIXED_PRECISIONS, default="bf16",
@@ -52,13 +62,19 @@ def register(subparsers) -> None:
                         help="measure the efficiency on this machine: a few training steps of the model scaled down "
                         "to --calibrate-layers layers, in the chosen layout's precision, run with the layout's "
                         "parallelism (DDP/FSDP2/TP, real collectives) on --calibrate-ranks processes, or on one "
-                        "device when only one is available; the forecast then uses it instead of the assumed table "
-                        "and says which ran")
+                        "device when only one is available; the forecast then uses it instead of the assumed compute "
+                        "efficiency and says which ran")
     parser.add_argument("--calibrate-layers", type=int, default=2, help="layers of the scaled-down model (2)")
     parser.add_argument("--calibrate-steps", type=int, default=3, help="measured steps after one warm-up (3)")
     parser.add_argument("--calibrate-ranks", type=int, default=None,
                         help="processes for --calibrate (default: this node's GPUs, or 2 gloo ranks on a CPU with "
                         "2+ cores; at most the layout's GPUs per node); 1: the one-device path")
+    parser.add_argument("--intra-node-gbs", type=float, default=None, metavar="GB/S",
+                        help="bandwidth per GPU per direction inside a node, GB/s (e.g. hf-dist doctor's busbw); "
+                        "default: the GPU kind's NVLink or PCIe peak")
+    parser.add_argument("--inter-node-gbs", type=float, default=None, metavar="GB/S",
+                        help="network bandwidth per GPU per direction between nodes, GB/s; default: the GPU kind's "
+                        "typical node")
     parser.add_argument("--lengths", default=None, metavar="FILE",
                         help="the dataset's sequence lengths (JSON list or one per line): useful tokens/s "
                         "discounts the padding")
@@ -113,15 +129,25 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 def _request(args: argparse.Namespace):
     from hf_dist.planner import MemoryAssumptions, PlanRequest, gpu_spec, model_spec
 
-    if args.host_ram_gb is not None and args.host_ram_gb <= 0:
-        raise ValueError(f"--host-ram-gb={args.host_ram_gb} must be positive")
+    if args.trainer != "grpo":
+        for flag, value in (("--num-generations", args.num_generations), ("--beta", args.beta)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to --trainer grpo only (this plan is --trainer {args.trainer}); "
+                                 f"drop it or pass --trainer grpo")
+    for flag, value in (("--host-ram-gb", args.host_ram_gb), ("--intra-node-gbs", args.intra_node_gbs),
+                        ("--inter-node-gbs", args.inter_node_gbs)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag}={value} must be positive")
     useful = 1.0
     if args.lengths:
         from hf_dist.planner.calibrate import read_lengths, useful_fraction
 
         useful = useful_fraction(read_lengths(args.lengths), args.seq_len)
     return PlanRequest(
-        useful_fraction=useful,
+        useful_fraction=useful, trainer=args.trainer, beta=args.beta,
+        **({"num_generations": args.num_generations} if args.num_generations is not None else {}),
+        intra_node_bandwidth=args.intra_node_gbs * 1e9 if args.intra_node_gbs else None,
+        inter_node_bandwidth=args.inter_node_gbs * 1e9 if args.inter_node_gbs else None,
         host_ram_bytes=int(args.host_ram_gb * 1e9) if args.host_ram_gb else None, loading=args.loading,
         assumptions=MemoryAssumptions(expandable_segments=args.expandable_segments),
         model=model_spec(args.model), gpu=gpu_spec(args.gpu), num_gpus=args.gpus, num_nodes=args.nodes,
@@ -178,8 +204,7 @@ def _calibrated(plan, args: argparse.Namespace):
     result = calibrate_for_plan(req.model, workload, chosen.layout, ranks=args.calibrate_ranks,
                                 layers=args.calibrate_layers, steps=args.calibrate_steps)
     print(f"{result.source}: {result.step_time_s:.3f} s/step, efficiency {result.efficiency:.1%}", file=sys.stderr)
-    return choose_layout(dataclasses.replace(req, base_efficiency=result.efficiency, efficiency_source=result.source,
-                                             efficiency_measured_tp=result.measured_tp))
+    return choose_layout(dataclasses.replace(req, base_efficiency=result.efficiency, efficiency_source=result.source))
 
 
 def run(args: argparse.Namespace) -> int:

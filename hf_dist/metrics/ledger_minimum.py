@@ -1,20 +1,27 @@
 """The theoretical minimum communication and FLOPs of one optimizer step under a layout, from its definition.
 
-Pure: names and numbers in, rows out (no process group). ``minimum(layout, shape, dims)`` lists what a layout must
-communicate per rank per optimizer step; ``compare(measured, minima)`` puts a ``StepLedger`` (averaged over ranks)
-beside it. The definitions:
+Pure: names and numbers in, rows out (no process group). ``minimum(layout, shape, dims)`` lists what one of the
+ledger's layouts must communicate per rank per optimizer step; ``compare(measured, minima)`` puts a ``StepLedger``
+(averaged over ranks) beside it. ``layout_minimum(layout, shape)`` composes the same per-parallelism rows for any
+``hf_dist.strategy.Layout``: it is where ``hf-dist plan`` takes its communication bytes from (``hf_dist.planner.
+communication``), so the planner and the ledger's pins share one definition. The definitions:
 
 - replicated DP (DDP, hf_dist's buckets): one all-reduce of every gradient byte per optimizer step;
-- FSDP2 FULL_SHARD: each unit's parameters all-gathered once in forward and once in backward, its gradients
-  reduce-scattered once per optimizer step (units: the blocks and the root);
+- FSDP2 FULL_SHARD (and ZeRO-3): each unit's parameters all-gathered once in forward and once in backward, its
+  gradients reduce-scattered once per optimizer step (units: the blocks and the root); SHARD_GRAD_OP and ZeRO-1/2
+  gather once per step (ZeRO-1/2 only the trained parameters); HYBRID_SHARD shards inside a replica and all-reduces
+  the shards' gradients over the replicas; routed experts under EP are sharded (or replicated, DDP) over ``efsdp``;
 - TP without sequence parallelism (Megatron): per transformer block 2 all-reduces of the activations in forward
-  (attention out, MLP out) and 2 in backward (attention in, MLP in);
+  (attention out, MLP out) and 2 in backward (attention in, MLP in); with sequence parallelism each is an
+  all-gather and a reduce-scatter;
 - PP: per micro-batch and stage boundary one activation forward and one gradient backward (per rank: a send and a
   receive per micro-batch on a 2-stage pipeline);
 - EP: per MoE layer a dispatch and a combine all-to-all of the routed tokens (tokens x top-k x hidden) in forward,
   the same two in backward;
 - CP (all-to-all, Ulysses): per attention layer the all-to-all of q, k, v and the output, forward and backward;
-- FLOPs: 6 x N_active x tokens + attention (``hf_dist.planner.flops``), plus a forward under checkpointing.
+- FLOPs: 6 x N_active x tokens + attention (``hf_dist.planner.flops``), plus a forward under checkpointing;
+- activation checkpointing (``StepShape.recompute``) runs each layer's forward again in backward, with its TP, EP
+  and CP collectives (FSDP2 gathers the unit for its backward anyway).
 
 Collectives of under ``SMALL_BYTES`` per call are control traffic (token counts, norms, split sizes, stop flags),
 tallied on their own rows so they do not hide in the data rows.
@@ -25,7 +32,10 @@ Not here: counting (``hf_dist.metrics.ledger``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from hf_dist.strategy import Layout as StrategyLayout
 
 SMALL_BYTES = 1024
 """A call moving fewer bytes than this is control traffic, not data."""
@@ -37,15 +47,23 @@ class StepShape:
     """What the minimum depends on: the model, the batch one rank sees, the element size."""
 
     layers: int
+    """Decoder layers one rank runs (a pipeline stage's under PP)."""
     hidden: int
     q_dim: int
     """Query heads x head dim."""
     kv_dim: int
     """Key/value heads x head dim."""
     param_bytes: int
-    """Every parameter of the whole model, in the communicated dtype."""
+    """Every parameter one rank holds before data-parallel sharding (the whole model, or its TP / PP / EP part), in
+    the gathered dtype."""
     expert_param_bytes: int = 0
-    """Of which routed experts (not sharded by FSDP2 when ``efsdp == 1``)."""
+    """Of which routed experts (sharded over ``efsdp``, not the data-parallel ranks; none gathered at ``efsdp == 1``)."""
+    trained_param_bytes: int | None = None
+    """Of ``param_bytes`` the trained ones (LoRA: the adapters), in the gathered dtype; None: all."""
+    grad_bytes: int | None = None
+    """The trained parameters' gradients in the reduce dtype; None: ``trained_param_bytes``."""
+    expert_grad_bytes: int | None = None
+    """Of which routed experts'; None: ``expert_param_bytes``."""
     units: int = 0
     """FSDP2 units (blocks + root)."""
     tokens_per_micro: int
@@ -54,6 +72,26 @@ class StepShape:
     """Micro-batches per rank per optimizer step (accumulation, or the pipeline's micro-batches)."""
     top_k: int = 0
     element_size: int = 4
+    """Bytes of an activation element (what TP, PP, EP and CP move)."""
+    recompute: bool = False
+    """Activation checkpointing: each layer's forward runs again in backward, with its TP, EP and CP collectives."""
+
+    @property
+    def trained(self) -> int:
+        return self.param_bytes if self.trained_param_bytes is None else self.trained_param_bytes
+
+    @property
+    def grads(self) -> int:
+        return self.trained if self.grad_bytes is None else self.grad_bytes
+
+    @property
+    def expert_grads(self) -> int:
+        return self.expert_param_bytes if self.expert_grad_bytes is None else self.expert_grad_bytes
+
+    @property
+    def forward_passes(self) -> int:
+        """Forward passes per micro-batch whose layer collectives run: 1, or 2 under activation checkpointing."""
+        return 2 if self.recompute else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,38 +108,115 @@ class Minimum:
     rule: str
 
 
+# -- one definition per parallelism: the ledger's layouts and the planner's (``layout_minimum``) compose these --
+
+def replicated_rows(grads: int, axis: str) -> list[Minimum]:
+    """Replicated data parallelism (DDP, hf_dist's buckets): one all-reduce of every gradient byte per step."""
+    return [Minimum(kind="all_reduce", axis=axis, count=1, bytes=grads, rule="every gradient once per step")]
+
+
+def sharded_rows(params: int, grads: int, axis: str, *, units: int, gathers: int = 2) -> list[Minimum]:
+    """Sharded data parallelism: each unit's parameters all-gathered ``gathers`` times (FSDP2 FULL_SHARD and ZeRO-3:
+    forward and backward; SHARD_GRAD_OP and ZeRO-1/2: once), its gradients reduce-scattered once per step."""
+    rule = "each unit gathered in forward and in backward" if gathers == 2 else "each unit gathered once per step"
+    return [Minimum(kind="all_gather", axis=axis, count=gathers * units, bytes=gathers * params, rule=rule),
+            Minimum(kind="reduce_scatter", axis=axis, count=units, bytes=grads,
+                    rule="each unit's gradients once per step")]
+
+
+def _activation(s: StepShape) -> int:
+    return s.tokens_per_micro * s.hidden * s.element_size * s.micro_batches
+
+
+def tp_rows(s: StepShape, *, sequence_parallel: bool = False) -> list[Minimum]:
+    """Megatron TP: per block 2 all-reduces of the activations in forward (attention out, MLP out) and 2 in backward
+    (attention in, MLP in), the forward's again under recompute. Sequence parallel splits each all-reduce into an
+    all-gather and a reduce-scatter of the same tensor (the same bytes on the wire)."""
+    per_block = 2 * s.forward_passes + 2
+    count, size = per_block * s.layers * s.micro_batches, per_block * s.layers * _activation(s)
+    if sequence_parallel:
+        return [Minimum(kind=k, axis="tp", count=count, bytes=size,
+                        rule="sequence parallel: each Megatron all-reduce as a gather + a scatter")
+                for k in ("all_gather", "reduce_scatter")]
+    return [Minimum(kind="all_reduce", axis="tp", count=count, bytes=size,
+                    rule="Megatron: 2 forward + 2 backward per block" + (" + 2 recomputed" if s.recompute else ""))]
+
+
+def pp_rows(s: StepShape, *, stages: int = 2) -> list[Minimum]:
+    """PP: per micro-batch and stage boundary one activation forward and one gradient backward. Per rank: a send
+    and a receive per micro-batch on a 2-stage pipeline; a middle stage (``stages > 2``) has two boundaries."""
+    boundaries = 2 if stages > 2 else 1
+    per = _activation(s) // s.micro_batches
+    return [Minimum(kind=k, axis="pp", count=boundaries * s.micro_batches, bytes=boundaries * s.micro_batches * per,
+                    rule="one activation (or its gradient) per micro-batch per boundary") for k in ("send", "recv")]
+
+
+def ep_rows(s: StepShape) -> list[Minimum]:
+    """EP: per MoE layer a dispatch and a combine all-to-all of the routed tokens (tokens x top-k x hidden) in
+    forward (again under recompute), the same two in backward."""
+    routed = s.tokens_per_micro * s.micro_batches * s.top_k * s.hidden * s.element_size
+    calls = 2 * s.forward_passes + 2
+    return [Minimum(kind="all_to_all", axis="ep", count=calls * s.layers, bytes=calls * s.layers * routed,
+                    rule="dispatch + combine of routed tokens, forward and backward")]
+
+
+def cp_rows(s: StepShape, cp: int, *, tp: int = 1) -> list[Minimum]:
+    """CP (all-to-all, Ulysses): per attention layer the all-to-all of q, k, v and the output, forward (again under
+    recompute) and backward; each rank holds ``1/cp`` of the tokens and, under TP, ``1/tp`` of the heads."""
+    local = s.tokens_per_micro // cp * s.micro_batches * s.element_size
+    passes = s.forward_passes + 1
+    a2a = passes * s.layers * (2 * s.q_dim + 2 * s.kv_dim) // tp * local
+    return [Minimum(kind="all_to_all", axis="cp", count=4 * passes * s.layers, bytes=a2a,
+                    rule="q, k, v, out per attention layer, forward and backward")]
+
+
 def _data_rows(layout: Layout, s: StepShape, *, dp: int, cp: int) -> list[Minimum]:
-    grads = s.param_bytes
-    act = s.tokens_per_micro * s.hidden * s.element_size * s.micro_batches
     if layout == "ddp":
-        return [Minimum(kind="all_reduce", axis="world", count=1, bytes=grads, rule="every gradient once per step")]
+        return replicated_rows(s.grads, "world")
     if layout in ("fsdp2", "ep_fsdp2"):
-        sharded = grads - s.expert_param_bytes
-        return [Minimum(kind="all_gather", axis="dp_shard", count=2 * s.units, bytes=2 * sharded,
-                        rule="each unit gathered in forward and in backward"),
-                Minimum(kind="reduce_scatter", axis="dp_shard", count=s.units, bytes=sharded,
-                        rule="each unit's gradients once per step")] + (
-            _ep_rows(s) if layout == "ep_fsdp2" else [])
+        return sharded_rows(s.param_bytes - s.expert_param_bytes, s.grads - s.expert_grads, "dp_shard",
+                            units=s.units) + (ep_rows(s) if layout == "ep_fsdp2" else [])
     if layout == "tp":
-        return [Minimum(kind="all_reduce", axis="tp", count=4 * s.layers * s.micro_batches, bytes=4 * s.layers * act,
-                        rule="Megatron: 2 forward + 2 backward per block")]
+        return tp_rows(s)
     if layout == "pp":
-        per = act // s.micro_batches
-        return [Minimum(kind=k, axis="pp", count=s.micro_batches, bytes=s.micro_batches * per,
-                        rule="one activation (or its gradient) per micro-batch per boundary") for k in ("send", "recv")]
+        return pp_rows(s)
     if layout == "cp":
-        local = s.tokens_per_micro // cp * s.micro_batches * s.element_size
-        a2a = 2 * s.layers * (2 * s.q_dim + 2 * s.kv_dim) * local
-        return [Minimum(kind="all_to_all", axis="cp", count=8 * s.layers, bytes=a2a,
-                        rule="q, k, v, out per attention layer, forward and backward"),
-                Minimum(kind="all_reduce", axis="dp_cp", count=1, bytes=grads, rule="every gradient once per step")]
+        return cp_rows(s, cp) + replicated_rows(s.grads, "dp_cp")
     raise ValueError(f"no minimum for layout {layout!r}; layouts are ddp, fsdp2, tp, pp, ep_fsdp2, cp")
 
 
-def _ep_rows(s: StepShape) -> list[Minimum]:
-    routed = s.tokens_per_micro * s.micro_batches * s.top_k * s.hidden * s.element_size
-    return [Minimum(kind="all_to_all", axis="ep", count=4 * s.layers, bytes=4 * s.layers * routed,
-                    rule="dispatch + combine of routed tokens, forward and backward")]
+def layout_minimum(layout: StrategyLayout, s: StepShape) -> list[Minimum]:
+    """The data rows one rank of ``layout`` (``hf_dist.strategy.Layout``, any composition of the parallelisms above)
+    must at least communicate in one optimizer step, each on the ``ParallelDims`` axis it runs over; groups of one
+    rank move nothing and have no row. What ``hf-dist plan`` turns into communication time."""
+    dims = layout.dims
+    dense, dense_grads = s.param_bytes - s.expert_param_bytes, s.grads - s.expert_grads
+    rows: list[Minimum] = []
+    if layout.strategy == "ddp":
+        if dims.dp_cp > 1:
+            rows += replicated_rows(dense_grads, "dp_cp" if dims.cp > 1 else "dp")
+    elif layout.strategy == "fsdp_hybrid_shard":
+        rows += sharded_rows(dense, dense_grads, "dp_shard", units=s.units) if dims.dp_shard > 1 else []
+        if dims.dp_replicate > 1:  # the replicas average their shards
+            rows += replicated_rows(dense_grads // dims.dp_shard, "dp_replicate")
+    elif layout.shard_degree > 1:
+        full = layout.strategy in ("fsdp_full_shard", "zero3")
+        # ZeRO-1/2 partition only what is trained (the optimizer's groups); FSDP2 shards every parameter
+        gathered = dense if layout.is_fsdp or full else s.trained - s.expert_param_bytes
+        axis = "dp_shard_cp" if dims.cp > 1 else ("dp" if layout.is_deepspeed else "dp_shard")
+        rows += sharded_rows(gathered, dense_grads, axis, units=s.units, gathers=2 if full else 1)
+    if layout.ep > 1 and layout.efsdp > 1 and s.expert_param_bytes:  # the ranks holding the same experts
+        rows += (sharded_rows(s.expert_param_bytes, s.expert_grads, "efsdp", units=s.layers) if layout.is_fsdp
+                 else replicated_rows(s.expert_grads, "efsdp"))
+    if layout.tp > 1:
+        rows += tp_rows(s, sequence_parallel=layout.sequence_parallel)
+    if layout.pp > 1:
+        rows += pp_rows(s, stages=layout.pp)
+    if layout.ep > 1:
+        rows += ep_rows(s)
+    if layout.cp > 1:
+        rows += cp_rows(s, layout.cp, tp=layout.tp)
+    return rows
 
 
 def _control_rows(layout: Layout, *, dp: int) -> list[Minimum]:

@@ -2,9 +2,11 @@
 
 Pure functions, no process group: ``model_spec``/``gpu_spec`` (catalogues), ``estimate_memory`` (per-rank
 allocated, reserved and in-use memory with every term named), ``host_memory`` (host RAM per node for loading
-and offload), ``estimate_throughput`` (step time from the one FLOP formula, ``flops.py``, and a stated or
-calibrated efficiency) and ``choose_layout`` (the case study's decision table over ``hf_dist.strategy.Layout``,
-each layout in the precision it runs). ``calibrate.py`` measures an efficiency on the machine at hand.
+and offload), ``estimate_throughput`` (step time: compute from the one FLOP formula, ``flops.py``, at a stated or
+calibrated efficiency, and communication from the ledger minimum's bytes over the links, ``communication.py``) and
+``choose_layout`` (the fastest layout that fits, over the case study's decision table of ``hf_dist.strategy.Layout``,
+each layout in the precision it runs; ``--trainer dpo|grpo`` adds the reference model and generation buffers).
+``calibrate.py`` measures an efficiency on the machine at hand.
 ``hf-dist plan`` is the command line over them.
 
 Not here: writing DeepSpeed/accelerate configs (``hf_dist.configs``) or running anything.

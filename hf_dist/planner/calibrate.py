@@ -6,9 +6,9 @@ batch in the workload's precision and activation checkpointing, and returns the 
 the executed FLOPs (``flops.py``, recompute included) ran at. The peak is the GPU catalogue's for a known GPU;
 on a CPU or an unknown GPU it is measured: the best of a few large matmuls in the compute dtype.
 
-What it measures is one device's compute efficiency for this model shape; the layout's communication is then
-applied by ``throughput.efficiency`` (TP, pipeline bubble, cross-node gathers, offload), as for the assumed
-table. This is the fallback: with more than one device or rank, ``hf-dist plan --calibrate`` runs the chosen
+What it measures is one device's compute efficiency for this model shape; the forecast then adds the layout's
+communication time (the ledger minimum's bytes over the links, ``communication.py``) and applies the pipeline
+bubble and offload factors (``throughput.efficiency``), as for the assumed efficiency. This is the fallback: with more than one device or rank, ``hf-dist plan --calibrate`` runs the chosen
 layout's parallelism across real processes instead (``hf_dist.cli.calibrate_ranks``, on the layout
 ``calibration_layout`` scales to the ranks at hand), and ``Calibration.source`` says which of the two ran.
 ``useful_fraction`` turns a dataset's sequence lengths into the share of non-padding tokens.
@@ -45,10 +45,10 @@ class Calibration:
     source: str
     """One line saying what ran where."""
     ranks: int = 1
-    """Processes that ran: 1 is the one-device path (communication factors assumed); more: real collectives."""
+    """Processes that ran: 1 is the one-device path (compute only); more: real collectives, which the measured step
+    time then includes."""
     measured_tp: int = 1
-    """The TP degree whose collectives the measured step time includes (1: none; the forecast applies
-    ``TP_FACTOR`` only when this is 1)."""
+    """The TP degree whose collectives the measured step time includes (1: none)."""
     local_parameters: int = 0
     """Parameter elements rank 0 held after the layout was applied (its shard under FSDP2/TP); 0: one device."""
 
@@ -169,7 +169,7 @@ def calibrate(model: ModelSpec, workload: Workload, *, layers: int = 2, steps: i
     peak, peak_source = device_peak_flops(device, dtype)
     eff = efficiency_from(model, workload, layers=layers, tokens=workload.tokens, step_time_s=step_time,
                           peak_flops=peak)
-    source = (f"calibrated on one device (communication factors assumed{note}): {steps} steps of a {layers}-layer "
+    source = (f"calibrated on one device (compute only; communication timed from its bytes{note}): {steps} steps of a {layers}-layer "
               f"{model.name} on {device.type} ({peak / 1e12:.2f} TFLOP/s peak, {peak_source}), micro batch "
               f"{workload.micro_batch_size} x {workload.seq_len} tokens")
     return Calibration(efficiency=eff, step_time_s=step_time, peak_flops=peak, source=source)

@@ -39,8 +39,13 @@ class FlopCounts:
         """``(model FLOPs, hardware FLOPs)`` per token at sequence length ``seq_len``."""
         attention = 4 * self.layers * seq_len * self.q_dim
         model = 6 * self.trainable_matmul + 4 * self.frozen_matmul + 3 * attention
-        hardware = model + (2 * (self.trainable_matmul + self.frozen_matmul) + attention if recompute else 0)
+        hardware = model + (self.forward(seq_len) if recompute else 0)
         return float(model), float(hardware)
+
+    def forward(self, seq_len: int) -> float:
+        """FLOPs per token of one forward (no gradients): ``2·P`` over every matmul weight plus ``4·L·s·q_dim``
+        (what recompute repeats, and what a frozen reference model runs)."""
+        return float(2 * (self.trainable_matmul + self.frozen_matmul) + 4 * self.layers * seq_len * self.q_dim)
 
 
 def _numel(p) -> int:

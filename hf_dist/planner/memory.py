@@ -10,6 +10,12 @@ phases of a training step and the largest wins:
     layer's full saved set, the activation-gradient working set, the gathered units in flight and the
     unsharded gradients (see ``states.py``).
   * ``optimizer``: model states and the optimizer step's temporaries.
+  * ``generation`` (GRPO only, ``Workload.generation_sequences``): model states, the units a forward gathers and the
+    KV cache of the completions this rank generates at once (``kv_cache_bytes``).
+A frozen reference model (``Workload.reference_model``: DPO, GRPO with ``beta > 0``) adds its parameters to every
+phase, sharded like the policy's, without gradients or optimizer state (``reference_bytes``; nothing under LoRA, where
+the reference is the policy with its adapters disabled). Its no-grad forward runs before the policy's and frees its
+transients, so they are not counted.
 
 With pipeline parallelism the first stage holds ``min(pp, accumulation)`` micro batches in flight (1F1B) and
 the embedding; the last stage one micro batch, the head and the loss; the worse of the two is reported.
@@ -44,6 +50,7 @@ from hf_dist.planner.activations import ActivationModel, activation_model
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import ModelStates, model_states
+from hf_dist.precision import itemsize, tensor_dtypes
 
 _MIB = 2**20
 
@@ -107,6 +114,10 @@ class MemoryBreakdown:
     """Logits and loss transients (logits, fp32 upcast, loss-backward gradients) beyond the saved log-softmax."""
     optimizer_step_temp: int
     """Temporaries of the optimizer step."""
+    reference_model: int = 0
+    """A frozen reference model's parameters (DPO, GRPO with beta > 0), sharded like the policy's; 0 under LoRA."""
+    generation_cache: int = 0
+    """GRPO's generation: the KV cache of the sequences this rank generates at once."""
     allocator_slack: int = 0
     """Reserved by the caching allocator above the allocated peak."""
     framework: int = 0
@@ -126,7 +137,7 @@ class MemoryBreakdown:
 
     TERMS = ("parameters", "master_params", "gradients", "optimizer_states", "comm_buffers", "gathered_params",
              "unsharded_grads", "activations", "recomputed_layer", "activation_grads", "logits",
-             "optimizer_step_temp")
+             "optimizer_step_temp", "reference_model", "generation_cache")
     """The allocated terms."""
 
     @property
@@ -163,12 +174,31 @@ class MemoryBreakdown:
         return out
 
 
+def reference_bytes(model: ModelSpec, workload: Workload, layout: Layout, *, layers: int, first: bool,
+                    last: bool) -> int:
+    """The frozen reference's parameters on one rank: the policy's parameters of a full fine-tune on the same layout
+    (stored and sharded alike, ``lay_out_reference``), nothing under LoRA (the adapter-disabled policy)."""
+    if not workload.reference_model or layout.lora_rank:
+        return 0
+    return model_states(model, workload, layout, layers=layers, first=first, last=last).parameters
+
+
+def kv_cache_bytes(model: ModelSpec, workload: Workload, layout: Layout, *, layers: int) -> int:
+    """Keys and values of every layer for ``generation_sequences`` sequences of ``seq_len`` tokens, in the matmul
+    dtype, the kv heads split over TP."""
+    element = itemsize(tensor_dtypes(layout, workload.precision).matmuls)
+    tokens = workload.generation_sequences * workload.seq_len
+    return 2 * layers * model.kv_dim // layout.dims.tp * element * tokens
+
+
 def _phases(states: ModelStates, acts: ActivationModel, workload: Workload, layout: Layout, *, layers: int,
-            in_flight: int, first: bool, last: bool) -> dict[str, dict[str, int]]:
+            in_flight: int, first: bool, last: bool, reference: int = 0,
+            kv_cache: int = 0) -> dict[str, dict[str, int]]:
     """Term values at each phase (allocated bytes, no allowances)."""
     ckpt = workload.activation_checkpointing
     common = dict(parameters=states.parameters, master_params=states.master_params, gradients=states.gradients,
-                  optimizer_states=states.optimizer_states, comm_buffers=states.comm_buffers)
+                  optimizer_states=states.optimizer_states, comm_buffers=states.comm_buffers,
+                  reference_model=reference)
     saved = in_flight * acts.saved_after_forward(layers=layers, checkpointing=ckpt, first_stage=first,
                                                  last_stage=False)
     head = acts.head + acts.loss if last else 0
@@ -179,18 +209,23 @@ def _phases(states: ModelStates, acts: ActivationModel, workload: Workload, layo
                     activations=saved + acts.attention_mask, recomputed_layer=acts.layer.total if ckpt else 0,
                     activation_grads=acts.grad_working_set)
     optimizer = dict(common, optimizer_step_temp=states.optimizer_step_temp)
-    return {"loss": loss, "backward": backward, "optimizer": optimizer}
+    phases = {"loss": loss, "backward": backward, "optimizer": optimizer}
+    if kv_cache:  # generate runs the model's forward per token: units gathered as in a forward, the cache growing
+        phases["generation"] = dict(common, gathered_params=states.gathered_in_backward, generation_cache=kv_cache)
+    return phases
 
 
 def _stage_breakdown(model: ModelSpec, workload: Workload, layout: Layout, assumptions: MemoryAssumptions, *,
                      layers: int, in_flight: int, first: bool, last: bool, stage: str) -> MemoryBreakdown:
     states = model_states(model, workload, layout, layers=layers, first=first, last=last)
     acts = activation_model(model, workload, layout)
-    phases = _phases(states, acts, workload, layout, layers=layers, in_flight=in_flight, first=first, last=last)
+    reference = reference_bytes(model, workload, layout, layers=layers, first=first, last=last)
+    phases = _phases(states, acts, workload, layout, layers=layers, in_flight=in_flight, first=first, last=last,
+                     reference=reference, kv_cache=kv_cache_bytes(model, workload, layout, layers=layers))
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=totals.get)
     terms = {t: 0 for t in MemoryBreakdown.TERMS} | phases[peak]
-    transient = totals[peak] - states.persistent
+    transient = totals[peak] - states.persistent - reference
     terms["allocator_slack"] = int(assumptions.slack * transient)
     if assumptions.device == "cuda":
         terms["framework"] = assumptions.cuda_context_bytes + (

@@ -22,10 +22,36 @@ def _row(c: Candidate) -> str:
     m = c.memory
     mem = f"{gib(m.allocated):6.1f} {gib(m.reserved):6.1f} {gib(m.total):6.1f}" if m else f"{'-':>6} {'-':>6} {'-':>6}"
     host = f"{gib(c.host.peak):6.0f}" if c.host else f"{'-':>6}"
-    tps = f"{c.throughput.tokens_per_s:9,.0f}" if c.throughput else "        -"
-    step = f"{c.throughput.step_time_s:7.2f}" if c.throughput else "      -"
+    t = c.throughput
+    tps = f"{t.tokens_per_s:9,.0f}" if t else f"{'-':>9}"
+    times = f"{t.compute_s:7.2f} {t.communication_s:7.3f} {t.step_time_s:7.2f}" if t else f"{'-':>7} {'-':>7} {'-':>7}"
     warn = f" [warning: {'; '.join(c.warnings)}]" if c.warnings else ""
-    return f"{mark:>2} {c.tier:>4}  {c.name:<30} {mem} {host}  {step}  {tps}  {c.reason}{warn}"
+    return f"{mark:>2} {c.tier:>4}  {c.name:<30} {mem} {host}  {times}  {tps}  {c.reason}{warn}"
+
+
+def _communication_lines(c: Candidate) -> list[str]:
+    """The ledger minimum's rows of ``c``, timed."""
+    comm = c.throughput.communication
+    if not comm.rows:
+        return ["  communication per step: none (one rank per group)"]
+    lines = [f"  communication per step and rank (ledger minimum): {comm.seconds:.3f} s (intra-node "
+             f"{comm.intra_node_s:.3f}, inter-node {comm.inter_node_s:.3f})"]
+    lines += [f"    {r.kind:<14} over {r.axis:<12} {r.ranks:>4} ranks {'inter' if r.inter_node else 'intra'}-node "
+              f"{r.bytes / 1e9:9.3f} GB {r.seconds:8.3f} s" for r in comm.rows]
+    return lines
+
+
+def _trainer_line(req) -> str:
+    """What ``--trainer dpo|grpo`` adds to each layout."""
+    reference = ("a frozen reference model laid out like the policy (its parameters, no gradients or optimizer "
+                 "state; under LoRA the adapter-disabled policy, nothing more)" if req.has_reference
+                 else "no reference model (beta = 0)")
+    if req.trainer == "dpo":
+        return (f"trainer dpo: micro batch {req.micro_batch} pairs = {2 * req.micro_batch} sequences per forward "
+                f"(chosen + rejected); {reference}")
+    return (f"trainer grpo: global batch {req.global_batch} completions = {req.global_batch // req.num_generations} "
+            f"prompts x {req.num_generations} generations, generated at once per rank (a KV cache of seq "
+            f"{req.seq_len} each; generation time not forecast); {reference}")
 
 
 def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
@@ -38,11 +64,16 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
         f"seq {req.seq_len}, global batch {req.global_batch}, micro batch {req.micro_batch}, {req.precision}, "
         f"{req.attention}, activation checkpointing {'on' if req.activation_checkpointing else 'off'}; host RAM "
         f"{gib(req.host_ram):.0f} GiB per node, loading {req.loading}",
+        *([_trainer_line(req)] if req.trainer != "sft" else []),
         "GiB per GPU: alloc = max_memory_allocated, resv = max_memory_reserved, in use = resv + CUDA context + NCCL"
         " (nvidia-smi); host = GiB of host RAM per node (loading or offload)",
+        f"seconds per optimizer step: compute = executed FLOPs / (peak x efficiency), comm = the ledger minimum's bytes"
+        f" over NVLink/PCIe {req.links.intra_node / 1e9:g} GB/s inside a node and {req.links.inter_node / 1e9:g} GB/s"
+        f" per GPU between nodes; step = max(compute, data-parallel comm) + TP/PP/EP/CP comm (data-parallel"
+        f" collectives overlap compute, the others do not)",
         "",
-        f"{'':>2} {'tier':>4}  {'layout':<30} {'alloc':>6} {'resv':>6} {'in use':>6} {'host':>6}  {'step s':>7}  "
-        f"{'tokens/s':>9}  reason",
+        f"{'':>2} {'tier':>4}  {'layout':<30} {'alloc':>6} {'resv':>6} {'in use':>6} {'host':>6}  {'compute':>7} "
+        f"{'comm':>7} {'step':>7}  {'tokens/s':>9}  reason",
     ]
     lines += [_row(c) for c in plan.candidates]
     if breakdowns:
@@ -57,6 +88,8 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
                 if c.memory.cpu_offload or c.memory.nvme_offload:
                     lines.append(f"  offloaded per rank: CPU {gib(c.memory.cpu_offload):.2f} GiB, "
                                  f"NVMe {gib(c.memory.nvme_offload):.2f} GiB")
+                if c.throughput:
+                    lines += _communication_lines(c)
     lines.append("")
     chosen = plan.chosen
     if chosen is None:
@@ -68,7 +101,9 @@ def plan_table(plan: Plan, *, breakdowns: bool = True) -> str:
                      f"{gib(chosen.host.peak):.0f} GiB host RAM per node; "
                      f"{chosen.batch.global_batch_size} = {chosen.batch.micro_batch_size} x {chosen.batch.dp} x "
                      f"{chosen.batch.gradient_accumulation_steps} (micro x dp x accumulation); "
-                     f"{t.step_time_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
+                     f"{t.step_time_s:.2f} s/step (compute {t.compute_s:.2f}, communication "
+                     f"{t.communication_s:.3f} of which {t.communication.exposed_s:.3f} not overlapped), "
+                     f"{t.tokens_per_s:,.0f} tokens/s at {t.mfu:.0%} MFU "
                      f"(efficiency {t.efficiency:.0%}: {t.efficiency_source})")
         if req.useful_fraction < 1:
             lines.append(f"useful (non-padding) tokens/s: {t.useful_tokens_per_s:,.0f} "
@@ -94,7 +129,9 @@ def _candidate_dict(c: Candidate, train_tokens: float | None) -> dict:
     }
     if c.throughput:
         t = c.throughput
-        out["throughput"] = {"step_time_s": t.step_time_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+        out["throughput"] = {"step_time_s": t.step_time_s, "compute_s": t.compute_s,
+                             "communication_s": t.communication_s, "communication": t.communication.as_dict(),
+                             "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
                              "useful_tokens_per_s": t.useful_tokens_per_s,
                              "efficiency": t.efficiency, "efficiency_source": t.efficiency_source,
                              "model_flops_per_token": t.model_flops_per_token,
@@ -110,12 +147,15 @@ def plan_json(plan: Plan) -> dict:
     return {
         "model": {"name": req.model.name, "num_params": req.model.num_params},
         "gpu": {"name": req.gpu.name, "memory_bytes": req.gpu.memory_bytes,
-                "peak_bf16_flops": req.gpu.peak_bf16_flops},
+                "peak_bf16_flops": req.gpu.peak_bf16_flops, "intra_node_bytes_per_s": req.links.intra_node,
+                "inter_node_bytes_per_s": req.links.inter_node},
         "num_gpus": req.num_gpus, "num_nodes": req.num_nodes, "seq_len": req.seq_len,
         "global_batch": req.global_batch, "micro_batch": req.micro_batch, "precision": req.precision,
         "attention": req.attention, "activation_checkpointing": req.activation_checkpointing,
         "safety_margin": req.safety_margin, "memory_limit": req.memory_limit, "host_ram": req.host_ram,
         "loading": req.loading,
+        "trainer": req.trainer, "reference_model": req.has_reference,
+        "num_generations": req.num_generations if req.trainer == "grpo" else None,
         "candidates": [_candidate_dict(c, req.train_tokens) for c in plan.candidates],
         "chosen": plan.chosen.name if plan.chosen else None,
     }

@@ -157,7 +157,7 @@ def _ds_partition_overlap(shapes: list[tuple[int, ...]], partition: int) -> int:
     return total
 
 
-def _gather_bytes(workload: Workload, layout: Layout) -> int:
+def gathered_itemsize(workload: Workload, layout: Layout) -> int:
     """Bytes per element of gathered units: FSDP gathers the stored dtype unless it casts (bf16_mixed/LoRA)."""
     if workload.precision != "fp32" and layout.lora_rank:
         return 2
@@ -193,7 +193,7 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
     else:
         params, master, grads = w * train_el + frozen_bytes, 0, g * train_el
     optim = 2 * o * train_el + 4 * len(trainable)
-    gb, rb = _gather_bytes(workload, layout), itemsize(dtypes.reduction)
+    gb, rb = gathered_itemsize(workload, layout), itemsize(dtypes.reduction)
     at_loss = in_backward = unsharded = 0
     if sharded:
         unit_el = sum(_numel(x) for x in unit)

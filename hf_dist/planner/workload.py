@@ -56,12 +56,20 @@ class Workload:
     chunked_loss: bool = False
     """The loss through the head chunk by chunk (``hf_dist.loss``, DistTrainer's default where exact): one chunk of
     logits at a time, never ``N x V``. Ignored under vocabulary-parallel TP, which has its own loss."""
+    reference_model: bool = False
+    """A frozen reference model runs a no-grad forward beside the policy (TRL's DPO; GRPO with ``beta > 0``): its
+    parameters stored and sharded like the policy's, no gradients or optimizer state; under LoRA it is the policy
+    with its adapters disabled and holds nothing more."""
+    generation_sequences: int = 0
+    """Sequences this rank generates at once (GRPO's completions): a KV cache of ``seq_len`` tokens each."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.generation_sequences, int) or self.generation_sequences < 0:
+            raise ValueError(f"generation_sequences={self.generation_sequences!r} must be a non-negative integer")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not known; use one of {', '.join(PRECISIONS)}")
         if self.attention not in ATTENTIONS:

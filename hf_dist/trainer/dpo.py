@@ -26,31 +26,12 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
-from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
 from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
-    trl_default, trl_layout_refusal
-
-_MODEL_PARALLEL = {
-    "tp_size": "tensor parallelism shards lm_head and hidden states, which TRL's fused LM head multiplies whole to "
-               "sum each sequence's log-probabilities (a vocabulary-parallel log-softmax is needed)",
-    "pp_size": "the policy and reference forwards run TRL's fused LM head over the whole model and the "
-               "chosen/rejected log-probability sums exist only on the last stage",
-    "cp_size": "each sequence's log-probability sum would cross the cp ranks' sequence shards",
-    "ep_size": "experts are exchanged all-to-all in the policy and would have to be in the frozen reference as well",
-}
-_REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_dist's fully_shard is not "
-                         "accelerate's FSDP), and no parity test covers it")
-_FSDP2_OPTIONS = {"precompute_ref_log_probs": _REFERENCE_UNDER_FSDP, "sync_ref_model": _REFERENCE_UNDER_FSDP}
-
-
-def dpo_layout_refusal(layout: Layout, args) -> str | None:
-    """Why DPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_dpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
-    return trl_layout_refusal(layout, args, config="DistDPOConfig", model_parallel=_MODEL_PARALLEL,
-                              fsdp2_options=_FSDP2_OPTIONS)
+    trl_default
+from hf_dist.trl_support import dpo_layout_refusal
 
 
 def check_dpo_layout(args) -> None:

@@ -21,7 +21,7 @@ under SHARD_GRAD_OP every block stays gathered until the end of each forward, th
 stepping until all are done (``synced_gpus``), because a block's gather is a collective. ``tests/test_grpo.py``
 measures the gathered blocks.
 
-What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trainer.trl_layout``'s rules, called from
+What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trl_support``, called from
 ``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2, full fine-tune and LoRA, with
 transformers' ``generate`` (``use_vllm=False``), each proven equal to one process in ``tests/test_grpo.py``.
 
@@ -35,38 +35,12 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
 from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
-    trl_default, trl_layout_refusal
-
-_MODEL_PARALLEL = {
-    "tp_size": "generation and the per-token log-probabilities run TRL's fused LM head, which multiplies whole hidden "
-               "states by the whole lm_head weight that tensor parallelism shards",
-    "pp_size": "generation runs the whole model's forward once per new token on every rank, and a pipeline splits "
-               "the model over stages (there is no pipelined generate)",
-    "cp_size": "generation grows each sequence one token at a time on one rank, which context parallelism splits "
-               "over the cp ranks (TRL's GRPOTrainer refuses it too)",
-    "ep_size": "experts are exchanged all-to-all in every generation step, and the frozen reference would need the "
-               "same expert layout",
-}
-_FSDP2_OPTIONS = {
-    "use_vllm": "TRL's vLLM weight sync gathers the policy through accelerate's FSDP, which hf_dist's fully_shard "
-                "is not, and no parity test covers it",
-    "use_transformers_continuous_batching": "generate_batch bypasses the FSDP root's gathered generate, and no "
-                                            "parity test covers it",
-    "sync_ref_model": "TRL syncs the reference under its own FSDP only (hf_dist's fully_shard is not accelerate's "
-                      "FSDP), and no parity test covers it",
-}
-
-
-def grpo_layout_refusal(layout: Layout, args) -> str | None:
-    """Why GRPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_grpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
-    return trl_layout_refusal(layout, args, config="DistGRPOConfig", model_parallel=_MODEL_PARALLEL,
-                              fsdp2_options=_FSDP2_OPTIONS)
+    trl_default
+from hf_dist.trl_support import grpo_layout_refusal
 
 
 def generation_batch_from_contract(args) -> None:

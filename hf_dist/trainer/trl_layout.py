@@ -2,9 +2,8 @@
 
 ``DistDPOTrainer`` and ``DistGRPOTrainer`` share the same shape: TRL's config plus ``DistTrainingArguments``' fields
 (``trl_default`` keeps the TRL config's own defaults), a refusal before any process group of every layout no parity
-test covers (``trl_layout_refusal`` / ``check_trl_layout``), and a frozen reference laid out like the policy's data
-parallelism (``lay_out_reference``). Each trainer passes only what differs: why each model-parallel axis does not
-run, and which of its options hf_dist's FSDP2 does not take.
+test covers (``check_trl_layout``, asking the pure rules of ``hf_dist.trl_support``, which ``hf-dist plan`` asks
+too), and a frozen reference laid out like the policy's data parallelism (``lay_out_reference``).
 
 Not here: the trainers themselves (``hf_dist.trainer.dpo``, ``hf_dist.trainer.grpo``) and the layouts
 (``DistTrainer``).
@@ -14,19 +13,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import field
 
 import torch
 from torch import nn
 
 from hf_dist.parallelism import parallelize
-from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env
 from hf_dist.trainer.layout import resolve_layout
+from hf_dist.trl_support import MODEL_PARALLEL_SIZES, trl_layout_refusal  # noqa: F401 -- re-exported
 
-MODEL_PARALLEL_SIZES = ("tp_size", "pp_size", "cp_size", "ep_size")
-_FIX = "drop it and shard with FSDP2 instead (--fsdp2, or accelerate_configs/fsdp.yaml), or run DDP"
 
 
 def trl_default(config_cls, name: str):
@@ -42,34 +38,6 @@ def default_trl_learning_rate(args, config_cls) -> None:
     Trainer's 5e-5 would otherwise follow)."""
     if args.learning_rate is None and args.base_learning_rate is None:
         args.learning_rate = {f.name: f for f in dataclasses.fields(config_cls)}["learning_rate"].default
-
-
-def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Mapping[str, str],
-                       fsdp2_options: Mapping[str, str]) -> str | None:
-    """Why a TRL trainer does not run on ``layout`` with ``args`` (pure), or None.
-
-    ``config`` names the config class in the message; ``model_parallel`` maps each of ``MODEL_PARALLEL_SIZES`` to why
-    that axis does not run; ``fsdp2_options`` maps a boolean option to why hf_dist's FSDP2 does not take it."""
-    sizes = {"tp_size": layout.tp, "pp_size": layout.pp, "cp_size": layout.cp, "ep_size": layout.ep}
-    trainer = config.replace("Config", "Trainer")
-    for name in MODEL_PARALLEL_SIZES:
-        if sizes[name] > 1:
-            return (f"{name}={sizes[name]} in {config}: {model_parallel[name]}, and {trainer} has no parity test for "
-                    f"it yet; {_FIX}")
-    if layout.is_deepspeed:
-        return (f"DeepSpeed {layout.strategy} with {config}: the reference would be prepared by TRL's DeepSpeed path, "
-                f"which no {trainer} parity test covers yet; {_FIX}")
-    if layout.strategy == "fsdp_hybrid_shard":
-        return (f"fsdp2_dp_replicate={layout.dp_replicate} (HYBRID_SHARD) with {config}: no {trainer} parity test "
-                f"covers the reference model under HSDP yet; drop fsdp2_dp_replicate (FULL_SHARD)")
-    if layout.offload != "none":
-        return (f"fsdp2_cpu_offload=True with {config}: no {trainer} parity test covers an offloaded reference model "
-                f"yet; drop --fsdp2_cpu_offload")
-    if layout.is_fsdp:
-        for name, why in fsdp2_options.items():
-            if getattr(args, name, False):
-                return f"{name}=True with FSDP2 in {config}: {why}; drop --{name}, or run it under DDP"
-    return None
 
 
 def check_trl_layout(args, refusal) -> None:

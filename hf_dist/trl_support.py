@@ -1,0 +1,104 @@
+"""May TRL's DPO or GRPO trainer run this layout? One pure answer for the trainers and the planner.
+
+``dpo_layout_refusal`` / ``grpo_layout_refusal`` say why ``DistDPOTrainer`` / ``DistGRPOTrainer`` do not run a
+``hf_dist.strategy.Layout`` (with the config's options, ``args``; None: TRL's defaults), or None: the layouts their
+parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full fine-tune and LoRA). The trainers call them
+before any process group (``hf_dist.trainer.trl_layout.check_trl_layout``), ``hf-dist plan --trainer`` before
+proposing a layout (``trainer_layout_refusal``). Pure: no torch, no TRL import.
+
+Not here: the trainers (``hf_dist.trainer.dpo``, ``hf_dist.trainer.grpo``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hf_dist.strategy import Layout
+
+MODEL_PARALLEL_SIZES = ("tp_size", "pp_size", "cp_size", "ep_size")
+_FIX = "drop it and shard with FSDP2 instead (--fsdp2, or accelerate_configs/fsdp.yaml), or run DDP"
+TRL_TRAINERS = ("dpo", "grpo")
+"""The TRL trainers with a frozen reference that hf_dist runs."""
+
+
+def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Mapping[str, str],
+                       fsdp2_options: Mapping[str, str]) -> str | None:
+    """Why a TRL trainer does not run on ``layout`` with ``args`` (pure), or None.
+
+    ``config`` names the config class in the message; ``model_parallel`` maps each of ``MODEL_PARALLEL_SIZES`` to why
+    that axis does not run; ``fsdp2_options`` maps a boolean option to why hf_dist's FSDP2 does not take it."""
+    sizes = {"tp_size": layout.tp, "pp_size": layout.pp, "cp_size": layout.cp, "ep_size": layout.ep}
+    trainer = config.replace("Config", "Trainer")
+    for name in MODEL_PARALLEL_SIZES:
+        if sizes[name] > 1:
+            return (f"{name}={sizes[name]} in {config}: {model_parallel[name]}, and {trainer} has no parity test for "
+                    f"it yet; {_FIX}")
+    if layout.is_deepspeed:
+        return (f"DeepSpeed {layout.strategy} with {config}: the reference would be prepared by TRL's DeepSpeed path, "
+                f"which no {trainer} parity test covers yet; {_FIX}")
+    if layout.strategy == "fsdp_hybrid_shard":
+        return (f"fsdp2_dp_replicate={layout.dp_replicate} (HYBRID_SHARD) with {config}: no {trainer} parity test "
+                f"covers the reference model under HSDP yet; drop fsdp2_dp_replicate (FULL_SHARD)")
+    if layout.offload != "none":
+        return (f"fsdp2_cpu_offload=True with {config}: no {trainer} parity test covers an offloaded reference model "
+                f"yet; drop --fsdp2_cpu_offload")
+    if layout.is_fsdp:
+        for name, why in fsdp2_options.items():
+            if getattr(args, name, False):
+                return f"{name}=True with FSDP2 in {config}: {why}; drop --{name}, or run it under DDP"
+    return None
+
+
+
+_DPO_MODEL_PARALLEL = {
+    "tp_size": "tensor parallelism shards lm_head and hidden states, which TRL's fused LM head multiplies whole to "
+               "sum each sequence's log-probabilities (a vocabulary-parallel log-softmax is needed)",
+    "pp_size": "the policy and reference forwards run TRL's fused LM head over the whole model and the "
+               "chosen/rejected log-probability sums exist only on the last stage",
+    "cp_size": "each sequence's log-probability sum would cross the cp ranks' sequence shards",
+    "ep_size": "experts are exchanged all-to-all in the policy and would have to be in the frozen reference as well",
+}
+_REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_dist's fully_shard is not "
+                         "accelerate's FSDP), and no parity test covers it")
+_DPO_FSDP2_OPTIONS = {"precompute_ref_log_probs": _REFERENCE_UNDER_FSDP, "sync_ref_model": _REFERENCE_UNDER_FSDP}
+
+
+def dpo_layout_refusal(layout: Layout, args=None) -> str | None:
+    """Why DPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
+    ``tests/test_dpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    return trl_layout_refusal(layout, args, config="DistDPOConfig", model_parallel=_DPO_MODEL_PARALLEL,
+                              fsdp2_options=_DPO_FSDP2_OPTIONS)
+
+
+_GRPO_MODEL_PARALLEL = {
+    "tp_size": "generation and the per-token log-probabilities run TRL's fused LM head, which multiplies whole hidden "
+               "states by the whole lm_head weight that tensor parallelism shards",
+    "pp_size": "generation runs the whole model's forward once per new token on every rank, and a pipeline splits "
+               "the model over stages (there is no pipelined generate)",
+    "cp_size": "generation grows each sequence one token at a time on one rank, which context parallelism splits "
+               "over the cp ranks (TRL's GRPOTrainer refuses it too)",
+    "ep_size": "experts are exchanged all-to-all in every generation step, and the frozen reference would need the "
+               "same expert layout",
+}
+_GRPO_FSDP2_OPTIONS = {
+    "use_vllm": "TRL's vLLM weight sync gathers the policy through accelerate's FSDP, which hf_dist's fully_shard "
+                "is not, and no parity test covers it",
+    "use_transformers_continuous_batching": "generate_batch bypasses the FSDP root's gathered generate, and no "
+                                            "parity test covers it",
+    "sync_ref_model": "TRL syncs the reference under its own FSDP only (hf_dist's fully_shard is not accelerate's "
+                      "FSDP), and no parity test covers it",
+}
+
+
+def grpo_layout_refusal(layout: Layout, args=None) -> str | None:
+    """Why GRPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
+    ``tests/test_grpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    return trl_layout_refusal(layout, args, config="DistGRPOConfig", model_parallel=_GRPO_MODEL_PARALLEL,
+                              fsdp2_options=_GRPO_FSDP2_OPTIONS)
+
+
+def trainer_layout_refusal(trainer: str, layout: Layout, args=None) -> str | None:
+    """Why ``trainer`` (``dpo`` or ``grpo``) does not run ``layout``, or None."""
+    if trainer not in TRL_TRAINERS:
+        raise ValueError(f"trainer={trainer!r} has no TRL layout rule; use one of {', '.join(TRL_TRAINERS)}")
+    return (dpo_layout_refusal if trainer == "dpo" else grpo_layout_refusal)(layout, args)
