@@ -1,0 +1,150 @@
+"""TRL's SFTTrainer on a mixture-of-experts model as a user runs it: ``DistSFTTrainer`` on a tiny Qwen3-MoE.
+
+The model (4 experts, top-2, ``norm_topk_prob`` on, router aux loss on at 0.1 -- TRL adds the weighted term itself)
+is saved and loaded as users do; SFTTrainer tokenizes a plain-text dataset of varying lengths itself. On 2 gloo
+ranks, in one spawn: EP=2 x FSDP2, EP=2 x DDP, and LoRA (attention and, through PEFT's ``target_parameters``, the
+stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2 saved at step 2 and resumed. Each equals
+a one-process ``DistSFTTrainer`` on the same global batch and micro-batches (per-step losses, evaluation loss and
+every trained weight -- routers, norms and experts included -- within 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+STEPS, SAVE_AT, GLOBAL_BATCH, MICRO = 3, 2, 8, 2
+EP = {"ep_size": 2}
+LAYOUTS = {  # name -> (DistSFTConfig fields on 2 ranks, LoRA)
+    "ep_fsdp2": (EP | {"fsdp2": True}, False),
+    "ep_ddp": (EP, False),
+    "ep_fsdp2_lora": (EP | {"fsdp2": True}, True),
+    "ep_ddp_lora": (EP, True),
+}
+PHRASES = "a gull circles the harbor wall as two boats trade nets and rope before the tide turns at dusk".split()
+
+
+def texts(n: int, seed: int) -> list[str]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 18, (n,), generator=gen)
+    return [" ".join(PHRASES[(i * 5 + j) % len(PHRASES)] for j in range(int(k))) for i, k in enumerate(lengths)]
+
+
+def _tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    from hf_dist.data.tokenizer import train_tokenizer_from_texts
+
+    if not (directory / "tokenizer.json").is_file():
+        train_tokenizer_from_texts(texts(64, 0), directory, vocab_size=300)
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _model(tokenizer):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from trainer_harness import as_loaded
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.1,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    return as_loaded(AutoModelForCausalLM.from_config(config))
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def _trained(trainer, lora: bool) -> dict[str, torch.Tensor]:
+    """Every weight (the adapters only, under LoRA), gathered whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu().clone() for k, v in state.items() if not lora or "lora_" in k}
+
+
+def _run(tokenizer_dir: Path, out: str, *, lora: bool, save_steps: int | None = None, resume: str | None = None,
+         **layout):
+    from datasets import Dataset
+
+    from hf_dist.trainer.sft import DistSFTConfig, DistSFTTrainer
+
+    tokenizer = _tokenizer(tokenizer_dir)
+    args = DistSFTConfig(
+        output_dir=out, max_steps=STEPS, learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=[], seed=0,
+        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False, gradient_checkpointing=False,
+        max_length=24, max_grad_norm=1.0, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=MICRO,
+        use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1, **layout,
+    )
+    trainer = DistSFTTrainer(model=_model(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": texts(48, 0)}),
+                             eval_dataset=Dataset.from_dict({"text": texts(8, 1)}), processing_class=tokenizer,
+                             peft_config=_lora_config() if lora else None)
+    trainer.train(resume_from_checkpoint=resume)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log] + [eval_loss]
+    return {"losses": losses, "trained": _trained(trainer, lora), "ep": trainer.dims.ep, "dp_shard": trainer.dims.dp_shard}
+
+
+def _rank_runs(rank, world_size, tokenizer_dir, root):
+    results = {}
+    for name, (layout, lora) in LAYOUTS.items():
+        with tempfile.TemporaryDirectory() as out:
+            results[name] = _run(tokenizer_dir, out, lora=lora, **layout)
+    out = f"{root}/resume"  # the same on every rank: the checkpoint is written together
+    _run(tokenizer_dir, out, lora=False, save_steps=SAVE_AT, **LAYOUTS["ep_fsdp2"][0])
+    results["resumed"] = _run(tokenizer_dir, out, lora=False, resume=f"{out}/checkpoint-{SAVE_AT}",
+                              **LAYOUTS["ep_fsdp2"][0])
+    return results
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sft_moe_tokenizer")
+    _tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def references(tokenizer_dir):
+    os.environ.pop("WORLD_SIZE", None)
+    refs = {}
+    for lora in (False, True):
+        with tempfile.TemporaryDirectory() as out:
+            refs[lora] = _run(tokenizer_dir, out, lora=lora)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def distributed(tokenizer_dir, tmp_path_factory):
+    return run_distributed(_rank_runs, 2, tokenizer_dir, str(tmp_path_factory.mktemp("sft_moe_runs")))
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, "resumed"])
+def test_sft_on_a_moe_equals_one_process(references, distributed, name):
+    lora = LAYOUTS.get(name, (None, False))[1]
+    reference = references[lora]
+    assert len(reference["losses"]) == STEPS + 1
+    assert any(".mlp.experts." in k for k in reference["trained"])  # experts (or their adapters) train
+    assert any(".mlp.gate." in k for k in reference["trained"]) != lora  # the router trains unless under LoRA
+    for result in distributed:
+        assert result[name]["ep"] == 2  # the layout really ran
+        expected = reference["losses"]
+        if name == "resumed":  # the log history of the resumed run: the checkpoint's steps, then its own
+            assert len(result[name]["losses"]) == len(expected)
+        torch.testing.assert_close(result[name]["losses"], expected, rtol=0, atol=1e-5, msg=name)
+        assert sorted(result[name]["trained"]) == sorted(reference["trained"])
+        for key, value in reference["trained"].items():
+            torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
