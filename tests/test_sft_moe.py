@@ -3,9 +3,10 @@
 The model (4 experts, top-2, ``norm_topk_prob`` on, router aux loss on at 0.1 -- TRL adds the weighted term itself)
 is saved and loaded as users do; SFTTrainer tokenizes a plain-text dataset of varying lengths itself. On 2 gloo
 ranks, in one spawn: EP=2 x FSDP2, EP=2 x DDP, and LoRA (attention and, through PEFT's ``target_parameters``, the
-stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2 saved at step 2 and resumed. Each equals
-a one-process ``DistSFTTrainer`` on the same global batch and micro-batches (per-step losses, evaluation loss and
-every trained weight -- routers, norms and experts included -- within 1e-5).
+stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2 saved at step 2 and resumed. On 4 ranks,
+EP=2 inside each of 2 pipeline stages. Each equals a one-process ``DistSFTTrainer`` on the same global batch and
+micro-batches (per-step losses, evaluation loss -- aux term included, as the model's own loss has it -- and every
+trained weight, routers, norms and experts included, within 1e-5).
 """
 
 from __future__ import annotations
@@ -71,7 +72,14 @@ def _trained(trainer, lora: bool) -> dict[str, torch.Tensor]:
     """Every weight (the adapters only, under LoRA), gathered whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    if trainer.dims.pp_enabled:
+        from hf_dist.pipeline_parallel.save import gather_state_dict
+
+        state = gather_state_dict(trainer.model.pipeline)  # on rank 0; None elsewhere
+        if state is None:
+            return None
+    else:
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().cpu().clone() for k, v in state.items() if not lora or "lora_" in k}
 
 
@@ -108,6 +116,12 @@ def _rank_runs(rank, world_size, tokenizer_dir, root):
     results["resumed"] = _run(tokenizer_dir, out, lora=False, resume=f"{out}/checkpoint-{SAVE_AT}",
                               **LAYOUTS["ep_fsdp2"][0])
     return results
+
+
+def _pipeline_runs(rank, world_size, tokenizer_dir):
+    """EP=2 inside each of 2 pipeline stages (4 ranks: pp 2 x dp 2): the evaluation loss keeps the aux term."""
+    with tempfile.TemporaryDirectory() as out:
+        return _run(tokenizer_dir, out, lora=False, pp_size=2, pp_schedule="gpipe", **LAYOUTS["ep_fsdp2"][0])
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +162,15 @@ def test_sft_on_a_moe_equals_one_process(references, distributed, name):
         assert sorted(result[name]["trained"]) == sorted(reference["trained"])
         for key, value in reference["trained"].items():
             torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+def test_sft_on_a_moe_under_ep_x_pp_equals_one_process(references, tokenizer_dir):
+    reference = references[False]
+    results = run_distributed(_pipeline_runs, 4, tokenizer_dir)
+    for result in results:
+        assert result["ep"] == 2
+        torch.testing.assert_close(result["losses"], reference["losses"], rtol=0, atol=1e-5)
+    trained = results[0]["trained"]  # gathered from every stage on rank 0
+    assert sorted(trained) == sorted(reference["trained"])
+    for key, value in reference["trained"].items():
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=key)

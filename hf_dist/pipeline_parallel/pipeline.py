@@ -30,7 +30,7 @@ from torch import nn
 from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
 from hf_dist.expert_parallel import expert_params
 from hf_dist.loss.policy import dims_refusal
-from hf_dist.models.router import aux_loss_coef
+from hf_dist.models.router import aux_from_stats, aux_loss_coef
 from hf_dist.parallel_dims import ParallelDims
 from hf_dist.pipeline_parallel.rng import pipeline_random_stream
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
@@ -277,10 +277,16 @@ class PipelinedCausalLM:
     @torch.no_grad()
     def forward_only(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """Run every stage forward in pipeline order; the logits on the last stage's rank, None elsewhere."""
+        return self._forward_stages(batch)[0]
+
+    def _forward_stages(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(logits, router statistics)`` on the last stage's rank (None elsewhere); the statistics (a MoE whose
+        loss adds a router aux term, else None) travel with the hidden states as in training."""
         input_ids = batch["input_ids"].to(self.device)
         kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
         shape = (*input_ids.shape, self.hidden_size)
-        out = None
+        with_stats = self.router_aux_coef > 0
+        out = stats = None
         for index in range(self.plan.num_stages):
             owner = self.plan.rank_of(index)
             if owner != self.pp_rank:
@@ -292,10 +298,22 @@ class PipelinedCausalLM:
             else:
                 x = torch.empty(shape, dtype=self.hidden_dtype, device=self.device)
                 dist.recv(x, group=self.pp_group, group_src=self.plan.rank_of(index - 1))
-            out = self.modules[self.stage_ids.index(index)](x, **kwargs)
+                if with_stats:
+                    stats = torch.empty(2 * self.loss_fn.experts + 1, device=self.device)
+                    dist.recv(stats, group=self.pp_group, group_src=self.plan.rank_of(index - 1))
+            stage = self.modules[self.stage_ids.index(index)]
+            stage.eval_router_stats = with_stats
+            try:
+                out = stage(x, router_stats=stats, **kwargs) if with_stats else stage(x, **kwargs)
+            finally:
+                stage.eval_router_stats = False
+            if with_stats:
+                out, stats = out
             if index + 1 < self.plan.num_stages and self.plan.rank_of(index + 1) != self.pp_rank:
                 dist.send(out.contiguous(), group=self.pp_group, group_dst=self.plan.rank_of(index + 1))
-        return out if self.has_last else None
+                if with_stats:
+                    dist.send(stats.contiguous(), group=self.pp_group, group_dst=self.plan.rank_of(index + 1))
+        return (out, stats) if self.has_last else (None, None)
 
     @torch.no_grad()
     def eval_step(
@@ -308,7 +326,7 @@ class PipelinedCausalLM:
         broadcast over the pp group (for metrics computed from logits on every rank; costs B x S x V).
         """
         labels = batch.get("labels", batch["input_ids"]).to(self.device)
-        logits = self.forward_only(batch)
+        logits, stats = self._forward_stages(batch)
         if logits_everywhere:
             logits = self._broadcast_logits(logits, labels.shape)
         summed = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -321,11 +339,18 @@ class PipelinedCausalLM:
                 reduction="sum",
             )
         tokens = count_loss_tokens(labels).to(torch.float32)
-        summed = summed.to(self.device)
-        dist.all_reduce(summed, group=self.pp_group)  # the last stage's sum reaches every pp rank
-        if reduce_dp:
-            summed, tokens = self._dp_sum(summed), self._dp_sum(tokens)
-        return summed / tokens.clamp(min=1.0), logits
+        # the model's own loss adds router_aux_loss_coef x its load-balancing loss of the batch (a MoE returning
+        # router logits), in evaluation too: so does this one (one process's eval loss)
+        aux = torch.zeros((), dtype=torch.float32, device=self.device)
+        if stats is not None:
+            aux = self.router_aux_coef * aux_from_stats(stats, self.loss_fn.experts).float().to(self.device)
+        summed, aux = summed.to(self.device), aux.reshape(1)
+        both = torch.cat([summed.reshape(1), aux])
+        dist.all_reduce(both, group=self.pp_group)  # the last stage's values reach every pp rank
+        summed, aux = both[0], both[1]
+        if reduce_dp:  # the global batch: token-weighted cross-entropy, the aux term averaged over dp batches
+            summed, tokens, aux = self._dp_sum(summed), self._dp_sum(tokens), self._dp_sum(aux) / self.dims.dp
+        return summed / tokens.clamp(min=1.0) + aux, logits
 
     def _broadcast_logits(self, logits: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
         if logits is None:

@@ -216,6 +216,9 @@ def _view(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
 class CausalLMStage(nn.Module):
     """The modules of one pipeline stage, with HF names, and a forward through the model's own code."""
 
+    eval_router_stats = False
+    """Set by ``PipelinedCausalLM.forward_only``: collect router statistics outside training too (eval loss)."""
+
     def __init__(self, model: nn.Module, fqns: tuple[str, ...], *, chunked_loss: bool = False) -> None:
         super().__init__()
         lm = causal_lm_of(model)
@@ -316,8 +319,9 @@ class CausalLMStage(nn.Module):
         A last stage built with ``chunked_loss`` that gets ``labels`` in training returns the micro-batch's summed
         cross-entropy instead of logits (``hf_dist.loss.causal_lm``: the head's logits exist one chunk at a time).
 
-        In training, a model whose loss adds a router aux term also passes its router statistics on: the stage
-        takes the previous stage's (``router_stats``) and returns ``(hidden states or logits, statistics)``.
+        In training (and in evaluation with ``eval_router_stats``), a model whose loss adds a router aux term also
+        passes its router statistics on: the stage takes the previous stage's (``router_stats``) and returns
+        ``(hidden states or logits, statistics)``.
         """
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
         if hasattr(self.config, "output_router_logits"):
@@ -327,7 +331,7 @@ class CausalLMStage(nn.Module):
         else:
             kwargs["inputs_embeds"] = inputs
             self._inbox.received = inputs
-        collect = self.router_stats is not None and self.training
+        collect = self.router_stats is not None and (self.training or self.eval_router_stats)
         if collect:
             self.router_stats.begin(router_stats, attention_mask, inputs.shape[0] * inputs.shape[1], inputs.device)
         loss = self.chunked_loss if labels is not None and self.training else None
