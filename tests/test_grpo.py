@@ -328,7 +328,6 @@ def test_global_batch_counts_completions(tmp_path):
 
 
 REFUSED = [  # (fields, environment, what the message must say)
-    ({"tp_size": 2}, {}, r"tp_size=2 in DistGRPOConfig: generation .* drop it and shard with FSDP2"),
     ({"pp_size": 2}, {}, r"pp_size=2 in DistGRPOConfig: .*no pipelined generate.* drop it and shard with FSDP2"),
     ({"cp_size": 2}, {}, r"cp_size=2 in DistGRPOConfig: .*cp ranks.* drop it and shard with FSDP2"),
     ({"ep_size": 2}, {}, r"ep_size=2 in DistGRPOConfig: .*reference.* drop it and shard with FSDP2"),

@@ -30,15 +30,13 @@ from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
+from hf_dist.trainer.trl_context_parallel import split_trl_heads
 from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
     trl_default, trl_layout_refusal
 
 _MODEL_PARALLEL = {
-    "tp_size": "tensor parallelism shards lm_head and hidden states, which TRL's fused LM head multiplies whole to "
-               "sum each sequence's log-probabilities (a vocabulary-parallel log-softmax is needed)",
     "pp_size": "the policy and reference forwards run TRL's fused LM head over the whole model and the "
                "chosen/rejected log-probability sums exist only on the last stage",
-    "cp_size": "each sequence's log-probability sum would cross the cp ranks' sequence shards",
     "ep_size": "experts are exchanged all-to-all in the policy and would have to be in the frozen reference as well",
 }
 _REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_dist's fully_shard is not "
@@ -51,6 +49,24 @@ def dpo_layout_refusal(layout: Layout, args) -> str | None:
     ``tests/test_dpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
     return trl_layout_refusal(layout, args, config="DistDPOConfig", model_parallel=_MODEL_PARALLEL,
                               fsdp2_options=_FSDP2_OPTIONS)
+
+
+def pad_to_cp_slices(args) -> None:
+    """Under CP every rank holds an equal slice of each sequence: ``pad_to_multiple_of="auto"`` pads batches to a
+    multiple of ``cp_size`` (padding is masked: no figure changes); a value that is not such a multiple is refused
+    (pure, before any process group)."""
+    cp = args.cp_size
+    if cp <= 1:
+        return
+    value = args.pad_to_multiple_of
+    if isinstance(value, str) and value.strip().isdigit():  # from a command line
+        value = args.pad_to_multiple_of = int(value)
+    if value == "auto":
+        args.pad_to_multiple_of = cp
+    elif not isinstance(value, int) or value % cp:
+        raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} with cp_size={cp} in DistDPOConfig: every cp "
+                         f"rank holds an equal slice of each sequence; use pad_to_multiple_of a multiple of {cp} "
+                         f"(\"auto\" picks {cp})")
 
 
 def check_dpo_layout(args) -> None:
@@ -71,6 +87,7 @@ class DistDPOConfig(DistTrainingArguments, DPOConfig):
 
     def __post_init__(self):
         check_dpo_layout(self)
+        pad_to_cp_slices(self)
         default_trl_learning_rate(self, DPOConfig)
         super().__post_init__()
 
@@ -89,3 +106,5 @@ class DistDPOTrainer(DPOTrainer, DistTrainer):
         super().__init__(model, ref_model, as_dist_dpo_config(args), *positional, **kwargs)
         if self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
+        if self.dims.cp_enabled:  # TRL sums each sequence's log-probabilities: whole sequences on every cp rank
+            split_trl_heads(self)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from accelerate.utils import set_seed
 from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
@@ -43,8 +45,6 @@ from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_
     trl_default, trl_layout_refusal
 
 _MODEL_PARALLEL = {
-    "tp_size": "generation and the per-token log-probabilities run TRL's fused LM head, which multiplies whole hidden "
-               "states by the whole lm_head weight that tensor parallelism shards",
     "pp_size": "generation runs the whole model's forward once per new token on every rank, and a pipeline splits "
                "the model over stages (there is no pipelined generate)",
     "cp_size": "generation grows each sequence one token at a time on one rank, which context parallelism splits "
@@ -69,7 +69,7 @@ def grpo_layout_refusal(layout: Layout, args) -> str | None:
                               fsdp2_options=_FSDP2_OPTIONS)
 
 
-def generation_batch_from_contract(args) -> None:
+def generation_batch_from_contract(args, layout: Layout) -> None:
     """With ``global_batch_size`` and neither ``generation_batch_size`` nor ``steps_per_generation``, one generation
     batch is the global batch, which must hold whole prompt groups (pure; refuses before any process group)."""
     if args.global_batch_size is None or args.generation_batch_size is not None or \
@@ -82,9 +82,31 @@ def generation_batch_from_contract(args) -> None:
             f"global_batch_size={args.global_batch_size} counts completions (prompts x num_generations="
             f"{args.num_generations}) and must hold whole prompt groups; use global_batch_size in {nearest}, or "
             f"change num_generations")
-    # GRPOConfig derives steps_per_generation = generation_batch_size / (per-device batch x ranks): the accumulation
-    # the contract derives afterwards. Set now because GRPOConfig checks it before the contract exists.
-    args.generation_batch_size = args.global_batch_size
+    if layout.dp == layout.world_size:
+        # GRPOConfig derives steps_per_generation = generation_batch_size / (per-device batch x ranks): the
+        # accumulation the contract derives afterwards. Set now because GRPOConfig checks it before the contract.
+        args.generation_batch_size = args.global_batch_size
+    else:  # ranks share a batch (TP): the steps, as the contract will derive them; the size is recounted after
+        args.steps_per_generation = max(1, args.global_batch_size // (args.per_device_train_batch_size * layout.dp))
+
+
+def generation_batch_over_dp(args, size_given: bool) -> None:
+    """``GRPOConfig`` counts the generation batch over every process (``per_device_train_batch_size x world_size x
+    steps_per_generation``); where ranks share a batch (the TP ranks of one dp rank read the same prompts), it is
+    counted over the data-parallel ranks instead, keeping what was given (``size_given``: the size; else the
+    steps)."""
+    per_step = args.per_device_train_batch_size * args.layout.dp
+    if args.layout.dp == args.layout.world_size:
+        return
+    if not size_given:
+        args.generation_batch_size = per_step * args.steps_per_generation
+        return
+    if args.generation_batch_size % per_step:
+        raise ValueError(
+            f"generation_batch_size={args.generation_batch_size} must be divisible by per_device_train_batch_size x "
+            f"dp = {args.per_device_train_batch_size} x {args.layout.dp} (the ranks of one TP group read one batch); "
+            f"use a multiple of {per_step}")
+    args.steps_per_generation = args.generation_batch_size // per_step
 
 
 @dataclass
@@ -101,10 +123,12 @@ class DistGRPOConfig(DistTrainingArguments, GRPOConfig):
     remove_unused_columns: bool | None = trl_default(GRPOConfig, "remove_unused_columns")
 
     def __post_init__(self):
-        check_trl_layout(self, grpo_layout_refusal)
-        generation_batch_from_contract(self)
+        layout = check_trl_layout(self, grpo_layout_refusal)
+        generation_batch_from_contract(self, layout)
+        size_given = self.generation_batch_size is not None
         default_trl_learning_rate(self, GRPOConfig)
         super().__post_init__()
+        generation_batch_over_dp(self, size_given)
 
 
 def as_dist_grpo_config(args: TrainingArguments | None) -> DistGRPOConfig | None:
@@ -120,5 +144,9 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
         if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
             args = DistGRPOConfig(output_dir=default_output_dir(model, suffix="GRPO"))
         super().__init__(model, reward_funcs, as_dist_grpo_config(args), *positional, **kwargs)
+        if self.dims.tp_enabled:
+            # TRL seeds each process apart (seed + process index) so that ranks sample different completions; the TP
+            # ranks of one data-parallel rank share its batch and must sample and shuffle it alike, as one process
+            set_seed(self.args.seed + self.dims.dp_rank(dist.get_rank()))
         if self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)

@@ -2,9 +2,11 @@
 
 ``DistDPOTrainer`` and ``DistGRPOTrainer`` share the same shape: TRL's config plus ``DistTrainingArguments``' fields
 (``trl_default`` keeps the TRL config's own defaults), a refusal before any process group of every layout no parity
-test covers (``trl_layout_refusal`` / ``check_trl_layout``), and a frozen reference laid out like the policy's data
-parallelism (``lay_out_reference``). Each trainer passes only what differs: why each model-parallel axis does not
-run, and which of its options hf_dist's FSDP2 does not take.
+test covers (``trl_layout_refusal`` / ``check_trl_layout``), and a frozen reference laid out like the policy
+(``lay_out_reference``). Each trainer passes only what differs: the model-parallel axes it refuses, each with why,
+and which of its options hf_dist's FSDP2 does not take. The axes it runs (TP for both, CP for DPO) share one rule
+(``_model_parallel_refusal``): every rank in one TP or CP group, and under TP the default plan, whose lm_head stays
+whole for TRL's fused LM head (``fused_lm_head_refusal``, which ``DistSFTConfig`` asks too).
 
 Not here: the trainers themselves (``hf_dist.trainer.dpo``, ``hf_dist.trainer.grpo``) and the layouts
 (``DistTrainer``).
@@ -53,9 +55,11 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
     sizes = {"tp_size": layout.tp, "pp_size": layout.pp, "cp_size": layout.cp, "ep_size": layout.ep}
     trainer = config.replace("Config", "Trainer")
     for name in MODEL_PARALLEL_SIZES:
-        if sizes[name] > 1:
+        if sizes[name] > 1 and name in model_parallel:
             return (f"{name}={sizes[name]} in {config}: {model_parallel[name]}, and {trainer} has no parity test for "
                     f"it yet; {_FIX}")
+    if (layout.tp > 1 or layout.cp > 1) and (why := _model_parallel_refusal(layout, config, trainer)) is not None:
+        return why
     if layout.is_deepspeed:
         return (f"DeepSpeed {layout.strategy} with {config}: the reference would be prepared by TRL's DeepSpeed path, "
                 f"which no {trainer} parity test covers yet; {_FIX}")
@@ -72,16 +76,50 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
     return None
 
 
-def check_trl_layout(args, refusal) -> None:
-    """Refuse, before any process group, a layout ``refusal(layout, args)`` names a reason for.
+def fused_lm_head_refusal(*, tp: int, sequence_parallel: bool, vocab_parallel: bool, config: str) -> str | None:
+    """Why TRL's fused LM head does not run with these TP options (pure), or None. It multiplies plain hidden states
+    by the whole ``lm_head`` weight; hf_dist's default TP plan keeps both whole (replicated on every TP rank), and
+    these two options shard them."""
+    for name, value in (("tp_vocab_parallel", vocab_parallel), ("tp_sequence_parallel", sequence_parallel)):
+        if value and tp > 1:
+            return (f"{name}=True with tp_size={tp} in {config}: TRL's fused LM head needs the whole lm_head weight "
+                    f"and hidden states, which {name.removeprefix('tp_')} parallelism shards; drop --{name} (the "
+                    f"decoder blocks stay tensor-parallel)")
+    return None
+
+
+def _model_parallel_refusal(layout: Layout, config: str, trainer: str) -> str | None:
+    """Why a TRL trainer with a frozen reference does not run this TP or CP layout, or None. What runs is what
+    ``tests/test_trl_model_parallel.py`` proves: every rank in one TP group, or one CP group (DPO), with no data
+    parallelism beside it; under TP the default plan (whole lm_head); full fine-tune and LoRA."""
+    if (why := fused_lm_head_refusal(tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                     vocab_parallel=layout.vocab_parallel, config=config)) is not None:
+        return why
+    if layout.tp > 1 and layout.cp > 1:
+        return (f"tp_size={layout.tp} with cp_size={layout.cp} in {config}: {trainer} has no parity test for the two "
+                f"together yet; use one of them")
+    name, size = ("tp_size", layout.tp) if layout.tp > 1 else ("cp_size", layout.cp)
+    if layout.is_fsdp or layout.is_deepspeed or layout.dp > 1:
+        engine = f"{layout.strategy} over {layout.dp} data-parallel rank(s)"
+        return (f"{name}={size} with {engine} in {config}: {trainer} runs {name.removesuffix('_size')} with every rank "
+                f"in one group (world size {layout.world_size} = {name} x 1) and has no parity test beside data "
+                f"parallelism or a sharded engine yet; launch {name} processes without FSDP2/DeepSpeed, or drop "
+                f"{name} and shard with FSDP2")
+    return None
+
+
+def check_trl_layout(args, refusal) -> Layout:
+    """Refuse, before any process group, a layout ``refusal(layout, args)`` names a reason for; else return it.
 
     The layout is resolved from every source (fields, accelerate launch config, DeepSpeed, WORLD_SIZE) on a copy of
     ``args``, by the same functions ``DistTrainingArguments.__post_init__`` then runs on ``args`` itself, because the
     Trainer's own ``__post_init__`` starts the process group."""
     probe = copy.copy(args)
     launch_env.prepare_environment(probe)  # fills the fsdp2 fields from an accelerate launch (on the copy)
-    if (why := refusal(resolve_layout(probe), probe)) is not None:
+    layout = resolve_layout(probe)
+    if (why := refusal(layout, probe)) is not None:
         raise ValueError(why)
+    return layout
 
 
 def as_config(args, config_cls, *, drop: tuple[str, ...] = ()):
@@ -94,11 +132,12 @@ def as_config(args, config_cls, *, drop: tuple[str, ...] = ()):
 
 
 def lay_out_reference(reference: nn.Module, args, dims, owns_layout: bool) -> nn.Module:
-    """The frozen reference with the policy's data-parallel layout: FSDP2-sharded when hf_dist shards the policy,
-    a whole replica per rank otherwise (DDP: accelerate placed it without a DDP wrap, it never needs gradients)."""
+    """The frozen reference laid out like the policy: FSDP2-sharded when hf_dist shards the policy, tensor-parallel
+    with the policy's plan under TP (``parallelize``: the same mesh, default plan, whole lm_head), a whole replica per
+    rank otherwise (DDP: accelerate placed it without a DDP wrap, it never needs gradients)."""
     reference.requires_grad_(False)
     if not owns_layout:
         return reference
     param_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    # no activation checkpointing and no compile: it only runs forwards without autograd
-    return parallelize(reference, dims, fsdp=args.hf_dist_fsdp, param_dtype=param_dtype)
+    # no activation checkpointing, no compile and no gradient replication: it only runs forwards without autograd
+    return parallelize(reference, dims, fsdp=args.hf_dist_fsdp, param_dtype=param_dtype, replicate_gradients=False)
