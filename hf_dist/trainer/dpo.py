@@ -3,17 +3,20 @@
 Built as ``DistSFTTrainer`` is (``hf_dist.trainer.sft``): ``DistDPOConfig`` is TRL's ``DPOConfig`` with
 ``DistTrainingArguments``' fields, ``DistDPOTrainer`` is ``DPOTrainer`` over ``DistTrainer``. ``DPOTrainer.__init__``
 prepares the policy (PEFT adapter, pad token, tokenized pairs), ``DistTrainer.__init__`` lays it out, then TRL adds
-its fused LM head and builds the frozen reference. The reference is then laid out here like the policy's data
-parallelism: under FSDP2 it is sharded by hf_dist's own ``fully_shard`` (each rank holds its shards, gathered one
-block at a time in its no-grad forward); under DDP every rank holds a whole replica, as TRL's ``DPOTrainer`` has it.
-It is frozen (``requires_grad=False``) and never in the optimizer. Under LoRA there is no second model: the
-reference is the policy with its adapters disabled (TRL's own path).
+its fused LM head and builds the frozen reference. The reference is then laid out here like the policy
+(``lay_out_reference``): under FSDP2 it is sharded by hf_dist's own ``fully_shard`` (each rank holds its shards,
+gathered one block at a time in its no-grad forward); under TP it is sharded with the policy's plan; under CP it
+splits sequences as the policy does; under DDP every rank holds a whole replica, as TRL's ``DPOTrainer`` has it. It
+is frozen (``requires_grad=False``) and never in the optimizer. Under LoRA there is no second model: the reference is
+the policy with its adapters disabled (TRL's own path). Under CP the fused LM heads of both return whole-sequence
+per-token log-probabilities (``hf_dist.trainer.trl_context_parallel``).
 
 What runs is decided in one place, ``check_dpo_layout`` (called from ``DistDPOConfig.__post_init__``, before any
 process group; the shared rules are ``hf_dist.trainer.trl_layout``'s): DDP and FSDP2 (FULL_SHARD / SHARD_GRAD_OP),
-full fine-tune and LoRA, each proven equal to one process in ``tests/test_dpo.py``. TP, PP, CP, EP, DeepSpeed ZeRO,
-HSDP and FSDP2 CPU offload are refused with the reason; with no hf_dist field set nothing is refused and the trainer
-is TRL's.
+proven in ``tests/test_dpo.py``, and TP or CP with every rank in that one group, proven in
+``tests/test_trl_model_parallel.py``, each full fine-tune and LoRA, equal to one process. PP, EP, TP/CP beside data
+parallelism, DeepSpeed ZeRO, HSDP and FSDP2 CPU offload are refused with the reason; with no hf_dist field set
+nothing is refused and the trainer is TRL's.
 
 Not here: GRPO (``hf_dist.trainer.grpo``), precomputed reference log-probs or a synced reference under FSDP2
 (refused), the layouts themselves (``DistTrainer``).
@@ -46,7 +49,8 @@ _FSDP2_OPTIONS = {"precompute_ref_log_probs": _REFERENCE_UNDER_FSDP, "sync_ref_m
 
 def dpo_layout_refusal(layout: Layout, args) -> str | None:
     """Why DPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_dpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    ``tests/test_dpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one process: DDP, FSDP2
+    FULL_SHARD / SHARD_GRAD_OP, TP or CP as one group, full and LoRA."""
     return trl_layout_refusal(layout, args, config="DistDPOConfig", model_parallel=_MODEL_PARALLEL,
                               fsdp2_options=_FSDP2_OPTIONS)
 
@@ -98,7 +102,7 @@ def as_dist_dpo_config(args: TrainingArguments | None) -> DistDPOConfig | None:
 
 
 class DistDPOTrainer(DPOTrainer, DistTrainer):
-    """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, LoRA) and batch contract."""
+    """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, CP, LoRA) and batch contract."""
 
     def __init__(self, model, ref_model=None, args: TrainingArguments | None = None, *positional, **kwargs):
         if args is None:  # where DPOTrainer would write, not the Trainer's "trainer_output"

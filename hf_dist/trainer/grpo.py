@@ -21,11 +21,18 @@ under SHARD_GRAD_OP every block stays gathered until the end of each forward, th
 stepping until all are done (``synced_gpus``), because a block's gather is a collective. ``tests/test_grpo.py``
 measures the gathered blocks.
 
-What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trainer.trl_layout``'s rules, called from
-``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2, full fine-tune and LoRA, with
-transformers' ``generate`` (``use_vllm=False``), each proven equal to one process in ``tests/test_grpo.py``.
+Under TP (every rank in one TP group) the reference is sharded with the policy's plan and ``generate`` runs the
+TP-sharded policy, each rank holding its shards throughout. The TP ranks read the same prompts, so they are seeded by
+their data-parallel rank (TRL seeds each process apart) and the generation batch is counted over the dp ranks
+(``generation_batch_over_dp``): they sample and shuffle alike, as one process does.
 
-Not here: vLLM or continuous-batching generation under FSDP2, TP/PP/CP/EP (refused); the layouts (``DistTrainer``).
+What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trainer.trl_layout``'s rules, called from
+``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2 (``tests/test_grpo.py``) and TP as one
+group (``tests/test_trl_model_parallel.py``), full fine-tune and LoRA, with transformers' ``generate``
+(``use_vllm=False``), each proven equal to one process.
+
+Not here: vLLM or continuous-batching generation under FSDP2, PP/CP/EP and TP beside data parallelism (refused); the
+layouts (``DistTrainer``).
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ _FSDP2_OPTIONS = {
 
 def grpo_layout_refusal(layout: Layout, args) -> str | None:
     """Why GRPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_grpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    ``tests/test_grpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one process: DDP, FSDP2
+    FULL_SHARD / SHARD_GRAD_OP and TP as one group, full and LoRA."""
     return trl_layout_refusal(layout, args, config="DistGRPOConfig", model_parallel=_MODEL_PARALLEL,
                               fsdp2_options=_FSDP2_OPTIONS)
 
@@ -138,7 +146,7 @@ def as_dist_grpo_config(args: TrainingArguments | None) -> DistGRPOConfig | None
 
 
 class DistGRPOTrainer(GRPOTrainer, DistTrainer):
-    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, LoRA) and batch contract."""
+    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, LoRA) and batch contract."""
 
     def __init__(self, model, reward_funcs=None, args: TrainingArguments | None = None, *positional, **kwargs):
         if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
