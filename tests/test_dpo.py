@@ -228,7 +228,6 @@ def test_one_process_without_hf_dist_fields_is_dpo_trainer(references, tokenizer
 
 REFUSED = [  # (fields, environment, what the message must say)
     ({"pp_size": 2}, {}, r"pp_size=2 in DistDPOConfig: .*last stage.* drop it and shard with FSDP2"),
-    ({"cp_size": 2}, {}, r"cp_size=2 in DistDPOConfig: .*cp ranks.* drop it and shard with FSDP2"),
     ({"ep_size": 2}, {}, r"ep_size=2 in DistDPOConfig: .*reference.* drop it and shard with FSDP2"),
     ({}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      r"DeepSpeed zero3 with DistDPOConfig: .* shard with FSDP2"),
