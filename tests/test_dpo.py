@@ -108,9 +108,11 @@ def _reference_facts(trainer) -> dict:
     return facts
 
 
-def _run(tokenizer_dir: Path, config_cls, trainer_cls, *, lora: bool, model_path: Path | None = None, **overrides):
+def _run(tokenizer_dir: Path, config_cls, trainer_cls, *, lora: bool, model_path: Path | None = None, watch=None,
+         **overrides):
     """Train and evaluate; ``model_path``: the saved model's folder, from which TRL loads the policy and (full
-    fine-tune) the reference, as a user's run does; else both are built here."""
+    fine-tune) the reference, as a user's run does; else both are built here. ``watch(trainer)``, called before
+    training, returns a list it fills during the run (``facts["watched"]``)."""
     from datasets import Dataset
 
     tokenizer = _tokenizer(tokenizer_dir)
@@ -129,6 +131,7 @@ def _run(tokenizer_dir: Path, config_cls, trainer_cls, *, lora: bool, model_path
                               train_dataset=Dataset.from_dict(_pairs(24, seed=0)),
                               eval_dataset=Dataset.from_dict(_pairs(8, seed=1)),
                               processing_class=tokenizer, peft_config=_lora_config() if lora else None)
+        watched = watch(trainer) if watch is not None else None
         trainer.train()
         evaluation = trainer.evaluate()
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -136,6 +139,7 @@ def _run(tokenizer_dir: Path, config_cls, trainer_cls, *, lora: bool, model_path
     metrics |= {name: evaluation[name] for name in EVAL_METRICS}
     facts = _reference_facts(trainer)
     facts["logs"], facts["evaluation"] = logs, evaluation  # every logged figure, for the layouts compared in full
+    facts["watched"] = watched
     dims = getattr(trainer, "dims", None)
     facts["layout"] = (trainer.accelerator.num_processes, dims.dp_shard if dims is not None else None)
     return metrics, _full_state(trainer), facts

@@ -56,6 +56,26 @@ def _dpo(folder: Path, config_cls, trainer_cls, lora: bool, **fields):
                          **fields)
 
 
+def _sequence_split(trainer) -> list[tuple[str, bool, float]]:
+    """Records, at every forward of the policy's and the reference's last decoder layer, (which model, grad enabled,
+    the layer's sequence length / the input_ids' length): 0.5 where the forward ran on this rank's half."""
+    from hf_dist.models.peft_utils import unwrap_peft
+
+    seen: list[tuple[str, bool, float]] = []
+    models = {"policy": unwrap_peft(trainer.model)}
+    if trainer.ref_model is not None:
+        models["reference"] = trainer.ref_model
+    for name, model in models.items():
+        lengths = {}
+        model.get_input_embeddings().register_forward_pre_hook(
+            lambda module, args, lengths=lengths: lengths.update(full=args[0].shape[1]))
+        model.model.layers[-1].register_forward_pre_hook(
+            lambda module, args, kwargs, name=name, lengths=lengths: seen.append(
+                (name, torch.is_grad_enabled(), (args[0] if args else kwargs["hidden_states"]).shape[1] /
+                 lengths["full"])), with_kwargs=True)
+    return seen
+
+
 def _rank_runs(rank, world_size, folder):
     from hf_dist.trainer.dpo import DistDPOConfig, DistDPOTrainer
     from hf_dist.trainer.grpo import DistGRPOConfig, DistGRPOTrainer
@@ -63,7 +83,7 @@ def _rank_runs(rank, world_size, folder):
     results = {}
     for name, (lora, fields) in DPO.items():
         results[name] = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
-                             per_device_train_batch_size=4, **fields)
+                             per_device_train_batch_size=4, watch=_sequence_split, **fields)
     for name, (lora, sample) in GRPO.items():
         results[name] = test_grpo._run(folder, DistGRPOConfig, DistGRPOTrainer, lora=lora, sample=sample, tp_size=2,
                                        global_batch_size=test_grpo.GLOBAL_BATCH, per_device_train_batch_size=2)
@@ -140,6 +160,12 @@ def test_dpo_tp2_and_cp2_match_one_process(references, distributed, name):
                                        msg=key)
         _same_state(state, ref_state)
         assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
+        split = set(facts["watched"])
+        if "cp_size" in fields:  # training forwards (the policy's, the reference's) on half of each sequence
+            reference = ("policy", False, 0.5) if lora else ("reference", False, 0.5)
+            assert {("policy", True, 0.5), reference} <= split and ("policy", True, 1.0) not in split
+        else:
+            assert {ratio for _, _, ratio in split} == {1.0}
         if lora:
             assert "ref_trainable" not in facts
             continue

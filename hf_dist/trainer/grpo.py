@@ -156,5 +156,18 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
             # TRL seeds each process apart (seed + process index) so that ranks sample different completions; the TP
             # ranks of one data-parallel rank share its batch and must sample and shuffle it alike, as one process
             set_seed(self.args.seed + self.dims.dp_rank(dist.get_rank()))
+
+    def _generate(self, *args, **kwargs):
+        """TRL's, with the tokens it adds to ``num_input_tokens_seen`` (and logs as ``num_tokens``) counted once per
+        data-parallel rank: it gathers each rank's token counts over every process, which counts a batch that the
+        ranks of one TP group share once per rank of the group. (A private TRL method: should TRL stop calling it,
+        ``tests/test_trl_model_parallel.py`` compares ``num_tokens`` with one process.)"""
+        seen = self.state.num_input_tokens_seen
+        outputs = super()._generate(*args, **kwargs)
+        share = self.dims.world_size // self.dims.dp  # ranks reading one batch
+        if share > 1 and self.state.num_input_tokens_seen != seen:
+            self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // share
+            self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
+        return outputs
         if self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
