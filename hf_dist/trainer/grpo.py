@@ -152,6 +152,8 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
         if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
             args = DistGRPOConfig(output_dir=default_output_dir(model, suffix="GRPO"))
         super().__init__(model, reward_funcs, as_dist_grpo_config(args), *positional, **kwargs)
+        if self.ref_model is not None:
+            self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
         if self.dims.tp_enabled:
             # TRL seeds each process apart (seed + process index) so that ranks sample different completions; the TP
             # ranks of one data-parallel rank share its batch and must sample and shuffle it alike, as one process
@@ -169,5 +171,3 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
             self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // share
             self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
         return outputs
-        if self.ref_model is not None:
-            self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
