@@ -161,6 +161,9 @@ def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = Fa
     if trainer.ref_model is not None:
         in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
         facts["ref_frozen"] = not any(p.requires_grad or id(p) in in_optimizer for p in trainer.ref_model.parameters())
+        params = list(trainer.ref_model.parameters())  # the share of the reference this rank holds
+        facts["ref_local_fraction"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                          for p in params) / sum(p.numel() for p in params)
     return metrics, _full_state(trainer), generated, facts
 
 
