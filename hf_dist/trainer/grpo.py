@@ -46,6 +46,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.data import dp_gather
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
 from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
@@ -145,6 +146,17 @@ def as_dist_grpo_config(args: TrainingArguments | None) -> DistGRPOConfig | None
     return as_config(args, DistGRPOConfig, drop=("generation_batch_size",))
 
 
+class _DataParallelRank:
+    """The trainer's accelerator seen as one data-parallel rank: ``process_index`` is the dp rank (which slice of the
+    dp-gathered batch is this rank's); everything else is the accelerator's."""
+
+    def __init__(self, accelerator, dp_rank: int) -> None:
+        self._accelerator, self.process_index = accelerator, dp_rank
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
 class DistGRPOTrainer(GRPOTrainer, DistTrainer):
     """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, LoRA) and batch contract."""
 
@@ -158,6 +170,25 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
             # TRL seeds each process apart (seed + process index) so that ranks sample different completions; the TP
             # ranks of one data-parallel rank share its batch and must sample and shuffle it alike, as one process
             set_seed(self.args.seed + self.dims.dp_rank(dist.get_rank()))
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        """TRL's, with the rewards gathered once per data-parallel rank where ranks share a batch (TP): TRL gathers
+        them over every process and keeps this process's slice, so the ranks of one TP group would each add a copy
+        of their batch, and the batch-wide reward statistics (``scale_rewards="batch"``'s advantages, ``reward_std``,
+        ``rewards/<func>/std``) would be those of the copies. (Private TRL members: TRL's module-level ``gather``
+        and the accelerator's ``process_index``, replaced for the call only; ``tests/test_trl_model_parallel.py``
+        compares every metric with one process.)"""
+        if self.dims.world_size == self.dims.dp:
+            return super()._generate_and_score_completions(*args, **kwargs)
+        import trl.trainer.grpo_trainer as trl_grpo
+
+        accelerator, gather = self.accelerator, trl_grpo.gather
+        self.accelerator = _DataParallelRank(accelerator, self.dims.dp_rank(dist.get_rank()))
+        trl_grpo.gather = dp_gather(self.dims)
+        try:
+            return super()._generate_and_score_completions(*args, **kwargs)
+        finally:
+            self.accelerator, trl_grpo.gather = accelerator, gather
 
     def _generate(self, *args, **kwargs):
         """TRL's, with the tokens it adds to ``num_input_tokens_seen`` (and logs as ``num_tokens``) counted once per
