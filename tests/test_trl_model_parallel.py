@@ -10,9 +10,10 @@ are gathered over the two ranks before TRL sums them. GRPO: ``test_grpo``'s tiny
 Each rank reads the whole batch (one TP or CP group, no data parallelism), so every logged figure (losses, rewards
 and margins, log-probs, kl, entropy, clip ratios, token counts, grad norm) and every weight after the steps must
 equal one process within 1e-5, and GRPO's completions must equal one process token for token, greedy and sampled
-with a fixed seed (the TP ranks draw as one process does: seeded by their data-parallel rank). The policy's decoder
-blocks hold only their shards at every no-grad forward (generation, old and reference log-probabilities): nothing
-gathers the model.
+with a fixed seed (the TP ranks draw as one process does: seeded by their data-parallel rank; the sampled run scales
+advantages by the whole batch's reward std, which TRL would take over a copy of the batch per TP rank). The policy's
+decoder blocks hold only their shards at every no-grad forward (generation, old and reference log-probabilities):
+nothing gathers the model.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TIMING_KEYS = ("step_time", "_runtime", "_samples_per_second", "_steps_per_secon
 DPO = {"dpo_tp": (False, {"tp_size": 2}), "dpo_tp_lora": (True, {"tp_size": 2}),  # name -> (lora, fields)
        "dpo_cp": (False, {"cp_size": 2}), "dpo_cp_lora": (True, {"cp_size": 2})}
 GRPO = {"grpo_tp": (False, False), "grpo_tp_lora": (True, False), "grpo_tp_sampled": (False, True)}  # (lora, sample)
+SAMPLED = {"scale_rewards": "batch"}  # sampled: non-zero advantages, scaled by the whole batch's reward std
 
 
 def _qwen3_folder(folder: Path) -> Path:
@@ -86,7 +88,8 @@ def _rank_runs(rank, world_size, folder):
                              per_device_train_batch_size=4, watch=_sequence_split, **fields)
     for name, (lora, sample) in GRPO.items():
         results[name] = test_grpo._run(folder, DistGRPOConfig, DistGRPOTrainer, lora=lora, sample=sample, tp_size=2,
-                                       global_batch_size=test_grpo.GLOBAL_BATCH, per_device_train_batch_size=2)
+                                       global_batch_size=test_grpo.GLOBAL_BATCH, per_device_train_batch_size=2,
+                                       **(SAMPLED if sample else {}))
     return results
 
 
@@ -107,7 +110,8 @@ def references(folder):
                           gradient_accumulation_steps=2, use_cpu=True) for lora in (False, True)}
     for name, (lora, sample) in GRPO.items():
         results[name] = test_grpo._run(folder, GRPOConfig, GRPOTrainer, lora=lora, sample=sample, use_cpu=True,
-                                       per_device_train_batch_size=2, gradient_accumulation_steps=4)
+                                       per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                       **(SAMPLED if sample else {}))
     return results
 
 
