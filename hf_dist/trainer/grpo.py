@@ -22,9 +22,9 @@ stepping until all are done (``synced_gpus``), because a block's gather is a col
 measures the gathered blocks.
 
 Under TP (every rank in one TP group) the reference is sharded with the policy's plan and ``generate`` runs the
-TP-sharded policy, each rank holding its shards throughout. The TP ranks read the same prompts, so they are seeded by
-their data-parallel rank (TRL seeds each process apart) and the generation batch is counted over the dp ranks
-(``generation_batch_over_dp``): they sample and shuffle alike, as one process does.
+TP-sharded policy, each rank holding its shards throughout. The TP ranks read the same prompts, so what TRL counts
+per process is counted per dp rank: the seeds (TRL seeds each process apart; the TP ranks sample and shuffle alike,
+as one process does), the generation batch (``generation_batch_over_dp``), the gathered rewards and the token count.
 
 What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trainer.trl_layout``'s rules, called from
 ``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2 (``tests/test_grpo.py``) and TP as one
