@@ -230,3 +230,25 @@ def test_model_parallel_beyond_what_is_proven_is_refused_before_any_process_grou
     with pytest.raises(ValueError, match=message):
         config_cls(output_dir=str(tmp_path), use_cpu=True, **fields)
     assert not dist.is_initialized()
+
+
+def test_grpo_generation_batch_is_counted_over_dp_ranks():
+    """TRL counts a generation batch over every process; under TP it is counted over the dp ranks, keeping what was
+    given (the size, or the steps), and a size the dp ranks cannot split evenly is refused."""
+    from types import SimpleNamespace
+
+    from hf_dist.strategy import Layout
+    from hf_dist.trainer.grpo import generation_batch_over_dp
+
+    def args(**fields):
+        layout = Layout(strategy="ddp", num_gpus=4, tp=2)  # dp = 2
+        return SimpleNamespace(layout=layout, per_device_train_batch_size=2, **fields)
+
+    given_size = args(generation_batch_size=16, steps_per_generation=2)  # TRL's 16 / (2 x 4 processes)
+    generation_batch_over_dp(given_size, size_given=True)
+    assert given_size.steps_per_generation == 4  # 16 / (2 x 2 dp ranks)
+    given_steps = args(generation_batch_size=24, steps_per_generation=3)  # TRL's 2 x 4 processes x 3
+    generation_batch_over_dp(given_steps, size_given=False)
+    assert given_steps.generation_batch_size == 12  # 2 x 2 dp ranks x 3
+    with pytest.raises(ValueError, match=r"generation_batch_size=6 must be divisible by .* 2 x 2 .* multiple of 4"):
+        generation_batch_over_dp(args(generation_batch_size=6, steps_per_generation=1), size_given=True)
