@@ -2,7 +2,8 @@
 
 ``dpo_layout_refusal`` / ``grpo_layout_refusal`` say why ``DistDPOTrainer`` / ``DistGRPOTrainer`` do not run a
 ``hf_dist.strategy.Layout`` (with the config's options, ``args``; None: TRL's defaults), or None: the layouts their
-parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full fine-tune and LoRA). The trainers call them
+parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP; TP, and for DPO CP, with every rank in one group;
+full fine-tune and LoRA). The trainers call them
 before any process group (``hf_dist.trainer.trl_layout.check_trl_layout``), ``hf-dist plan --trainer`` before
 proposing a layout (``trainer_layout_refusal``). Pure: no torch, no TRL import.
 
@@ -30,9 +31,11 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
     sizes = {"tp_size": layout.tp, "pp_size": layout.pp, "cp_size": layout.cp, "ep_size": layout.ep}
     trainer = config.replace("Config", "Trainer")
     for name in MODEL_PARALLEL_SIZES:
-        if sizes[name] > 1:
+        if sizes[name] > 1 and name in model_parallel:
             return (f"{name}={sizes[name]} in {config}: {model_parallel[name]}, and {trainer} has no parity test for "
                     f"it yet; {_FIX}")
+    if (layout.tp > 1 or layout.cp > 1) and (why := _model_parallel_refusal(layout, config, trainer)) is not None:
+        return why
     if layout.is_deepspeed:
         return (f"DeepSpeed {layout.strategy} with {config}: the reference would be prepared by TRL's DeepSpeed path, "
                 f"which no {trainer} parity test covers yet; {_FIX}")
@@ -49,13 +52,41 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
     return None
 
 
+def fused_lm_head_refusal(*, tp: int, sequence_parallel: bool, vocab_parallel: bool, config: str) -> str | None:
+    """Why TRL's fused LM head does not run with these TP options (pure), or None. It multiplies plain hidden states
+    by the whole ``lm_head`` weight; hf_dist's default TP plan keeps both whole (replicated on every TP rank), and
+    these two options shard them."""
+    for name, value in (("tp_vocab_parallel", vocab_parallel), ("tp_sequence_parallel", sequence_parallel)):
+        if value and tp > 1:
+            return (f"{name}=True with tp_size={tp} in {config}: TRL's fused LM head needs the whole lm_head weight "
+                    f"and hidden states, which {name.removeprefix('tp_')} parallelism shards; drop --{name} (the "
+                    f"decoder blocks stay tensor-parallel)")
+    return None
+
+
+def _model_parallel_refusal(layout: Layout, config: str, trainer: str) -> str | None:
+    """Why a TRL trainer with a frozen reference does not run this TP or CP layout, or None. What runs is what
+    ``tests/test_trl_model_parallel.py`` proves: every rank in one TP group, or one CP group (DPO), with no data
+    parallelism beside it; under TP the default plan (whole lm_head); full fine-tune and LoRA."""
+    if (why := fused_lm_head_refusal(tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                     vocab_parallel=layout.vocab_parallel, config=config)) is not None:
+        return why
+    if layout.tp > 1 and layout.cp > 1:
+        return (f"tp_size={layout.tp} with cp_size={layout.cp} in {config}: {trainer} has no parity test for the two "
+                f"together yet; use one of them")
+    name, size = ("tp_size", layout.tp) if layout.tp > 1 else ("cp_size", layout.cp)
+    if layout.is_fsdp or layout.is_deepspeed or layout.dp > 1:
+        engine = f"{layout.strategy} over {layout.dp} data-parallel rank(s)"
+        return (f"{name}={size} with {engine} in {config}: {trainer} runs {name.removesuffix('_size')} with every rank "
+                f"in one group (world size {layout.world_size} = {name} x 1) and has no parity test beside data "
+                f"parallelism or a sharded engine yet; launch {name} processes without FSDP2/DeepSpeed, or drop "
+                f"{name} and shard with FSDP2")
+    return None
+
 
 _DPO_MODEL_PARALLEL = {
-    "tp_size": "tensor parallelism shards lm_head and hidden states, which TRL's fused LM head multiplies whole to "
-               "sum each sequence's log-probabilities (a vocabulary-parallel log-softmax is needed)",
     "pp_size": "the policy and reference forwards run TRL's fused LM head over the whole model and the "
                "chosen/rejected log-probability sums exist only on the last stage",
-    "cp_size": "each sequence's log-probability sum would cross the cp ranks' sequence shards",
     "ep_size": "experts are exchanged all-to-all in the policy and would have to be in the frozen reference as well",
 }
 _REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_dist's fully_shard is not "
@@ -65,14 +96,13 @@ _DPO_FSDP2_OPTIONS = {"precompute_ref_log_probs": _REFERENCE_UNDER_FSDP, "sync_r
 
 def dpo_layout_refusal(layout: Layout, args=None) -> str | None:
     """Why DPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_dpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    ``tests/test_dpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one process: DDP, FSDP2
+    FULL_SHARD / SHARD_GRAD_OP, TP or CP as one group, full and LoRA."""
     return trl_layout_refusal(layout, args, config="DistDPOConfig", model_parallel=_DPO_MODEL_PARALLEL,
                               fsdp2_options=_DPO_FSDP2_OPTIONS)
 
 
 _GRPO_MODEL_PARALLEL = {
-    "tp_size": "generation and the per-token log-probabilities run TRL's fused LM head, which multiplies whole hidden "
-               "states by the whole lm_head weight that tensor parallelism shards",
     "pp_size": "generation runs the whole model's forward once per new token on every rank, and a pipeline splits "
                "the model over stages (there is no pipelined generate)",
     "cp_size": "generation grows each sequence one token at a time on one rank, which context parallelism splits "
@@ -92,7 +122,8 @@ _GRPO_FSDP2_OPTIONS = {
 
 def grpo_layout_refusal(layout: Layout, args=None) -> str | None:
     """Why GRPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_grpo.py`` proves against one process: DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP, full and LoRA."""
+    ``tests/test_grpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one process: DDP, FSDP2
+    FULL_SHARD / SHARD_GRAD_OP and TP as one group, full and LoRA."""
     return trl_layout_refusal(layout, args, config="DistGRPOConfig", model_parallel=_GRPO_MODEL_PARALLEL,
                               fsdp2_options=_GRPO_FSDP2_OPTIONS)
 

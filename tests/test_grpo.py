@@ -161,6 +161,9 @@ def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = Fa
     if trainer.ref_model is not None:
         in_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
         facts["ref_frozen"] = not any(p.requires_grad or id(p) in in_optimizer for p in trainer.ref_model.parameters())
+        params = list(trainer.ref_model.parameters())  # the share of the reference this rank holds
+        facts["ref_local_fraction"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                          for p in params) / sum(p.numel() for p in params)
     return metrics, _full_state(trainer), generated, facts
 
 
@@ -328,7 +331,6 @@ def test_global_batch_counts_completions(tmp_path):
 
 
 REFUSED = [  # (fields, environment, what the message must say)
-    ({"tp_size": 2}, {}, r"tp_size=2 in DistGRPOConfig: generation .* drop it and shard with FSDP2"),
     ({"pp_size": 2}, {}, r"pp_size=2 in DistGRPOConfig: .*no pipelined generate.* drop it and shard with FSDP2"),
     ({"cp_size": 2}, {}, r"cp_size=2 in DistGRPOConfig: .*cp ranks.* drop it and shard with FSDP2"),
     ({"ep_size": 2}, {}, r"ep_size=2 in DistGRPOConfig: .*reference.* drop it and shard with FSDP2"),

@@ -180,8 +180,12 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     """
     from hf_dist.models.peft_utils import unwrap_peft
 
+    if context_parallel_state(model) is not None:
+        raise ValueError(f"{type(model).__name__} splits sequences already; apply context parallelism once")
     config = unwrap_peft(model).config
-    state = ContextParallelState(group, config._attn_implementation or "eager")
+    # a model loaded with a context-parallel attention name (TRL builds a DPO reference with its policy's) has the
+    # name only, not the split: wrap the implementation the name wraps
+    state = ContextParallelState(group, (config._attn_implementation or "eager").removeprefix(CP_PREFIX))
     config._attn_implementation = register(state.inner)
     for module in model.modules():
         if type(module).__name__.endswith("Attention"):

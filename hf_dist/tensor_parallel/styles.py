@@ -127,7 +127,8 @@ class ReplicatedWithGradReduce(ParallelStyle):
                 distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad,
             )
-            dist_param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            if dist_param.requires_grad:  # a frozen one (a DPO/GRPO reference's) has no gradient to sum
+                dist_param.register_post_accumulate_grad_hook(_reduce_partial_grad)
             module.register_parameter(param_name, dist_param)
 
     @staticmethod

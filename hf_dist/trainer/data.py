@@ -18,6 +18,24 @@ import functools
 import torch
 
 
+def dp_gather(dims):
+    """``accelerate.utils.gather`` for one tensor over the dp group only (each dp rank's tensor once, in dp-rank
+    order: the order of the data it holds); the tensor itself without data parallelism."""
+    import torch.distributed as dist
+
+    group = dims.get_mesh("dp").get_group() if dims.dp_enabled else None
+
+    def gather_tensor(t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous() if t.ndim else t.reshape(1)
+        if group is None:
+            return t
+        parts = [torch.empty_like(t) for _ in range(dims.dp)]
+        dist.all_gather(parts, t, group=group)
+        return torch.cat(parts)
+
+    return gather_tensor
+
+
 def dp_gather_for_metrics(trainer):
     """``Accelerator.gather_for_metrics`` over the dp group only.
 
@@ -30,12 +48,7 @@ def dp_gather_for_metrics(trainer):
 
     dims, state = trainer.dims, trainer.accelerator.gradient_state
     group = dims.get_mesh("dp").get_group() if dims.dp_enabled else None
-
-    def gather_tensor(t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous() if t.ndim else t.reshape(1)
-        parts = [torch.empty_like(t) for _ in range(dims.dp)]
-        dist.all_gather(parts, t, group=group)
-        return torch.cat(parts)
+    gather_tensor = dp_gather(dims)
 
     def gather_for_metrics(input_data, use_gather_object: bool = False):
         if group is None:

@@ -22,20 +22,31 @@ stepping until all are done (``synced_gpus``), because a block's gather is a col
 measures the gathered blocks.
 
 What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trl_support``, called from
-``DistGRPOConfig.__post_init__`` before any process group): DDP and FSDP2, full fine-tune and LoRA, with
-transformers' ``generate`` (``use_vllm=False``), each proven equal to one process in ``tests/test_grpo.py``.
+``DistGRPOConfig.__post_init__`` before any process group): DDP, FSDP2 and TP (every rank in one TP group),
+full fine-tune and LoRA, with transformers' ``generate`` (``use_vllm=False``), each proven equal to one process
+in ``tests/test_grpo.py`` and ``tests/test_trl_model_parallel.py``.
 
-Not here: vLLM or continuous-batching generation under FSDP2, TP/PP/CP/EP (refused); the layouts (``DistTrainer``).
+Under TP (every rank in one TP group) the reference is sharded with the policy's plan and ``generate`` runs the
+TP-sharded policy, each rank holding its shards throughout. The TP ranks read the same prompts, so what TRL counts
+per process is counted per dp rank: the seeds (TRL seeds each process apart; the TP ranks sample and shuffle alike,
+as one process does), the generation batch (``generation_batch_over_dp``), the gathered rewards and the token count.
+
+Not here: vLLM or continuous-batching generation under FSDP2, PP/CP/EP and TP beside data parallelism (refused); the
+layouts (``DistTrainer``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from accelerate.utils import set_seed
 from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
+from hf_dist.trainer.data import dp_gather
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
 from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_learning_rate, lay_out_reference, \
@@ -43,7 +54,7 @@ from hf_dist.trainer.trl_layout import as_config, check_trl_layout, default_trl_
 from hf_dist.trl_support import grpo_layout_refusal
 
 
-def generation_batch_from_contract(args) -> None:
+def generation_batch_from_contract(args, layout: Layout) -> None:
     """With ``global_batch_size`` and neither ``generation_batch_size`` nor ``steps_per_generation``, one generation
     batch is the global batch, which must hold whole prompt groups (pure; refuses before any process group)."""
     if args.global_batch_size is None or args.generation_batch_size is not None or \
@@ -56,9 +67,31 @@ def generation_batch_from_contract(args) -> None:
             f"global_batch_size={args.global_batch_size} counts completions (prompts x num_generations="
             f"{args.num_generations}) and must hold whole prompt groups; use global_batch_size in {nearest}, or "
             f"change num_generations")
-    # GRPOConfig derives steps_per_generation = generation_batch_size / (per-device batch x ranks): the accumulation
-    # the contract derives afterwards. Set now because GRPOConfig checks it before the contract exists.
-    args.generation_batch_size = args.global_batch_size
+    if layout.dp == layout.world_size:
+        # GRPOConfig derives steps_per_generation = generation_batch_size / (per-device batch x ranks): the
+        # accumulation the contract derives afterwards. Set now because GRPOConfig checks it before the contract.
+        args.generation_batch_size = args.global_batch_size
+    else:  # ranks share a batch (TP): the steps, as the contract will derive them; the size is recounted after
+        args.steps_per_generation = max(1, args.global_batch_size // (args.per_device_train_batch_size * layout.dp))
+
+
+def generation_batch_over_dp(args, size_given: bool) -> None:
+    """``GRPOConfig`` counts the generation batch over every process (``per_device_train_batch_size x world_size x
+    steps_per_generation``); where ranks share a batch (the TP ranks of one dp rank read the same prompts), it is
+    counted over the data-parallel ranks instead, keeping what was given (``size_given``: the size; else the
+    steps)."""
+    per_step = args.per_device_train_batch_size * args.layout.dp
+    if args.layout.dp == args.layout.world_size:
+        return
+    if not size_given:
+        args.generation_batch_size = per_step * args.steps_per_generation
+        return
+    if args.generation_batch_size % per_step:
+        raise ValueError(
+            f"generation_batch_size={args.generation_batch_size} must be divisible by per_device_train_batch_size x "
+            f"dp = {args.per_device_train_batch_size} x {args.layout.dp} (the ranks of one TP group read one batch); "
+            f"use a multiple of {per_step}")
+    args.steps_per_generation = args.generation_batch_size // per_step
 
 
 @dataclass
@@ -75,10 +108,12 @@ class DistGRPOConfig(DistTrainingArguments, GRPOConfig):
     remove_unused_columns: bool | None = trl_default(GRPOConfig, "remove_unused_columns")
 
     def __post_init__(self):
-        check_trl_layout(self, grpo_layout_refusal)
-        generation_batch_from_contract(self)
+        layout = check_trl_layout(self, grpo_layout_refusal)
+        generation_batch_from_contract(self, layout)
+        size_given = self.generation_batch_size is not None
         default_trl_learning_rate(self, GRPOConfig)
         super().__post_init__()
+        generation_batch_over_dp(self, size_given)
 
 
 def as_dist_grpo_config(args: TrainingArguments | None) -> DistGRPOConfig | None:
@@ -87,8 +122,19 @@ def as_dist_grpo_config(args: TrainingArguments | None) -> DistGRPOConfig | None
     return as_config(args, DistGRPOConfig, drop=("generation_batch_size",))
 
 
+class _DataParallelRank:
+    """The trainer's accelerator seen as one data-parallel rank: ``process_index`` is the dp rank (which slice of the
+    dp-gathered batch is this rank's); everything else is the accelerator's."""
+
+    def __init__(self, accelerator, dp_rank: int) -> None:
+        self._accelerator, self.process_index = accelerator, dp_rank
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
 class DistGRPOTrainer(GRPOTrainer, DistTrainer):
-    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, LoRA) and batch contract."""
+    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, LoRA) and batch contract."""
 
     def __init__(self, model, reward_funcs=None, args: TrainingArguments | None = None, *positional, **kwargs):
         if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
@@ -96,3 +142,39 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
         super().__init__(model, reward_funcs, as_dist_grpo_config(args), *positional, **kwargs)
         if self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
+        if self.dims.tp_enabled:
+            # TRL seeds each process apart (seed + process index) so that ranks sample different completions; the TP
+            # ranks of one data-parallel rank share its batch and must sample and shuffle it alike, as one process
+            set_seed(self.args.seed + self.dims.dp_rank(dist.get_rank()))
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        """TRL's, with the rewards gathered once per data-parallel rank where ranks share a batch (TP): TRL gathers
+        them over every process and keeps this process's slice, so the ranks of one TP group would each add a copy
+        of their batch, and the batch-wide reward statistics (``scale_rewards="batch"``'s advantages, ``reward_std``,
+        ``rewards/<func>/std``) would be those of the copies. (Private TRL members: TRL's module-level ``gather``
+        and the accelerator's ``process_index``, replaced for the call only; ``tests/test_trl_model_parallel.py``
+        compares every metric with one process.)"""
+        if self.dims.world_size == self.dims.dp:
+            return super()._generate_and_score_completions(*args, **kwargs)
+        import trl.trainer.grpo_trainer as trl_grpo
+
+        accelerator, gather = self.accelerator, trl_grpo.gather
+        self.accelerator = _DataParallelRank(accelerator, self.dims.dp_rank(dist.get_rank()))
+        trl_grpo.gather = dp_gather(self.dims)
+        try:
+            return super()._generate_and_score_completions(*args, **kwargs)
+        finally:
+            self.accelerator, trl_grpo.gather = accelerator, gather
+
+    def _generate(self, *args, **kwargs):
+        """TRL's, with the tokens it adds to ``num_input_tokens_seen`` (and logs as ``num_tokens``) counted once per
+        data-parallel rank: it gathers each rank's token counts over every process, which counts a batch that the
+        ranks of one TP group share once per rank of the group. (A private TRL method: should TRL stop calling it,
+        ``tests/test_trl_model_parallel.py`` compares ``num_tokens`` with one process.)"""
+        seen = self.state.num_input_tokens_seen
+        outputs = super()._generate(*args, **kwargs)
+        share = self.dims.world_size // self.dims.dp  # ranks reading one batch
+        if share > 1 and self.state.num_input_tokens_seen != seen:
+            self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // share
+            self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
+        return outputs

@@ -22,6 +22,7 @@ from trl.trainer.utils import get_config_model_id
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.trainer import DistTrainer
 from hf_dist.trainer.trl_layout import default_trl_learning_rate, trl_default
+from hf_dist.trl_support import fused_lm_head_refusal
 
 
 
@@ -36,15 +37,11 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
     logging_steps: float = trl_default(SFTConfig, "logging_steps")
 
     def __post_init__(self):
-        # before any process group: TRL's fused LM head (used for the loss and its metrics) multiplies plain hidden
-        # states by the whole lm_head weight, which these two TP options turn into sharded DTensors
-        for name in ("tp_vocab_parallel", "tp_sequence_parallel"):
-            if getattr(self, name) and self.tp_size > 1:
-                raise ValueError(
-                    f"{name}=True with tp_size={self.tp_size} in DistSFTConfig: TRL's fused LM head needs the whole "
-                    f"lm_head weight and hidden states, which {name.removeprefix('tp_')} parallelism shards; drop "
-                    f"--{name} (the decoder blocks stay tensor-parallel)"
-                )
+        # before any process group: TRL's fused LM head (used for the loss and its metrics) needs the whole lm_head
+        why = fused_lm_head_refusal(tp=self.tp_size, sequence_parallel=self.tp_sequence_parallel,
+                                    vocab_parallel=self.tp_vocab_parallel, config="DistSFTConfig")
+        if why is not None:
+            raise ValueError(why)
         if self.cp_size > 1:  # TRL's loss and metrics take whole-sequence labels against its own logits
             raise ValueError(
                 f"cp_size={self.cp_size} in DistSFTConfig: TRL's SFT loss and token-accuracy metrics compare the "
