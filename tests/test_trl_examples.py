@@ -1,6 +1,7 @@
 """The DPO and GRPO examples (``examples/dpo/train.py``, ``examples/grpo/train.py``) as a user runs them: ``torchrun
 --nproc-per-node 2`` on CPU (gloo) with the real SmolLM2-135M-Instruct, at a reduced setting (2 optimizer steps of a
-small global batch, short sequences, a checkpoint after each step).
+small global batch, short sequences, a checkpoint after each step), in the layout each runs by default (DPO: FSDP2,
+GRPO: DDP).
 
 Each example runs once uninterrupted. Then a second run starts from a copy of that output folder cut back to its
 step-1 checkpoint, as a run stopped after that checkpoint leaves it, and is launched again with
@@ -33,6 +34,7 @@ REDUCED = {  # example -> flags of the reduced setting (2 steps, each of 2 micro
     "grpo": ["--num_generations", "4", "--global_batch_size", "8", "--per_device_train_batch_size", "2",
              "--max_completion_length", "16", "--num_questions", "8"],
 }
+LAYOUT = {"dpo": "FSDP2 FULL_SHARD", "grpo": "DDP"}  # what each example runs by default
 PRINTED = {"dpo": ("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected"),
            "grpo": ("reward", "reward_std", "rewards/short_answer_reward/mean", "kl", "completions/mean_length")}
 
@@ -63,6 +65,8 @@ def test_example_runs_and_resumes_exactly(example, demo_model, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     printed = _launch(example, str(demo_model), whole)
     assert re.findall(r"^step +(\d)/2 ", printed, flags=re.M) == ["1", "2"], printed
+    assert re.search(r"^world size +2$", printed, flags=re.M), printed  # one training over 2 processes
+    assert re.search(rf"^layout +{LAYOUT[example]} ", printed, flags=re.M), printed
 
     # A run stopped after its step-1 checkpoint: that checkpoint and nothing the later step wrote.
     resumed.mkdir()

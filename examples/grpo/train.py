@@ -40,7 +40,7 @@ DEFAULTS: list[str] = [
     "--lr_scheduler_type", "constant", "--beta", "0.04", "--logging_steps", "1", "--save_strategy", "steps",
     "--save_steps", "8", "--fsdp2", "false", "--bf16", "false", "--gradient_checkpointing", "false",
     "--report_to", "none", "--seed", "0", "--data_seed", "0", "--disable_tqdm", "true",
-    "--dataloader_num_workers", "0",
+    "--dataloader_num_workers", "0", "--ddp_find_unused_parameters", "false",
 ]
 
 QUESTIONS: list[str] = [
