@@ -36,7 +36,8 @@ DEFAULTS: list[str] = [
     "--per_device_train_batch_size", "2", "--learning_rate", "1e-5", "--lr_scheduler_type", "constant",
     "--beta", "0.1", "--max_length", "128", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "10",
     "--fsdp2", "true", "--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none", "--seed", "0",
-    "--data_seed", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0", "--ddp_find_unused_parameters", "false",
+    "--data_seed", "0", "--disable_tqdm", "true", "--dataloader_num_workers", "0",
+    "--ddp_find_unused_parameters", "false",
 ]
 
 # (customer message, preferred reply, dispreferred reply)
