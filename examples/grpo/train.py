@@ -120,8 +120,6 @@ def main(argv: list[str]) -> int:
                               train_dataset=prompt_dataset(script.num_questions), processing_class=tokenizer,
                               callbacks=[PrintMetrics()])
     trainer.remove_callback(PrinterCallback)  # PrintMetrics' line instead of every metric TRL logs
-    if trainer.is_world_process_zero():
-        print(trainer.describe(), flush=True)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final_dir = Path(args.output_dir) / "final"
     trainer.save_model(str(final_dir))
