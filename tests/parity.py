@@ -32,7 +32,7 @@ from hf_dist.models.reference import reference_step, split_rows
 
 __all__ = [
     "CP_CASES", "EP_PP_CASES", "MOE_ADAMW", "PP_ADAMW", "Recipe", "TP_MOE_CASES", "assert_parity", "case_type",
-    "cases", "default_fields", "matrix", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
+    "cases", "default_fields", "masked_batches", "matrix", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
 
 # -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
@@ -185,6 +185,18 @@ def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict
     return split_rows(batch, world)[rank]
 
 
+def masked_batches(vocab: int, seq: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Fresh rows every step (seeded by the step): 4 right-padded rows of lengths ``seq``, ``seq - 5``, ``seq // 2``,
+    ``seq - 1``, labels ``-100`` on the padding (the micro-batches count different tokens)."""
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(step))
+        lengths = torch.tensor([seq, seq - 5, seq // 2, seq - 1])
+        mask = (torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
 def reference_run(model, steps: Sequence[Sequence[Mapping[str, torch.Tensor]]], recipe: Recipe, *,
                   aux: bool = True, grads: bool = False) -> dict:
     """Train ``model`` in this process: each step runs its micro-batches through ``reference_step`` (loss summed
@@ -221,10 +233,10 @@ def roles(names, config=None) -> dict[str, list[str]]:
 
 
 def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float = 0.0,
-                  state_atol: float | None = None, config=None, what: str = "") -> None:
+                  state_atol: float | None = None, state_rtol: float = 0.0, config=None, what: str = "") -> None:
     """``run`` equals ``ref``: losses within ``atol``; ``norms`` (when both have them) within ``rtol`` or 1e-5
-    relative; ``grads`` and ``state`` (whichever both have) every tensor within ``state_atol`` (default ``atol``),
-    with the same keys. ``config``: also require a norm weight (and, for a MoE config, a router and an expert
+    relative; ``grads`` and ``state`` (whichever both have) every tensor within ``state_atol`` (default ``atol``)
+    and ``state_rtol``, with the same keys. ``config``: also require a norm weight (and, for a MoE config, a router and an expert
     weight) among the compared keys."""
     label = f"{what}: " if what else ""
     assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64),
@@ -240,7 +252,7 @@ def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float
         got, want = run[key], ref[key]
         assert set(got) == set(want), f"{label}{key} keys differ: {sorted(set(got) ^ set(want))}"
         for name, value in want.items():
-            assert_close(torch.as_tensor(got[name]).to(value.dtype), value, atol=tol, rtol=0,
+            assert_close(torch.as_tensor(got[name]).to(value.dtype), value, atol=tol, rtol=state_rtol,
                          msg=lambda m, name=name: f"{label}{key} {name}: {m}")
         compared.extend(want)
     assert compared, f"{label}neither gradients nor parameters compared"
