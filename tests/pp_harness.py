@@ -1,5 +1,4 @@
-"""Shared pieces of the pipeline-parallel tests: the tiny model, padded batches, and the single-process reference
-(``tests/parity.py``'s, run on whole batches).
+"""Shared pieces of the pipeline-parallel tests: the tiny model, padded batches, and the single-process reference.
 
 Imported by ``test_pp_*.py`` and by the spawned ranks (so everything here is importable at module level).
 """
@@ -73,13 +72,18 @@ def portable(state: dict[str, torch.Tensor] | None) -> dict | None:
 
 
 def reference_run(model, steps: list[dict[str, torch.Tensor]], max_norm: float = MAX_NORM):
-    """One process, whole global batch per step (the parity harness's reference, ``parity.reference_run``): (losses,
-    grad norms, final state dict)."""
-    from parity import Recipe
-    from parity import reference_run as one_process
-
-    out = one_process(model, [[batch] for batch in steps], Recipe(lr=LR, max_norm=max_norm))
-    return out["losses"], out["norms"], out["state"]
+    """One process, whole global batch per step: (losses, grad norms, final state dict)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    losses, norms = [], []
+    for batch in steps:
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def pipelined_run(pipe, steps: list[dict[str, torch.Tensor]], dp_rank: int, dp: int, max_norm: float = MAX_NORM):
