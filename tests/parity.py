@@ -10,8 +10,8 @@
 - ``reference_run(model, steps)``: the one-process reference trainer. Each step is a list of micro-batches run by
   ``hf_dist.models.reference.reference_step``, the reference the before-launch layout canary uses, so the tests
   and the canary define "one process" (the MoE router aux loss per micro-batch included) the same way.
-- ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients),
-  router, norm and expert weights named so a comparison that skipped them fails.
+- ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
+  the same keys on both sides, router and expert weights named so a comparison that skipped them fails.
 - ``matrix()``: the (model type, parallelism) cells the harness has cases for, generated from the case lists
   below; every cell the registry calls proven must be one of them.
 
@@ -31,8 +31,9 @@ from hf_dist.families import family, num_experts, text_config
 from hf_dist.models.reference import reference_step, split_rows
 
 __all__ = [
-    "CP_CASES", "EP_PP_CASES", "MOE_ADAMW", "PP_ADAMW", "Recipe", "TP_MOE_CASES", "assert_parity", "case_type",
-    "cases", "default_fields", "masked_batches", "matrix", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
+    "CP_CASES", "EP_PP_CASES", "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
+    "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
 
 # -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
@@ -220,24 +221,25 @@ def reference_run(model, steps: Sequence[Sequence[Mapping[str, torch.Tensor]]], 
 
 # -- the one comparison -------------------------------------------------------------------------------------
 
-ROLES = {"norm": ("norm", "ln_"), "router": ("router", ".gate.", "mlp.gate"), "expert": ("experts",)}
-"""Parameter-name parts of the weights a comparison must reach: a router or norm gradient can be wrong while the
-loss looks right."""
+ROLES = {"router": ("router", ".gate."), "expert": ("experts",)}
+"""Parameter-name parts of the MoE weights a comparison must reach: a router gradient can be wrong while the loss
+looks right. (Norms need no rule: every key of the reference is compared, and a model may have no norm weights,
+OLMo's LayerNorm.)"""
 
 
-def roles(names, config=None) -> dict[str, list[str]]:
-    """The names among ``names`` of each role in ``ROLES`` (router and expert only for a config with experts)."""
-    experts = config is None or num_experts(config) is not None
-    return {role: [n for n in names if any(part in n for part in parts)]
-            for role, parts in ROLES.items() if role == "norm" or experts}
+def roles(names, config) -> dict[str, list[str]]:
+    """The names among ``names`` of each role in ``ROLES``; empty for a config without routed experts."""
+    if num_experts(config) is None:
+        return {}
+    return {role: [n for n in names if any(part in n for part in parts)] for role, parts in ROLES.items()}
 
 
 def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float = 0.0,
                   state_atol: float | None = None, state_rtol: float = 0.0, config=None, what: str = "") -> None:
     """``run`` equals ``ref``: losses within ``atol``; ``norms`` (when both have them) within ``rtol`` or 1e-5
     relative; ``grads`` and ``state`` (whichever both have) every tensor within ``state_atol`` (default ``atol``)
-    and ``state_rtol``, with the same keys. ``config``: also require a norm weight (and, for a MoE config, a router and an expert
-    weight) among the compared keys."""
+    and ``state_rtol``, with the same keys. ``config``: for a MoE config, also require a router and an expert weight
+    among the compared keys (a state filtered before the call fails)."""
     label = f"{what}: " if what else ""
     assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64),
                  atol=atol, rtol=rtol, msg=lambda m: f"{label}losses: {m}")
