@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.testing import assert_close
@@ -162,23 +163,25 @@ class Recipe:
     """The optimizer steps a parity test runs on both sides."""
 
     lr: float
-    optimizer: str = "adamw"
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     """``adamw`` or ``sgd`` (plain SGD: parameters after it compare gradients; AdamW amplifies rounding noise)."""
-    weight_decay: float = 0.0
+    weight_decay: float | None = None
+    """None: the optimizer's own default (AdamW 0.01, SGD 0)."""
     max_norm: float | None = None
     """Clip the gradient norm to this (the norm is recorded per step); None: no clipping."""
 
     def optimizer_for(self, params):
+        decay = {} if self.weight_decay is None else {"weight_decay": self.weight_decay}
         if self.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+            return torch.optim.SGD(params, lr=self.lr, **decay)
+        return torch.optim.AdamW(params, lr=self.lr, **decay)
 
 
 MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 """The EP / MoE-TP tests: 3 AdamW steps, clipping active (``max_norm`` below every step's norm)."""
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
 PP_ADAMW = Recipe(lr=1e-3)
-"""The PP sweeps: AdamW, no clipping."""
+"""The PP sweeps: AdamW (its default weight decay), no clipping."""
 
 
 def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
