@@ -68,3 +68,13 @@ def test_rows_are_fresh_every_step_and_padding_is_unlabelled():
     assert not torch.equal(steps[0]["input_ids"], steps[1]["input_ids"])
     for step in steps:
         assert ((step["labels"] == -100) == (step["attention_mask"] == 0)).all()
+
+
+def test_a_model_loaded_from_disk_gives_the_same_reference(qwen3_moe):
+    """``tiny_model(loaded=True)`` (saved and read back with ``from_pretrained``, eval mode, as users load it):
+    the same weights, and the same reference run (aux loss included) as the model built from its config."""
+    first, _, _ = qwen3_moe
+    steps = [split_rows(batch, 2) for batch in token_batches(2, 4)]
+    loaded = tiny_model(moe_config("qwen3_moe"), loaded=True)
+    assert not loaded.training
+    assert_parity(reference_run(loaded, steps, MOE_ADAMW, grads=True), first, config=moe_config("qwen3_moe"))
