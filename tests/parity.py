@@ -48,10 +48,10 @@ EP_PP_CASES = ("qwen3_moe", "mixtral")
 
 
 LEFT_AT_DEFAULT: dict[tuple[str, str], tuple[str, ...]] = {
-    **{(case, parallelism): ("window",) for parallelism, names in (
+    (case, parallelism): ("window",) for parallelism, names in (
         ("tp", ("qwen3_moe", "mixtral")), ("pp", ("qwen3_moe", "mixtral")), ("ep_pp", ("qwen3_moe", "mixtral")),
         ("ep", ("qwen3_moe", "mixtral", "dots1", "laguna", "mellum", "minimax", "nemotron_h", "phimoe",
-                "qwen2_moe", "zaya"))) for case in names},
+                "qwen2_moe", "zaya"))) for case in names
 }
 """(case, parallelism) -> the registry's field groups (``Family.parity_fields``) its config leaves at the default: known
 gaps, each to be closed by a case value (and its test run), never added to. ``tests/test_families.py`` fails when a
@@ -104,22 +104,21 @@ def tiny_config(case: str, parallelism: str | None = None):
 
     Routed-expert types (the registry's ``moe`` kind, and hybrids proven for EP) take ``ep_cases``' router values
     (aux loss on, non-default top-k) for EP and TP, ``pp_sweep_cases.MOE`` (4 layers, 2 per stage) for PP; other
-    types the PP sweep's values for PP and the TP sweep's otherwise; ``type:variant`` cases come from the table
-    that names them.
+    types the PP sweep's values for PP and the TP sweep's otherwise (CP's long-sequence configs are
+    ``test_context_parallel``'s own); ``type:variant`` cases come from the table that names them. A MoE type with no
+    row in its table raises (``KeyError``): a claimed cell without a case fails ``tests/test_families.py``.
     """
     import pp_sweep_cases as pp
     import tp_sweep_cases as tp
     from ep_cases import moe_config
 
+    record = family(case_type(case))
     if parallelism == "pp":
         if case in pp.HYBRID:
             return pp.hybrid_config(case)
         if case in pp.NAMED:
             return pp.named_config(case)
-        if case in pp.MOE:
-            return pp.moe_config(case)
-        return pp.non_default_config(case)
-    record = family(case_type(case))
+        return pp.moe_config(case) if record.kind == "moe" else pp.non_default_config(case)
     if record.kind == "moe" or (parallelism in ("ep", "ep_pp") and record.proves("ep")):
         return moe_config(case)
     return tp.sweep_config(case)
