@@ -61,6 +61,8 @@ _MAMBA2_SIZES = {name: name for name in ("mamba_n_groups", "mamba_n_heads", "num
 # a type whose code fixes the experts per token: its parity cases cannot move it (phimoe's sparsemixer picks two;
 # zaya's config accepts one only)
 _FIXED_TOP_K = {group: names for group, names in PARITY_FIELDS.items() if group != "router"}
+# a config field its modeling code never reads (nemotron_h's sliding_window): nothing for a case to move
+_NO_WINDOW = {group: names for group, names in PARITY_FIELDS.items() if group != "window"}
 _GQA = dict(tp_replicated_kv=True, tp_sequence_parallel=True)  # separate q/k/v Linears, Llama's module names
 
 
@@ -170,7 +172,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("nanochat", tp=TP_SWEEP),
     _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model",  # transformers ships its TP plan
              pp_modules=_LAYERS_PP),
-    _hybrid("nemotron_h", ep=EP_TESTS, refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
+    _hybrid("nemotron_h", ep=EP_TESTS, parity_fields=_NO_WINDOW, refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
     _dense("olmo", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo2", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo3", tp=TP_SWEEP, pp=PP_SWEEP),
