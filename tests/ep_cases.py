@@ -28,11 +28,12 @@ _SPECS: dict[str, dict] = {
                     layer_types=_HALF),
     # shared expert behind a sigmoid gate; first layer dense (mlp_only_layers)
     "qwen2_moe": dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
-                      num_experts=4, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0]),
+                      num_experts=4, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0],
+                      use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "olmoe": dict(intermediate_size=24, num_experts=4, num_experts_per_tok=3, norm_topk_prob=True),
     # router jitter off: random noise has no one-process equal
     "phimoe": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
-                   input_jitter_noise=0.0),
+                   input_jitter_noise=0.0, sliding_window=8),
     "granitemoe": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=3),
     # Mamba mixer in layer 1, attention in layer 0; experts in layer 1 only (period 2)
     "jamba": dict(intermediate_size=24, num_experts=4, num_experts_per_tok=3, expert_layer_period=2,
@@ -44,7 +45,8 @@ _SPECS: dict[str, dict] = {
                          moe_layer_interval=1, use_bias=True),
     # lightning (linear) attention in layer 0, softmax attention in layer 1; residual alpha/beta non-default
     "minimax": dict(head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=3,
-                    layer_types=["linear_attention", "full_attention"], block_size=4, full_attn_alpha_factor=0.8,
+                    layer_types=["linear_attention", "full_attention"], sliding_window=8, block_size=4,
+                    full_attn_alpha_factor=0.8,
                     full_attn_beta_factor=1.2, linear_attn_alpha_factor=1.1, linear_attn_beta_factor=0.9,
                     mlp_alpha_factor=0.7, mlp_beta_factor=1.3),
     "flex_olmo": dict(intermediate_size=24, num_experts=4, num_experts_per_tok=3, norm_topk_prob=True),
@@ -61,7 +63,8 @@ _SPECS: dict[str, dict] = {
     # router logits soft-capped, routed output scaled, a shared expert
     "laguna": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                    num_experts=4, num_experts_per_tok=3, mlp_layer_types=["dense", "sparse"],
-                   moe_routed_scaling_factor=1.5, moe_router_logit_softcapping=5.0),
+                   moe_routed_scaling_factor=1.5, moe_router_logit_softcapping=5.0, sliding_window=8,
+                   layer_types=["full_attention", "sliding_attention"]),
     "qwen3_next": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                        num_experts=4, num_experts_per_tok=3, norm_topk_prob=False, **_GATED_DELTA),
     "qwen3_5_moe_text": dict(head_dim=8, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
@@ -129,7 +132,7 @@ _NO_AUX: dict[str, dict] = {
                   num_shared_experts=1, router_scaling_factor=1.5, mlp_layer_types=["dense", "sparse"]),
     "dots1": dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=3,
                   n_shared_experts=1, first_k_dense_replace=1, **_GROUPED, routed_scaling_factor=1.5,
-                  norm_topk_prob=False),
+                  norm_topk_prob=False, sliding_window=8, max_window_layers=1),
     "axk1": dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=3,
                  n_shared_experts=1, **_GROUPED, routed_scaling_factor=1.5, norm_topk_prob=False,
                  mlp_layer_types=["dense", "sparse"], **_MLA),
@@ -175,7 +178,8 @@ _NO_AUX: dict[str, dict] = {
                        n_shared_experts=1, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
                        num_experts_per_tok=3, routed_scaling_factor=1.5, **_GROUPED, norm_topk_prob=False),
     # ZAYA's config accepts num_experts_per_tok=1 only; its router is an MLP (router_hidden_size)
-    "zaya": dict(moe_intermediate_size=24, num_experts_per_tok=1, num_experts=4, head_dim=8, router_hidden_size=16),
+    "zaya": dict(moe_intermediate_size=24, num_experts_per_tok=1, num_experts=4, head_dim=8, router_hidden_size=16,
+                 layer_types=["hybrid", "hybrid_sliding"], sliding_window=8),
     "beam": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=3,
                  norm_topk_prob=False, layer_types=_HALF, sliding_window=8, mlp_layer_types=["dense", "sparse"],
                  **_GROUPED, routed_scaling_factor=1.5),

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
+from parity import CP_CASES, Recipe, assert_parity, reference_run
 
 SEQ, ROWS, STEPS, LR, VOCAB = 2048, 2, 3, 1e-3, 128
-MODELS = ("llama", "mistral", "gemma2", "qwen3")
+MODELS = CP_CASES
 PACKED_DOCS = ((700, 500, 848), (1000, 1048))
 """Document lengths of the two packed rows (each sums to SEQ)."""
 
@@ -79,17 +80,9 @@ def packed_batches() -> tuple[list[dict], list[list[dict]]]:
 
 
 def _train_reference(model, step_batches: list[list[dict]]) -> dict:
-    """One process: each step's token-mean loss over all of its sequences (unpacked documents included)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for sequences in step_batches:
-        count = sum(int(s["labels"][..., 1:].ne(-100).sum()) for s in sequences)
-        loss = sum(model(**s, num_items_in_batch=count).loss for s in sequences)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    """One process (the parity harness's reference): each step's token-mean loss over all of its sequences
+    (unpacked documents included)."""
+    return reference_run(model, step_batches, Recipe(lr=LR))
 
 
 def _train_cp(model_type: str, fsdp: bool, step_batches: list[dict], state: dict, world: int = 2, tp: int = 1,
@@ -173,9 +166,7 @@ def four_rank_runs():
 def test_four_rank_cp_products_equal_one_process(four_rank_runs, case):
     reference, results = four_rank_runs
     for got in (r[case] for r in results):
-        assert_close(torch.tensor(got["losses"]), torch.tensor(reference[case]["losses"]), atol=1e-5, rtol=1e-5)
-        for name, value in reference[case]["state"].items():
-            assert_close(got["state"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert_parity(got, reference[case], rtol=1e-5, state_rtol=1e-5, what=case)
 
 
 @pytest.mark.parametrize("model_type", MODELS)
@@ -184,17 +175,13 @@ def test_cp_equals_one_process(runs, model_type, fsdp):
     reference, results = runs
     for rank in (0, 1):
         got = results[rank][(model_type, fsdp)]
-        assert_close(torch.tensor(got["losses"]), torch.tensor(reference[model_type]["losses"]), atol=1e-5, rtol=1e-5)
-        for name, value in reference[model_type]["state"].items():
-            assert_close(got["state"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{model_type} {name}: {m}")
+        assert_parity(got, reference[model_type], rtol=1e-5, state_rtol=1e-5, what=f"rank {rank} {model_type}")
 
 
 def test_packed_with_cp_equals_documents_unpacked(runs):
     reference, results = runs
     got = results[0][("packed", False)]
-    assert_close(torch.tensor(got["losses"]), torch.tensor(reference["packed"]["losses"]), atol=1e-5, rtol=1e-5)
-    for name, value in reference["packed"]["state"].items():
-        assert_close(got["state"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_parity(got, reference["packed"], rtol=1e-5, state_rtol=1e-5, what="packed")
 
 
 def test_sliding_window_bites_at_this_length():

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from ep_cases import moe_config
+from parity import EP_PP_CASES, assert_parity
 from trainer_harness import VOCAB, as_loaded, train_tiny
 
-CASES = ("qwen3_moe", "mixtral")
-"""The model types whose records prove ``ep_pp`` (``tests/test_families.py`` keeps them equal)."""
+CASES = EP_PP_CASES
 FLAVOURS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "ddp": {}}
 STEPS, AUX, MAX_NORM = 3, 0.1, 0.5
 BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8, max_grad_norm=MAX_NORM)
@@ -31,8 +32,6 @@ RESUMED, SAVE_AT = ("qwen3_moe", "fsdp2"), 2
 
 
 def _model(name: str, aux: float = AUX):
-    from ep_cases import moe_config
-
     from hf_dist.models.tiny import build_tiny_model
 
     config = moe_config(name, aux=aux)
@@ -100,9 +99,9 @@ def test_ep_pp_equals_one_process(runs, references, name, flavour):
         assert (ep, pp) == (2, 2) and sharded, rank  # each rank holds 2 of the 4 experts of its stage's layers
         assert len(losses) == STEPS and min(norms) > MAX_NORM  # clipping active on every step
         torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-    params = results[0][0][(name, flavour)][2]
-    assert set(params) == set(ref_params)
-    torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=0)
+    losses, _, params, *_ = results[0][0][(name, flavour)]
+    assert_parity({"losses": losses, "state": params}, {"losses": ref_losses, "state": ref_params},
+                  config=moe_config(name), what=f"{name} {flavour}")
 
 
 def test_the_layout_canary_agreed_on_every_run(runs):

@@ -9,48 +9,30 @@ mixtral at ep=2 with expert-FSDP degree 2 (experts sharded, or their gradients s
 3 AdamW steps with gradient clipping active (``MAX_NORM`` below every step's norm, so the norm over the dense and
 expert meshes decides the update).
 
-The reference is one process that runs the same micro-batches per step (each rank's slice of the global batch)
-and averages them: the router aux term is computed per micro-batch in the models' own loss, so this is the same
-objective (how that term should be weighted across splits is a separate question, not decided here).
+The reference is the parity harness's one process (``parity.reference_run``) running the same micro-batches per
+step (each rank's slice of the global batch): the router aux term per micro-batch, as the models define it and as the
+layout canary's reference weighs it.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
-from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from ep_cases import AUX_CASES, CASES, SWEEP_CASES, moe_model, token_batches
+from ep_cases import AUX_CASES, CASES, SWEEP_CASES, moe_config, moe_model, token_batches
+from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, reference_run, slice_rows, split_rows
 
-STEPS, GLOBAL_BATCH, LR, MAX_NORM = 3, 8, 1e-3, 0.05
+MAX_NORM = MOE_ADAMW.max_norm
 LAYOUTS = ("fsdp", "ddp")
 EXTRA = {"fsdp_recompute": {"activation_checkpointing": True}, "shard_grad_op": {"reshard_after_forward": False}}
 """qwen3_moe only: activation checkpointing (the dispatch recomputed in backward) and SHARD_GRAD_OP (experts kept
 gathered between forward and backward) -> FsdpRequest fields."""
 
 
-def _slice(batch: dict, rank: int, world: int) -> dict:
-    n = batch["input_ids"].shape[0] // world
-    return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
-
-
 def _reference(name: str, batches: list[dict], world: int, aux: float | None = None) -> dict:
     model = moe_model(name) if aux is None else moe_model(name, aux=aux)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses, norms = [], []
-    for batch in batches:
-        step_loss = 0.0
-        for rank in range(world):
-            loss = model(**_slice(batch, rank, world)).loss / world
-            loss.backward()
-            step_loss += float(loss)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return reference_run(model, [split_rows(batch, world) for batch in batches], MOE_ADAMW)
 
 
 def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int, ep: int = 2) -> dict:
@@ -65,10 +47,10 @@ def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int
     dims.build_mesh("cpu")
     model = parallelize(moe_model(name), dims, fsdp=FsdpRequest(**EXTRA.get(layout, {})) if fsdp else None)
     local_experts = {m.num_experts for m in expert_modules(model)}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = MOE_ADAMW.optimizer_for(model.parameters())
     losses, norms = [], []
     for batch in batches:
-        loss = model(**_slice(batch, rank, world)).loss
+        loss = model(**slice_rows(batch, rank, world)).loss
         loss.backward()
         norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)))
         optimizer.step()
@@ -80,7 +62,7 @@ def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int
 
 
 def _two_ranks(rank, world):
-    batches = token_batches(STEPS, GLOBAL_BATCH)
+    batches = token_batches(MOE_STEPS, MOE_GLOBAL_BATCH)
     results = {}
     for name in CASES + SWEEP_CASES:
         results[name] = {"ref": _reference(name, batches, world)}
@@ -99,7 +81,7 @@ FOUR_RANK_CASES = ("qwen3_moe", "mixtral")
 
 def _four_ranks(rank, world):
     """ep=2 on 4 ranks: each expert on efsdp=2 ranks (FSDP2 shards it there, or its gradient is summed there)."""
-    batches = token_batches(STEPS, GLOBAL_BATCH)
+    batches = token_batches(MOE_STEPS, MOE_GLOBAL_BATCH)
     return {name: {"ref": _reference(name, batches, world),
                    **{layout: _parallel(name, layout, batches, rank, world) for layout in LAYOUTS}}
             for name in FOUR_RANK_CASES}
@@ -116,10 +98,7 @@ def test_ep2_on_4_ranks_with_expert_fsdp_2_trains_like_one_process(four_rank_run
     for rank, results in enumerate(four_rank_runs):
         ref, run = results[name]["ref"], results[name][layout]
         assert run["local_experts"] == {2} and min(ref["norms"]) > MAX_NORM
-        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
-        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
-        for key, value in run["state"].items():
-            assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert_parity(run, ref, config=moe_config(name), what=f"rank {rank} {name} {layout}")
 
 
 @pytest.mark.parametrize(("name", "layout"), [(n, lay) for n in CASES for lay in LAYOUTS] +
@@ -129,17 +108,13 @@ def test_ep2_trains_like_one_process(runs, name, layout):
         ref, run = results[name]["ref"], results[name][layout]
         assert run["local_experts"] == {2}  # 4 experts, 2 on each rank, in every MoE layer
         assert min(ref["norms"]) > MAX_NORM  # clipping active: the norm over both meshes decides the update
-        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
-        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
-        assert run["state"].keys() == ref["state"].keys()
-        for key, value in run["state"].items():
-            assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert_parity(run, ref, config=moe_config(name), what=f"rank {rank} {name} {layout}")
 
 
 @pytest.mark.parametrize("name", AUX_CASES)
 def test_the_aux_coefficient_is_large_enough_to_fail_the_parity_when_dropped(runs, name):
     """Without the router aux term the weights move by more than the parity tolerance: the test above sees it."""
-    batches = token_batches(STEPS, GLOBAL_BATCH)
+    batches = token_batches(MOE_STEPS, MOE_GLOBAL_BATCH)
     dropped = _reference(name, batches, 2, aux=0.0)["state"]
     kept = runs[0][name]["ref"]["state"]
     assert max(float((dropped[k] - kept[k]).abs().max()) for k in kept) > 1e-3

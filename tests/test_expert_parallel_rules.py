@@ -50,7 +50,7 @@ def test_ep_inside_pipeline_stages_spreads_each_stages_experts_over_its_own_data
 
 
 def test_ep_x_pp_runs_the_model_types_its_records_prove_and_refuses_the_others_by_name():
-    from test_ep_pp import CASES as EP_PP_CASES
+    from parity import EP_PP_CASES
 
     from hf_dist.families import proven_types
     from hf_dist.support import model_refusals

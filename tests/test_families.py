@@ -87,20 +87,43 @@ def test_the_planner_asks_the_run():
     assert checked >= 3 * len(MODEL_CATALOGUE)
 
 
-def test_every_proven_cell_has_its_case():
-    from ep_cases import CASES, SWEEP_CASES
-    from test_context_parallel import MODELS as CP_CASES
-    from test_moe_tp import TP_CASES
+def test_every_proven_cell_has_its_case_and_no_case_is_unclaimed():
+    """The parity matrix, generated from the harness's case lists: exactly the registry's proven cells, each run by
+    the test file its record names."""
+    from parity import matrix
 
-    assert set(CP_CASES) == proven_types("cp")
-    assert set(TP_CASES) == proven_types("tp", kinds=("moe",))
-    assert set(CASES + SWEEP_CASES) == proven_types("ep")
-    from test_ep_pp import CASES as EP_PP_CASES
+    proven = {(t, p): test for t, record in FAMILIES.items() for p, test in record.proven.items()}
+    cells = matrix()
+    assert sorted(set(proven) - set(cells)) == [], "proven without a parity case"
+    assert sorted(set(cells) - set(proven)) == [], "a parity case the registry does not claim"
+    assert {cell: proven[cell] for cell in cells} == cells, "a record names another test than the one that runs it"
+    for test in set(proven.values()):
+        assert test.startswith("tests/test_") and test.endswith(".py"), test
 
-    assert set(EP_PP_CASES) == proven_types("ep_pp")
-    for record in FAMILIES.values():
-        for parallelism, test in record.proven.items():
-            assert test.startswith("tests/test_") and test.endswith(".py"), (record.model_type, test)
+
+def test_every_parity_case_sets_the_fields_the_registry_says_matter():
+    """Each case's tiny config moves every field group its record's ``parity_fields`` names (routed experts per token
+    and the aux-loss coefficient of a MoE config, a sliding window where the type has one) off its default, except
+    the gaps ``LEFT_AT_DEFAULT`` lists; a closed gap must leave the list."""
+    from parity import LEFT_AT_DEFAULT, cases, default_fields, tiny_config
+
+    found = {}
+    for parallelism in ("tp", "pp", "ep", "ep_pp"):  # cp: test_context_parallel's long-sequence configs
+        for names in cases(parallelism).values():
+            for case in names:
+                missing = default_fields(tiny_config(case, parallelism))
+                if missing:
+                    found[(case, parallelism)] = tuple(missing)
+    assert found == LEFT_AT_DEFAULT
+
+
+def test_the_field_check_sees_a_case_on_defaults():
+    from parity import default_fields
+    from transformers import AutoConfig
+
+    assert default_fields(AutoConfig.for_model("mixtral")) == ["router", "aux loss", "window"]
+    assert default_fields(AutoConfig.for_model("mistral", sliding_window=8)) == []
+    assert "router" not in default_fields(AutoConfig.for_model("zaya"))  # its code fixes top-1 (the registry says)
 
 
 def test_records_refuse_contradictions_and_unknown_types_prove_nothing():

@@ -19,9 +19,15 @@ from torch.testing import assert_close
 
 from dist_utils import run_distributed
 from ep_cases import moe_config, moe_model, token_batches
-from test_expert_parallel import GLOBAL_BATCH, LR, MAX_NORM, STEPS, _reference, _slice
+from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, reference_run, slice_rows, split_rows
+from parity import TP_MOE_CASES as TP_CASES
 
-TP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+MAX_NORM = MOE_ADAMW.max_norm
+
+
+def _reference(name: str, batches: list[dict], micro: int) -> dict:
+    """One process (the parity harness's reference) running each step as ``micro`` micro-batches."""
+    return reference_run(moe_model(name), [split_rows(batch, micro) for batch in batches], MOE_ADAMW)
 
 
 def _tp(name: str, batches: list[dict], rank: int, world: int, ckpt: str, tp: int = 2, layout: str = "tp",
@@ -39,12 +45,12 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, ckpt: str, tp: in
 
     def build():
         model = parallelize(moe_model(name), dims, fsdp=FsdpRequest() if fsdp else None)
-        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        return model, MOE_ADAMW.optimizer_for(model.parameters())
 
     model, optimizer = build()
     losses, norms = [], []
     for batch in batches:
-        loss = model(**_slice(batch, rank // tp, dp)).loss  # tp is the innermost mesh dimension
+        loss = model(**slice_rows(batch, rank // tp, dp)).loss  # tp is the innermost mesh dimension
         loss.backward()
         norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)))
         optimizer.step()
@@ -87,7 +93,7 @@ def _checkpoint_round_trip(path: str, model, optimizer, dims, build) -> dict:
     from hf_dist.checkpoint import load_checkpoint, save_checkpoint
 
     async_save = dims.dp == 1  # TP alone: through the background writer and its staged copies
-    save_checkpoint(path, model=model, optimizer=optimizer, step=STEPS, samples_consumed=0, layout=dims,
+    save_checkpoint(path, model=model, optimizer=optimizer, step=MOE_STEPS, samples_consumed=0, layout=dims,
                     batch_contract=None, async_save=async_save).result()
     fresh, fresh_optimizer = build()
     load_checkpoint(path, model=fresh, optimizer=fresh_optimizer, restore_rng=False)
@@ -105,7 +111,7 @@ def _checkpoint_round_trip(path: str, model, optimizer, dims, build) -> dict:
 
 
 def _two_ranks(rank, world, root):
-    batches = token_batches(STEPS, GLOBAL_BATCH)
+    batches = token_batches(MOE_STEPS, MOE_GLOBAL_BATCH)
     return {name: {"ref": _reference(name, batches, 1),
                    "tp": _tp(name, batches, rank, world, f"{root}/ckpt", save_to=f"{root}/{name}")}
             for name in TP_CASES}
@@ -133,7 +139,7 @@ DP_LAYOUTS = ("fsdp", "ddp")
 
 def _four_ranks(rank, world, root):
     """TP=2 x FSDP2 and TP=2 x replicated dp=2 on 4 ranks (gpt_oss: the expert biases under FSDP2 too)."""
-    batches = token_batches(STEPS, GLOBAL_BATCH)
+    batches = token_batches(MOE_STEPS, MOE_GLOBAL_BATCH)
     return {name: {"ref": _reference(name, batches, 2),
                    **{layout: _tp(name, batches, rank, world, root, layout=layout) for layout in DP_LAYOUTS}}
             for name in FOUR_RANK_CASES}
@@ -163,11 +169,7 @@ def _check(runs, name, layout):
         assert run["experts"] and all(  # every expert's gate/up features split in half (dim 1, or 2 transposed)
             whole[0] == experts_per_rank * local[0] and whole[1] * whole[2] == 2 * local[1] * local[2]
             for whole, local in run["experts"])
-        assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
-        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=1e-5)
-        assert run["state"].keys() == ref["state"].keys()
-        for key, value in run["state"].items():
-            assert_close(value, ref["state"][key], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert_parity(run, ref, config=moe_config(name), what=f"rank {rank} {name} {layout}")
 
 
 @pytest.mark.parametrize("name", TP_CASES)

@@ -11,45 +11,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from hf_dist.models.reference import reference_step, split_rows
-from pp_sweep_cases import MOE, SEQ, moe_config
+from parity import PP_ADAMW, assert_parity, masked_batches, reference_run, split_rows, tiny_config, tiny_model
+from pp_sweep_cases import MOE, SEQ
 
-STEPS, BATCH, MICROBATCHES, LR = 3, 4, 4, 1e-3
+STEPS, MICROBATCHES = 3, 4
 
 
 def _batches(vocab: int) -> list[dict[str, torch.Tensor]]:
-    out = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-        lengths = torch.tensor([SEQ, SEQ - 5, SEQ // 2, SEQ - 1])
-        mask = (torch.arange(SEQ).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return out
+    return masked_batches(vocab, SEQ, STEPS)
 
 
-def _model(config):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).float()
-
-
-def reference(config, steps, aux: bool = True):
-    """One process: the step's micro-batches accumulated, aux weighted coef x mean over them (the model's own;
-    ``hf_dist.models.reference``, the layout canary's reference too)."""
-    model = _model(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for batch in steps:
-        total = reference_step(model, split_rows(batch, MICROBATCHES), aux=aux)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+def reference(config, steps, aux: bool = True) -> dict:
+    """One process (the parity harness's reference, the layout canary's too): the step's micro-batches accumulated,
+    aux weighted coef x mean over them (the model's own)."""
+    return reference_run(tiny_model(config), [split_rows(batch, MICROBATCHES) for batch in steps], PP_ADAMW, aux=aux)
 
 
 def _pipelined(rank, world_size, cases):
@@ -60,10 +37,10 @@ def _pipelined(rank, world_size, cases):
     dims.build_mesh("cpu")
     results = {}
     for case in cases:
-        config = moe_config(case)
-        pipe = PipelinedCausalLM(_model(config), dims=dims,
+        config = tiny_config(case, "pp")
+        pipe = PipelinedCausalLM(tiny_model(config), dims=dims,
                                  config=PipelineConfig(schedule="1f1b", microbatches=MICROBATCHES))
-        optimizer = torch.optim.AdamW(list(pipe.parameters()), lr=LR)
+        optimizer = PP_ADAMW.optimizer_for(list(pipe.parameters()))
         losses = []
         for batch in _batches(config.vocab_size):
             losses.append(float(pipe.train_step(batch)))
@@ -81,16 +58,14 @@ def pipelined():
 
 @pytest.mark.parametrize("case", sorted(MOE))
 def test_pp2_moe_matches_one_process(pipelined, case):
-    config = moe_config(case)
+    config = tiny_config(case, "pp")
     steps = _batches(config.vocab_size)
     losses, state, stages = pipelined[case]
-    ref_losses, ref_state = reference(config, steps)
-    assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-    assert set(state) == set(ref_state)
-    for key, value in ref_state.items():
-        assert_close(state[key], value, atol=1e-5, rtol=1e-5, msg=key)
+    ref = reference(config, steps)
+    ref_state = ref["state"]
+    assert_parity({"losses": losses, "state": state}, ref, state_rtol=1e-5, config=config, what=case)
     if getattr(config, "output_router_logits", False):  # the aux gradient of the FIRST stage's routers matters
         first = [k for k in ref_state if k.startswith("model.layers.0.") and k.endswith(("gate.weight", "router.weight"))]
-        _, no_aux = reference(config, steps, aux=False)
+        no_aux = reference(config, steps, aux=False)["state"]
         assert first and max(float((no_aux[k] - ref_state[k]).abs().max()) for k in first) > 1e-3
         assert "model.layers.0" in stages[0]

@@ -14,11 +14,13 @@ import pytest
 
 from dist_utils import run_distributed
 from hf_dist.tensor_parallel.support import TP_TESTED_MODEL_TYPES, TP_TESTED_MOE_TYPES, tp_refusal
+from parity import cases
 from tp_sweep_cases import TP_VARIANTS, VARIANTS, dense_plan_types, sweep_config
 from tp_sweep_run import sweep_rank
 
 TOL = 1e-5
-SWEEP_TYPES = sorted(TP_TESTED_MODEL_TYPES) + list(TP_VARIANTS)
+SWEEP_TYPES = list(cases("tp")["tests/test_tp_sweep.py"])
+"""The registry's TP-proven dense, classic and hybrid types, and the variants TP must run (``TP_VARIANTS``)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from parity import assert_parity
 from trainer_harness import train_tiny
 
 GLOBAL_BATCH = 8
@@ -58,9 +59,8 @@ def test_two_ranks_match_single_process(reference, layout):
     for result in results:
         assert result["num_processes"] == 2  # real data parallelism, not two lone trainings
         assert result["accumulation"] == 2  # 8 = 2 x 2 x 2
-        torch.testing.assert_close(result["losses"], ref_losses, atol=1e-4, rtol=0)
-        for name, value in ref_params.items():
-            torch.testing.assert_close(result["params"][name], value, atol=1e-4, rtol=1e-4, msg=name)
+        assert_parity({"losses": result["losses"], "state": result["params"]},
+                      {"losses": ref_losses, "state": ref_params}, atol=1e-4, state_rtol=1e-4, what=layout)
     if layout == "fsdp2":
         # every parameter is a DTensor holding about half the elements: really sharded, not DDP
         for result in results:
@@ -83,5 +83,5 @@ def test_hybrid_shard_on_four_ranks(reference):
         assert result["dims"] == (2, 2) and result["accumulation"] == 1
         torch.testing.assert_close(result["losses"], ref_losses, atol=1e-4, rtol=0)
         assert sum(local for local, _ in result["sharded"]) < 0.6 * sum(full for _, full in result["sharded"])
-    for name, value in ref_params.items():
-        torch.testing.assert_close(results[3]["params"][name], value, atol=1e-4, rtol=1e-4, msg=name)
+    assert_parity({"losses": results[3]["losses"], "state": results[3]["params"]},
+                  {"losses": ref_losses, "state": ref_params}, atol=1e-4, state_rtol=1e-4, what="hsdp")

@@ -1,6 +1,6 @@
 """One rank of the TP coverage sweep: for each model type, TP over all ranks against one process.
 
-``sweep_rank`` builds each tiny config (``tp_sweep_cases``), checks it before touching anything
+``sweep_rank`` builds each tiny config (``parity.tiny_config``: ``tp_sweep_cases``' values), checks it before touching anything
 (``check_tp_sizes``: a refusal is recorded with its message), then trains the reference and the
 tensor-parallel model side by side for ``STEPS`` SGD steps on the same batch and records the largest
 difference of losses, logits and gradients (every step). Imported by ``test_tp_sweep.py`` (spawned ranks).
@@ -14,7 +14,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tp_sweep_cases import SEQ, sweep_config
+from parity import tiny_config
+from tp_sweep_cases import SEQ
 
 STEPS = 3
 LR = 0.1
@@ -63,7 +64,7 @@ def compare(model_type: str, tp_mesh) -> dict:
     """``{"refused": msg}`` or ``{"loss", "logits", "grads"}`` max differences over ``STEPS`` steps."""
     from hf_dist.tensor_parallel import apply_tensor_parallel, check_tp_sizes
 
-    config = sweep_config(model_type)
+    config = tiny_config(model_type, "tp")
     try:
         check_tp_sizes(config, tp_mesh.size())
     except ValueError as err:

@@ -32,6 +32,20 @@ test beyond both factors' (``ep_pp``: experts sharded over each pipeline stage's
 statistics passed between stages)."""
 
 
+ParityFields = Mapping[str, tuple[str | tuple[str, ...], ...]]
+PARITY_FIELDS: ParityFields = MappingProxyType({
+    "router": ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk"),
+    "aux loss": (("router_aux_loss_coef", "output_router_logits"),),
+    "window": ("sliding_window", "sliding_window_size"),
+})
+"""The config fields a parity case must set away from their defaults, by group: the routed experts per token, the
+router aux loss (its coefficient and the flag that turns it on) and a sliding window. A group lists alternatives (the
+names types give one quantity); an alternative is a field or fields that go together, and applies where the type's
+config has its first field. A group is met when an alternative that applies has every field off its default; router
+and aux-loss groups count only where the config has routed experts. A case on the defaults would pass while a layout
+got these wrong. ``Family.parity_fields`` holds a type's groups."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlannerShape:
     """How the planner's decoder (``hf_dist.planner.catalogue.ModelSpec``: q/k/v/o projections, a gated MLP or
@@ -93,6 +107,9 @@ class Family:
     tp_sequence_parallel: bool = False
     """The sequence- and vocab-parallel overlays (written for ``model.embed_tokens`` / ``input_layernorm`` /
     ``post_attention_layernorm`` / ``self_attn`` / ``mlp`` / ``model.norm``) fit this type's module names."""
+    parity_fields: ParityFields = field(default_factory=lambda: PARITY_FIELDS)
+    """The config fields the type's parity cases set away from their defaults (``PARITY_FIELDS``, or the type's own
+    groups; ``tests/parity.py`` ``default_fields`` checks every case against them)."""
     planner: PlannerShape | None = None
     """How ``hf-dist plan`` describes the type's layers; ``None``: not modelled by the planner."""
 
@@ -103,6 +120,7 @@ class Family:
             if unknown:
                 raise ValueError(f"{self.model_type}: {name} names {unknown}; parallelisms are {PARALLELISMS}")
             object.__setattr__(self, name, MappingProxyType(mapping))
+        object.__setattr__(self, "parity_fields", MappingProxyType(dict(self.parity_fields)))
         both = sorted(set(self.proven) & set(self.refused))
         if both:
             raise ValueError(f"{self.model_type}: {both} both proven and refused")

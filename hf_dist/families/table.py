@@ -8,7 +8,7 @@ names (``tests/test_families.py`` checks that every proven cell has its case). T
 from __future__ import annotations
 
 from hf_dist.families.fields import auto_adjusted_ff_width
-from hf_dist.families.records import Family, PlannerShape
+from hf_dist.families.records import PARITY_FIELDS, Family, PlannerShape
 from hf_dist.families.tp_plans import (
     BLOOM_TP,
     FALCON_TP,
@@ -58,6 +58,11 @@ _OPT_PP = (("decoder.embed_tokens", "decoder.embed_positions", "decoder.project_
 # sizes the hybrid overlays split that the model's own plan does not name (label: config field or config -> int)
 _MAMBA2_SIZES = {name: name for name in ("mamba_n_groups", "mamba_n_heads", "num_attention_heads",
                                          "num_key_value_heads")}
+# a type whose code fixes the experts per token: its parity cases cannot move it (phimoe's sparsemixer picks two;
+# zaya's config accepts one only)
+_FIXED_TOP_K = {group: names for group, names in PARITY_FIELDS.items() if group != "router"}
+# a config field its modeling code never reads (nemotron_h's sliding_window): nothing for a case to move
+_NO_WINDOW = {group: names for group, names in PARITY_FIELDS.items() if group != "window"}
 _GQA = dict(tp_replicated_kv=True, tp_sequence_parallel=True)  # separate q/k/v Linears, Llama's module names
 
 
@@ -167,7 +172,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("nanochat", tp=TP_SWEEP),
     _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model",  # transformers ships its TP plan
              pp_modules=_LAYERS_PP),
-    _hybrid("nemotron_h", ep=EP_TESTS, refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
+    _hybrid("nemotron_h", ep=EP_TESTS, parity_fields=_NO_WINDOW, refused=dict(tp='Mamba2 mixers (head groups, the B/C state projections and the grouped gated norm) have no TP overlay yet')),
     _dense("olmo", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo2", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("olmo3", tp=TP_SWEEP, pp=PP_SWEEP),
@@ -178,7 +183,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("phi", tp=TP_SWEEP, pp=PP_SWEEP, tp_head_norm=SHARED_QK_LAYERNORM),
     _dense("phi3", tp=TP_SWEEP, pp=PP_SWEEP, tp_sequence_parallel=True),
     _dense("phi4_multimodal", tp=TP_SWEEP),
-    _moe("phimoe", ep=EP_TESTS),
+    _moe("phimoe", ep=EP_TESTS, parity_fields=_FIXED_TOP_K),
     _dense("qwen2", tp=TP_SWEEP, pp=PP_SWEEP, **_GQA, planner=PlannerShape(qkv_bias=True)),
     _moe("qwen2_moe", ep=EP_TESTS),
     _dense("qwen3", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS, **_GQA, planner=PlannerShape(qk_norm=True, output_bias=True),
@@ -200,5 +205,5 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("youtu", tp=TP_SWEEP, pp=PP_SWEEP),
     _hybrid("zamba", refused=dict(pp='its decoder layers call one shared attention block whose weights would be copied onto every stage')),
     _hybrid("zamba2", refused=dict(tp='shared attention blocks called from several decoder layers and Mamba2 mixers have no TP overlay yet', pp='its decoder layers call shared attention blocks whose weights would be copied onto every stage')),
-    _moe("zaya", ep=EP_TESTS),
+    _moe("zaya", ep=EP_TESTS, parity_fields=_FIXED_TOP_K),
 )}

@@ -1,0 +1,264 @@
+"""The parity harness: what "a layout equals one process" means in every parity test, in one place.
+
+- ``tiny_config(case)``: the one tiny-config builder. A case is a model type (or ``type:variant``) and the
+  parallelism it is built for; the registry's record (``hf_dist.families``) decides which case table the values come
+  from (``ep_cases`` for routed-expert models, ``pp_sweep_cases`` / ``tp_sweep_cases`` otherwise), and
+  ``default_fields`` lists the fields the registry says matter (``Family.parity_fields``) that a case left at
+  their default: ``tests/test_families.py`` holds every case to none.
+- ``tiny_model(config)``: the model built from its config with a fixed seed, optionally saved and loaded back as users
+  load theirs (``trainer_harness.as_loaded``).
+- ``reference_run(model, steps)``: the one-process reference trainer. Each step is a list of micro-batches run by
+  ``hf_dist.models.reference.reference_step``, the reference the before-launch layout canary uses, so the tests
+  and the canary define "one process" (the MoE router aux loss per micro-batch included) the same way.
+- ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
+  the same keys on both sides, router and expert weights named so a comparison that skipped them fails.
+- ``matrix()``: the (model type, parallelism) cells the harness has cases for, generated from the case lists
+  below; every cell the registry calls proven must be one of them.
+
+Importable by spawned ranks (module level only). Not for the Trainer-level runs (``trainer_harness.train_tiny``),
+which compare a ``DistTrainer`` with one process through ``assert_parity`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.testing import assert_close
+
+from hf_dist.families import family, num_experts, text_config
+from hf_dist.models.reference import reference_step, split_rows
+
+__all__ = [
+    "CP_CASES", "EP_PP_CASES", "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
+    "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
+]
+
+# -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
+
+TP_MOE_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+"""TP=2 on MoE types (``tests/test_moe_tp.py``; configs ``ep_cases``)."""
+CP_CASES = ("llama", "mistral", "gemma2", "qwen3")
+"""Context parallelism (``tests/test_context_parallel.py``; its own long-sequence configs)."""
+EP_PP_CASES = ("qwen3_moe", "mixtral")
+"""EP x PP through the DistTrainer (``tests/test_ep_pp.py``; configs ``ep_cases``)."""
+
+
+LEFT_AT_DEFAULT: dict[tuple[str, str], tuple[str, ...]] = {
+    (case, parallelism): ("window",) for parallelism, names in (
+        ("tp", ("qwen3_moe", "mixtral")), ("pp", ("qwen3_moe", "mixtral")), ("ep_pp", ("qwen3_moe", "mixtral")),
+        ("ep", ("qwen3_moe", "mixtral", "mellum"))) for case in names
+}
+"""(case, parallelism) -> the registry's field groups (``Family.parity_fields``) its config leaves at the default: known
+gaps, each to be closed by a case value (and its test run), never added to. ``tests/test_families.py`` fails when a
+case leaves another group at its default, and when a gap listed here is closed (remove its row)."""
+
+
+def cases(parallelism: str) -> dict[str, tuple[str, ...]]:
+    """``{test file: case names}`` of the parity tests of ``parallelism`` (the files the registry's records name)."""
+    from ep_cases import CASES, SWEEP_CASES
+    from pp_sweep_cases import HYBRID, MOE, NAMED
+    from tp_sweep_cases import TP_VARIANTS
+
+    from hf_dist.families import proven_types
+
+    dense = ("dense", "classic", "hybrid")
+    if parallelism == "tp":
+        return {"tests/test_tp_sweep.py": tuple(sorted(proven_types("tp", kinds=dense))) + TP_VARIANTS,
+                "tests/test_moe_tp.py": TP_MOE_CASES}
+    if parallelism == "pp":
+        hybrid = proven_types("pp", kinds=("hybrid",))
+        return {"tests/test_pp_sweep.py": tuple(sorted(proven_types("pp", kinds=dense) - hybrid))
+                + tuple(sorted(NAMED)) + tuple(sorted(HYBRID)),
+                "tests/test_pp_moe.py": tuple(sorted(MOE))}
+    if parallelism == "ep":
+        return {"tests/test_expert_parallel.py": CASES + SWEEP_CASES}
+    if parallelism == "cp":
+        return {"tests/test_context_parallel.py": CP_CASES}
+    if parallelism == "ep_pp":
+        return {"tests/test_ep_pp.py": EP_PP_CASES}
+    raise ValueError(f"no parity cases for parallelism {parallelism!r}")
+
+
+def case_type(case: str) -> str:
+    """The model type a case runs (``"falcon:mha"`` -> ``"falcon"``; a wrapper's case its own type)."""
+    return case.split(":")[0]
+
+
+def matrix() -> dict[tuple[str, str], str]:
+    """``{(model type, parallelism): test file}`` for every cell some parity test has a case for."""
+    from hf_dist.families import PARALLELISMS
+
+    return {(case_type(case), parallelism): test
+            for parallelism in PARALLELISMS for test, names in cases(parallelism).items() for case in names}
+
+
+# -- the one tiny-config builder ----------------------------------------------------------------------------
+
+def tiny_config(case: str, parallelism: str | None = None):
+    """The tiny config of ``case`` with non-default values (a model type, or a ``type:variant`` of a case table).
+
+    Routed-expert types (the registry's ``moe`` kind, and hybrids proven for EP) take ``ep_cases``' router values
+    (aux loss on, non-default top-k) for EP and TP, ``pp_sweep_cases.MOE`` (4 layers, 2 per stage) for PP; other
+    types the PP sweep's values for PP and the TP sweep's otherwise (CP's long-sequence configs are
+    ``test_context_parallel``'s own); ``type:variant`` cases come from the table that names them. A MoE type with no
+    row in its table raises (``KeyError``): a claimed cell without a case fails ``tests/test_families.py``.
+    """
+    import pp_sweep_cases as pp
+    import tp_sweep_cases as tp
+    from ep_cases import moe_config
+
+    record = family(case_type(case))
+    if parallelism == "pp":
+        if case in pp.HYBRID:
+            return pp.hybrid_config(case)
+        if case in pp.NAMED:
+            return pp.named_config(case)
+        return pp.moe_config(case) if record.kind == "moe" else pp.non_default_config(case)
+    if record.kind == "moe" or (parallelism in ("ep", "ep_pp") and record.proves("ep")):
+        return moe_config(case)
+    return tp.sweep_config(case)
+
+
+def default_fields(config) -> list[str]:
+    """The fields the registry says matter for ``config``'s type (``Family.parity_fields``) that ``config`` leaves at
+    its config class's default: empty for a case that tests what it claims. Router fields count only where the config
+    has routed experts; a field the config class does not have is not asked for."""
+    text = text_config(config)
+    defaults = type(text)()
+    experts = num_experts(text) is not None
+    missing = []
+    for group, alternatives in family(getattr(config, "model_type", None)).parity_fields.items():
+        if group in ("router", "aux loss") and not experts:
+            continue
+        applies = [a for a in ((x,) if isinstance(x, str) else x for x in alternatives) if hasattr(defaults, a[0])]
+        settable = [a for a in applies if not any(isinstance(getattr(type(text), n, None), property) for n in a)]
+        if settable and not any(all(getattr(text, n) != getattr(defaults, n) for n in a) for a in settable):
+            missing.append(group)
+    return missing
+
+
+def tiny_model(config, *, seed: int = 0, loaded: bool = False, **load_kwargs):
+    """``config``'s causal LM, fp32, seeded (the same weights in every process); ``loaded``: written to disk and
+    read back with ``from_pretrained`` as users load theirs (eval mode)."""
+    from hf_dist.models.tiny import build_tiny_model
+
+    model = build_tiny_model(config, seed=seed)
+    if not loaded:
+        return model
+    from trainer_harness import as_loaded
+
+    return as_loaded(model, **load_kwargs)
+
+
+# -- the one reference --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """The optimizer steps a parity test runs on both sides."""
+
+    lr: float
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """``adamw`` or ``sgd`` (plain SGD: parameters after it compare gradients; AdamW amplifies rounding noise)."""
+    weight_decay: float | None = None
+    """None: the optimizer's own default (AdamW 0.01, SGD 0)."""
+    max_norm: float | None = None
+    """Clip the gradient norm to this (the norm is recorded per step); None: no clipping."""
+
+    def optimizer_for(self, params):
+        decay = {} if self.weight_decay is None else {"weight_decay": self.weight_decay}
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, **decay)
+        return torch.optim.AdamW(params, lr=self.lr, **decay)
+
+
+MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
+"""The EP / MoE-TP tests: 3 AdamW steps, clipping active (``max_norm`` below every step's norm)."""
+MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
+PP_ADAMW = Recipe(lr=1e-3)
+"""The PP sweeps: AdamW (its default weight decay), no clipping."""
+
+
+def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Data-parallel rank ``rank``'s consecutive share of ``batch`` (the micro-batch it runs)."""
+    return split_rows(batch, world)[rank]
+
+
+def masked_batches(vocab: int, seq: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Fresh rows every step (seeded by the step): 4 right-padded rows of lengths ``seq``, ``seq - 5``, ``seq // 2``,
+    ``seq - 1``, labels ``-100`` on the padding (the micro-batches count different tokens)."""
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(step))
+        lengths = torch.tensor([seq, seq - 5, seq // 2, seq - 1])
+        mask = (torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)).long()
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def reference_run(model, steps: Sequence[Sequence[Mapping[str, torch.Tensor]]], recipe: Recipe, *,
+                  aux: bool = True, grads: bool = False) -> dict:
+    """Train ``model`` in this process: each step runs its micro-batches through ``reference_step`` (loss summed
+    over their label tokens over the step's, router aux loss per micro-batch), clips, and steps ``recipe``'s
+    optimizer. Returns ``losses`` and ``norms`` per step (norms only with clipping), ``state`` (the state dict
+    after the last step) and, with ``grads``, the first step's gradients by parameter name."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = recipe.optimizer_for(params)
+    out: dict = {"losses": [], "norms": []}
+    for index, micro_batches in enumerate(steps):
+        out["losses"].append(reference_step(model, micro_batches, aux=aux))
+        if grads and index == 0:
+            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if recipe.max_norm is not None:
+            out["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, recipe.max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+# -- the one comparison -------------------------------------------------------------------------------------
+
+ROLES = {"router": ("router", ".gate."), "expert": ("experts",)}
+"""Parameter-name parts of the MoE weights a comparison must reach: a router gradient can be wrong while the loss
+looks right. (Norms need no rule: every key of the reference is compared, and a model may have no norm weights,
+OLMo's LayerNorm.)"""
+
+
+def roles(names, config) -> dict[str, list[str]]:
+    """The names among ``names`` of each role in ``ROLES``; empty for a config without routed experts."""
+    if num_experts(config) is None:
+        return {}
+    return {role: [n for n in names if any(part in n for part in parts)] for role, parts in ROLES.items()}
+
+
+def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float = 0.0,
+                  state_atol: float | None = None, state_rtol: float = 0.0, config=None, what: str = "") -> None:
+    """``run`` equals ``ref``: losses within ``atol``; ``norms`` (when both have them) within ``rtol`` or 1e-5
+    relative; ``grads`` and ``state`` (whichever both have) every tensor within ``state_atol`` (default ``atol``)
+    and ``state_rtol``, with the same keys. ``config``: for a MoE config, also require a router and an expert weight
+    among the compared keys (a state filtered before the call fails)."""
+    label = f"{what}: " if what else ""
+    assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64),
+                 atol=atol, rtol=rtol, msg=lambda m: f"{label}losses: {m}")
+    if run.get("norms") and ref.get("norms"):
+        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=rtol or 1e-5,
+                     msg=lambda m: f"{label}grad norms: {m}")
+    tol = atol if state_atol is None else state_atol
+    compared = []
+    for key in ("grads", "state"):
+        if key not in run or key not in ref:
+            continue
+        got, want = run[key], ref[key]
+        assert set(got) == set(want), f"{label}{key} keys differ: {sorted(set(got) ^ set(want))}"
+        for name, value in want.items():
+            assert_close(torch.as_tensor(got[name]).to(value.dtype), value, atol=tol, rtol=state_rtol,
+                         msg=lambda m, name=name: f"{label}{key} {name}: {m}")
+        compared.extend(want)
+    assert compared, f"{label}neither gradients nor parameters compared"
+    if config is not None:
+        for role, names in roles(compared, config).items():
+            assert names, f"{label}no {role} weight compared"
