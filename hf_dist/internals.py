@@ -230,6 +230,21 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                       "BlockingAsyncStager's cache, which always pins memory and so needs a GPU)"),
     *OUTSIDE_THE_TRAINER,
 )
+_GRPO = "trl.trainer.grpo_trainer.GRPOTrainer"
+TRL_MEMBERS: tuple[PrivateMember, ...] = (
+    PrivateMember(owner=_GRPO, name="_generate_and_score_completions", kind="override", where="trainer.grpo",
+                  why="under TP the ranks of one dp rank share its prompts: rewards are gathered once per dp rank "
+                      "(TRL gathered a copy per TP rank into reward_std and batch-scaled advantages)"),
+    PrivateMember(owner=_GRPO, name="_generate", kind="override", where="trainer.grpo",
+                  why="num_tokens counted once per dp rank under TP (TRL's all-process count doubled it)"),
+    PrivateMember(owner="a GRPOTrainer instance (set in its __init__)", name="_metrics", kind="set",
+                  where="trainer.grpo",
+                  why="the logged num_tokens replaced by the per-dp-rank count"),
+    PrivateMember(owner="trl.trainer.grpo_trainer", name="gather", kind="patch", where="trainer.grpo",
+                  why="TRL's module-level gather swapped for a gather over the dp group for one call"),
+)
+"""The private TRL members ``DistGRPOTrainer`` touches: checked when one is built (``check_internals(TRL_MEMBERS)``),
+not at every ``DistTrainer`` start (importing trl there would cost every run)."""
 
 
 def overrides() -> tuple[PrivateMember, ...]:
@@ -330,10 +345,11 @@ def missing_members(members: tuple[PrivateMember, ...] = PRIVATE_MEMBERS) -> lis
     return missing
 
 
-def check_internals() -> None:
-    """Stop with the versions if a private member hf_dist overrides, patches, calls or reads is gone; warn once
-    (main process) when a package is outside its tested range."""
-    missing = missing_members()
+def check_internals(members: tuple[PrivateMember, ...] = PRIVATE_MEMBERS) -> None:
+    """Stop with the versions if a private member hf_dist overrides, patches, calls or reads is gone (``members``:
+    the whole list, or ``TRL_MEMBERS`` for the TRL trainers); warn once (main process) when a package is outside
+    its tested range."""
+    missing = missing_members(members)
     if missing:
         import accelerate
         import transformers

@@ -49,6 +49,17 @@ def test_a_missing_member_stops_with_the_versions(monkeypatch):
         internals.check_internals()
 
 
+def test_trls_private_members_are_there_and_guarded(monkeypatch):
+    """The TRL members DistGRPOTrainer overrides or patches exist in the installed trl; one gone stops the check
+    DistGRPOTrainer runs first."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    assert internals.missing_members(internals.TRL_MEMBERS) == []
+    monkeypatch.delattr(GRPOTrainer, "_generate")
+    with pytest.raises(RuntimeError, match=r"GRPOTrainer._generate\b"):
+        internals.check_internals(internals.TRL_MEMBERS)
+
+
 def test_the_loader_and_apply_layout_stop_first_too(monkeypatch, tmp_path):
     """``hf_dist.from_pretrained`` and ``hf_dist.apply_layout`` run the guard before reading anything they are given
     (here: a folder that does not exist, no arguments, no mesh), not only ``DistTrainer``."""

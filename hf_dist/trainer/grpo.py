@@ -44,6 +44,7 @@ from accelerate.utils import set_seed
 from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_dist.internals import TRL_MEMBERS, check_internals
 from hf_dist.strategy import Layout
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.data import dp_gather
@@ -137,6 +138,7 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
     """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, LoRA) and batch contract."""
 
     def __init__(self, model, reward_funcs=None, args: TrainingArguments | None = None, *positional, **kwargs):
+        check_internals(TRL_MEMBERS)  # a private TRL member overridden below that trl removed: stop now
         if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
             args = DistGRPOConfig(output_dir=default_output_dir(model, suffix="GRPO"))
         super().__init__(model, reward_funcs, as_dist_grpo_config(args), *positional, **kwargs)
