@@ -178,7 +178,9 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     ``layers`` are its decoder layers in order. Returns the state whose ``split()`` turns the split on; it is also
     stored on the model (``context_parallel_state``).
     """
+    from hf_dist.context_parallel.router import PooledRouterLoss
     from hf_dist.models.peft_utils import unwrap_peft
+    from hf_dist.models.router import load_balancing_fn
 
     config = unwrap_peft(model).config
     state = ContextParallelState(group, config._attn_implementation or "eager")
@@ -189,6 +191,8 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     layers[0].register_forward_pre_hook(_split_first_layer_input(state), with_kwargs=True)
     for layer in layers:
         layer.register_forward_pre_hook(_split_position_embeddings(state), with_kwargs=True)
+    if load_balancing_fn(unwrap_peft(model)) is not None:  # a MoE router aux loss: pooled over the cp ranks
+        PooledRouterLoss(unwrap_peft(model), state)
     object.__setattr__(model, STATE_ATTR, state)
     return state
 

@@ -1,0 +1,181 @@
+"""Mixture-of-experts models under context parallelism through ``DistTrainer``, against one process.
+
+Tiny qwen3_moe (top-3 of 4 experts, ``norm_topk_prob=True``) and mixtral (top-1), router aux loss on at 0.1, a
+sliding window of 64 tokens, loaded from disk as users load theirs, train 3 AdamW steps (accumulation 2) on rows of
+2,048 tokens whose halves draw on different tokens, with right padding (``attention_mask`` zeros, labels -100) and a
+block of ignored labels in the first cp rank's slice:
+
+- ``cp_size=2`` on 2 gloo ranks (qwen3_moe with the cp ranks averaging gradients, mixtral x FSDP2 with activation
+  checkpointing, which recomputes the split forward in backward);
+- ``ep_size=2 x cp_size=2`` on 4 gloo ranks: the 2 data-parallel ranks hold 2 of the 4 experts each, the 2 cp ranks
+  of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp.
+
+Each equals a one-process ``DistTrainer`` on the same micro-batches within 1e-5 on the losses and on every parameter
+(routers, norms, experts). The aux loss is the model's own per micro-batch (``hf_dist.models.reference``): each rank
+routes only its slice, so the router statistics are pooled over the cp ranks (``hf_dist.context_parallel.router``).
+Two checks that the comparison can fail: the aux gradient of the sequence halves (what the ranks would train from
+their slices alone) is not the micro-batch's, and a one-process run without the aux term ends with routers farther
+from the EP x CP runs' than the tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from trainer_harness import VOCAB, as_loaded, train_tiny
+
+CASES = ("qwen3_moe", "mixtral")
+"""The model types whose records prove ``cp`` and ``ep_cp`` (``tests/test_families.py`` keeps them equal)."""
+SEQ, WINDOW, ROWS, AUX = 2048, 64, 24, 0.1
+SPAN = 8
+"""Distinct tokens per half sequence: the halves route differently, so a slice's own router statistics are not the
+micro-batch's (with tokens drawn from the whole vocabulary the halves' aux gradients differ by only ~1%)."""
+STEPS = 3
+FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2})
+CP_RUNS = {"qwen3_moe": {}, "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
+"""2 ranks, ``cp_size=2``: the extra arguments per model type."""
+EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
+CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=4)
+EP_CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8)
+"""The same micro-batches of 2 rows: one process accumulates 2 (CP) or 4 (dp=2 x cp=2) of them per step."""
+
+
+def _model(name: str, aux: float = AUX):
+    from ep_cases import moe_config
+
+    from hf_dist.models.tiny import build_tiny_model
+
+    config = moe_config(name, aux=aux)
+    config.vocab_size, config.max_position_embeddings, config.sliding_window = VOCAB, 2 * SEQ, WINDOW
+    if name == "qwen3_moe":
+        config.use_sliding_window, config.norm_topk_prob = True, True
+    return as_loaded(build_tiny_model(config, seed=0), attn_implementation="sdpa")
+
+
+def _dataset():
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(3)
+    halves = [torch.randint(low, low + SPAN, (ROWS, SEQ // 2), generator=gen) for low in (3, VOCAB // 2)]
+    ids = torch.cat(halves, dim=1)  # each half of a sequence (each cp rank's slice) routes its own tokens
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    for row in range(ROWS):
+        pad = 150 * (row % 3)  # right padding on two rows in three, inside the second cp rank's slice
+        if pad:
+            ids[row, -pad:], mask[row, -pad:], labels[row, -pad:] = 0, 0, -100
+        labels[row, 100:400 + 10 * row] = -100  # inside the first cp rank's slice: the ranks count different tokens
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
+
+
+def _sharded_experts(trainer) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    return bool(experts) and all(isinstance(p, DTensor) and p.to_local().shape[0] == 2 for p in experts)
+
+
+def _two_ranks(rank, world, root):
+    out = {}
+    for name, extra in CP_RUNS.items():
+        losses, params, trainer = train_tiny(f"{root}/cp_{name}", model=_model(name), dataset=_dataset(), cp_size=2,
+                                             **CP_BATCH, **extra)
+        out[name] = (losses, params if rank == 0 else None, trainer.dims.cp)
+    return out
+
+
+def _four_ranks(rank, world, root):
+    out = {}
+    for name in CASES:
+        for flavour, layout in EP_CP_FLAVOURS.items():
+            losses, params, trainer = train_tiny(f"{root}/ep_cp_{name}_{flavour}", model=_model(name),
+                                                 dataset=_dataset(), cp_size=2, ep_size=2, **EP_CP_BATCH, **layout)
+            out[(name, flavour)] = (losses, params if rank == 0 else None, _sharded_experts(trainer),
+                                    (trainer.dims.dp, trainer.dims.cp, trainer.dims.ep))
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_cp")
+
+
+@pytest.fixture(scope="module")
+def references(root):
+    """One process, per model type and accumulation: ``(losses, params)``."""
+    return {(name, batch["global_batch_size"]): train_tiny(f"{root}/one_{name}_{batch['global_batch_size']}",
+                                                           model=_model(name), dataset=_dataset(), **batch)[:2]
+            for name in CASES for batch in (CP_BATCH, EP_CP_BATCH)}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(root):
+    return run_distributed(_two_ranks, 2, str(root), timeout_s=1500)
+
+
+@pytest.fixture(scope="module")
+def ep_cp_runs(root):
+    return run_distributed(_four_ranks, 4, str(root), timeout_s=1500)
+
+
+def _assert_equal(results, key, reference):
+    ref_losses, ref_params = reference
+    for rank, result in enumerate(results):
+        losses = result[key][0]
+        assert len(losses) == STEPS, rank
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    params = results[0][key][1]
+    assert set(params) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{key} {name}: {m}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cp_equals_one_process(cp_runs, references, name):
+    assert all(result[name][2] == 2 for result in cp_runs)
+    _assert_equal(cp_runs, name, references[(name, CP_BATCH["global_batch_size"])])
+
+
+@pytest.mark.parametrize("flavour", sorted(EP_CP_FLAVOURS))
+@pytest.mark.parametrize("name", CASES)
+def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
+    for result in ep_cp_runs:
+        _, _, sharded, sizes = result[(name, flavour)]
+        assert sizes == (2, 2, 2) and sharded  # dp, cp, ep; each rank holds 2 of the 4 experts of every layer
+    _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_BATCH["global_batch_size"])])
+
+
+def test_a_slice_alone_has_another_aux_gradient():
+    """What the cp ranks would train from their own slices (the mean of the halves' aux losses) moves the routers
+    another way than the micro-batch's aux: their gradients differ by more than half the latter's norm. The pooling
+    is what the parity above rests on."""
+    from hf_dist.models.router import load_balancing_fn
+
+    model = _model("qwen3_moe")
+    rows = _dataset()[:2]
+    batch = {k: torch.tensor(v) for k, v in rows.items() if k != "labels"}
+    fn, experts, top_k = load_balancing_fn(model), model.config.num_experts, model.config.num_experts_per_tok
+    grads = []
+    for parts in (1, 2):
+        model.zero_grad()
+        logits = model(**batch, output_router_logits=True).router_logits
+        aux = 0
+        for part in range(parts):
+            cut = slice(part * SEQ // parts, (part + 1) * SEQ // parts)
+            local = tuple(layer.reshape(2, SEQ, experts)[:, cut].reshape(-1, experts) for layer in logits)
+            aux = aux + fn(local, experts, top_k, batch["attention_mask"][:, cut]) / parts
+        aux.backward()
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if n.endswith("gate.weight")]))
+    whole, halves = grads
+    assert float((whole - halves).norm()) > 0.5 * float(whole.norm())
+
+
+def test_dropping_the_aux_loss_fails_the_comparison(ep_cp_runs, root):
+    """Without the aux term the routers end farther from the EP x CP run's than the parity tolerance."""
+    _, no_aux = train_tiny(f"{root}/no_aux", model=_model("qwen3_moe", aux=0.0), dataset=_dataset(),
+                           **EP_CP_BATCH)[:2]
+    params = ep_cp_runs[0][("qwen3_moe", "fsdp2")][1]
+    routers = [k for k in params if k.endswith("mlp.gate.weight")]
+    assert routers and max(float((params[k] - no_aux[k]).abs().max()) for k in routers) > 1e-4
