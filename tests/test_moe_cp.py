@@ -37,6 +37,8 @@ FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2})
 CP_RUNS = {"qwen3_moe": {}, "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
 """2 ranks, ``cp_size=2``: the extra arguments per model type."""
 EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
+LOCAL_EXPERTS = {"fsdp2": 1, "ddp": 2}
+"""Experts of each layer per rank: 4 over ep=2, and FSDP2 shards the 2 over the 2 cp ranks that hold the same ones."""
 CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=4)
 EP_CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8)
 """The same micro-batches of 2 rows: one process accumulates 2 (CP) or 4 (dp=2 x cp=2) of them per step."""
@@ -70,11 +72,12 @@ def _dataset():
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
 
 
-def _sharded_experts(trainer) -> bool:
+def _local_experts(trainer) -> set[int]:
+    """How many experts of each layer this rank holds (gathered DTensors would say 4)."""
     from torch.distributed.tensor import DTensor
 
     experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
-    return bool(experts) and all(isinstance(p, DTensor) and p.to_local().shape[0] == 2 for p in experts)
+    return {p.to_local().shape[0] if isinstance(p, DTensor) else 0 for p in experts}
 
 
 def _two_ranks(rank, world, root):
@@ -92,7 +95,7 @@ def _four_ranks(rank, world, root):
         for flavour, layout in EP_CP_FLAVOURS.items():
             losses, params, trainer = train_tiny(f"{root}/ep_cp_{name}_{flavour}", model=_model(name),
                                                  dataset=_dataset(), cp_size=2, ep_size=2, **EP_CP_BATCH, **layout)
-            out[(name, flavour)] = (losses, params if rank == 0 else None, _sharded_experts(trainer),
+            out[(name, flavour)] = (losses, params if rank == 0 else None, _local_experts(trainer),
                                     (trainer.dims.dp, trainer.dims.cp, trainer.dims.ep))
     return out
 
@@ -142,8 +145,8 @@ def test_cp_equals_one_process(cp_runs, references, name):
 @pytest.mark.parametrize("name", CASES)
 def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
     for result in ep_cp_runs:
-        _, _, sharded, sizes = result[(name, flavour)]
-        assert sizes == (2, 2, 2) and sharded  # dp, cp, ep; each rank holds 2 of the 4 experts of every layer
+        _, _, local, sizes = result[(name, flavour)]
+        assert sizes == (2, 2, 2) and local == {LOCAL_EXPERTS[flavour]}  # dp, cp, ep
     _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_BATCH["global_batch_size"])])
 
 
@@ -179,3 +182,32 @@ def test_dropping_the_aux_loss_fails_the_comparison(ep_cp_runs, root):
     params = ep_cp_runs[0][("qwen3_moe", "fsdp2")][1]
     routers = [k for k in params if k.endswith("mlp.gate.weight")]
     assert routers and max(float((params[k] - no_aux[k]).abs().max()) for k in routers) > 1e-4
+
+
+# -- pure: the rules, before any process group ------------------------------------------------------------------------
+def test_the_expert_mesh_puts_ep_over_the_data_parallel_ranks():
+    """dp=2 x cp=2 (ranks ``dp x 2 + cp``): ep peers share the cp coordinate and differ in dp; a cp group's ranks
+    hold the same experts (efsdp). Without CP the expert mesh is the ranks in order, as before."""
+    from hf_dist.parallel_dims import ParallelDims
+
+    dims = ParallelDims(world_size=4, dp_shard=2, cp=2, ep=2)
+    assert dims.expert_ranks().tolist() == [[[0, 2], [1, 3]]] and dims.efsdp == 2
+    plain = ParallelDims(world_size=8, dp_shard=8, ep=4)
+    assert plain.expert_ranks().tolist() == torch.arange(8).reshape(1, 2, 4).tolist()
+
+
+def test_layout_runs_ep_x_cp_only_as_proven():
+    from hf_dist.strategy import Layout
+
+    for strategy in ("fsdp_full_shard", "ddp"):
+        layout = Layout(strategy=strategy, num_gpus=4, ep=2, cp=2)
+        assert (layout.dp, layout.efsdp) == (2, 2)
+    with pytest.raises(ValueError, match="ep_size=2 with cp_size=2 and strategy='fsdp_shard_grad_op'"):
+        Layout(strategy="fsdp_shard_grad_op", num_gpus=4, ep=2, cp=2)
+
+
+def test_global_batch_aux_scope_is_refused_with_cp():
+    from hf_dist import DistTrainingArguments
+
+    with pytest.raises(ValueError, match="router_aux_loss_scope='global_batch' with cp_size=2"):
+        DistTrainingArguments(output_dir="unused", cp_size=2, router_aux_loss_scope="global_batch", report_to=[])

@@ -36,7 +36,8 @@ EP_TESTS = "tests/test_expert_parallel.py"
 CP_TESTS = "tests/test_context_parallel.py"
 EP_PP_TESTS = "tests/test_ep_pp.py"
 MOE_CP_TESTS = "tests/test_moe_cp.py"
-_MOE_CP_NOTE = "all-to-all; the router aux loss from statistics pooled over the cp ranks"
+_MOE_CP_NOTE = ("all-to-all; router aux loss from statistics pooled over the cp ranks; with ep_size too (experts over "
+                "the data-parallel ranks, FSDP2 FULL_SHARD or DDP)")
 
 
 def _row(kind: str, tp_plan: str = "model"):
@@ -165,7 +166,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("mistral", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS, **_GQA, planner=PlannerShape(),
            notes=dict(cp="all-to-all (sliding window from the model's mask)")),
     _moe("mixtral", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
-         planner=PlannerShape(), notes=dict(cp=_MOE_CP_NOTE + " (sliding window from the model's mask)")),
+         planner=PlannerShape(), notes=dict(cp=_MOE_CP_NOTE)),
     _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP, tp_classic=MPT_TP, pp_modules=(("wte", "blocks", "norm_f"), _HEAD)),
     _dense("nanochat", tp=TP_SWEEP),
     _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model",  # transformers ships its TP plan
@@ -192,7 +193,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
             tp_overlay_sizes={n: n for n in ("linear_num_key_heads", "linear_num_value_heads")}),
     _moe("qwen3_moe", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
          planner=PlannerShape(qk_norm=True, output_bias=True),
-         notes=dict(cp=_MOE_CP_NOTE + " (q/k norms before the exchange, sliding window from the model's mask)")),
+         notes=dict(cp=_MOE_CP_NOTE)),
     _hybrid("qwen3_next", ep=EP_TESTS, pp=PP_SWEEP, refused=dict(tp='Gated DeltaNet with q/k/v/z fused per key head (in_proj_qkvz) has no TP overlay yet')),
     _moe("qwen4_exp", ep=EP_TESTS),
     _moe("qwen4_exp_text", ep=EP_TESTS),
