@@ -16,8 +16,9 @@ it (evaluation, generation) the model runs the whole sequence as usual.
 
 The attention function is registered under ``hf_dist_cp_<inner>`` in transformers' ``AttentionInterface``, with the
 inner implementation's mask function under the same name in ``AttentionMaskInterface``; ``apply_context_parallel``
-switches the model's config to it. Not here: which models may run it (``support``), the labels and the loss
-weighting (``inputs``), Trainer glue (``hf_dist.trainer``).
+switches the model's config to it; for a MoE model with a router aux loss it also installs ``router``'s pooling.
+Not here: which models may run it (``support``), the labels and the loss weighting (``inputs``), Trainer glue
+(``hf_dist.trainer``).
 """
 
 from __future__ import annotations
