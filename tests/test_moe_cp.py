@@ -5,8 +5,8 @@ sliding window of 64 tokens, loaded from disk as users load theirs, train 3 Adam
 2,048 tokens whose halves draw on different tokens, with right padding (``attention_mask`` zeros, labels -100) and a
 block of ignored labels in the first cp rank's slice:
 
-- ``cp_size=2`` on 2 gloo ranks (qwen3_moe with the cp ranks averaging gradients, mixtral x FSDP2 with activation
-  checkpointing, which recomputes the split forward in backward);
+- ``cp_size=2`` on 2 gloo ranks (qwen3_moe with the cp ranks averaging gradients and the model's own loss, mixtral x
+  FSDP2 with activation checkpointing, which recomputes the split forward in backward, and the chunked loss);
 - ``ep_size=2 x cp_size=2`` on 4 gloo ranks: the 2 data-parallel ranks hold 2 of the 4 experts each, the 2 cp ranks
   of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp.
 
@@ -34,8 +34,9 @@ SPAN = 8
 micro-batch's (with tokens drawn from the whole vocabulary the halves' aux gradients differ by only ~1%)."""
 STEPS = 3
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2})
-CP_RUNS = {"qwen3_moe": {}, "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
-"""2 ranks, ``cp_size=2``: the extra arguments per model type."""
+CP_RUNS = {"qwen3_moe": dict(chunked_loss=False), "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
+"""2 ranks, ``cp_size=2``: the extra arguments per model type (the model's own loss, which the pooled aux is added
+to, and the chunked loss, which adds the returned aux itself, are both run)."""
 EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
 LOCAL_EXPERTS = {"fsdp2": 1, "ddp": 2}
 """Experts of each layer per rank: 4 over ep=2, and FSDP2 shards the 2 over the 2 cp ranks that hold the same ones."""
