@@ -11,7 +11,9 @@ block of ignored labels in the first cp rank's slice:
   of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp.
 
 Each equals a one-process ``DistTrainer`` on the same micro-batches within 1e-5 on the losses and on every parameter
-(routers, norms, experts). The aux loss is the model's own per micro-batch (``hf_dist.models.reference``): each rank
+(routers, norms, experts). The API without the Trainer (``parallelize`` + ``token_weighted_loss``, cp=2) gives the
+gradients of ``hf_dist.models.reference.reference_step`` (one SGD step at learning rate 1; weighing the aux by
+``dp x cp`` as the language-model part would be 1e-3 off on the routers). The aux loss is the model's own per micro-batch (``hf_dist.models.reference``): each rank
 routes only its slice, so the router statistics are pooled over the cp ranks (``hf_dist.context_parallel.router``).
 Two checks that the comparison can fail: the aux gradient of the sequence halves (what the ranks would train from
 their slices alone) is not the micro-batch's, and a one-process run without the aux term ends with routers farther
@@ -81,8 +83,39 @@ def _local_experts(trainer) -> set[int]:
     return {p.to_local().shape[0] if isinstance(p, DTensor) else 0 for p in experts}
 
 
+def _sgd_step(model, step) -> dict:
+    """One SGD step at learning rate 1 (the parameters then differ by the gradients themselves)."""
+    from hf_dist.state_dict import full_state_dict
+
+    step()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return full_state_dict(model)
+
+
+def _micro_batch() -> dict:
+    return {k: torch.tensor(v) for k, v in _dataset()[:2].items()}
+
+
+def _token_weighted(rank, world) -> dict:
+    """``hf_dist.parallelize`` + ``token_weighted_loss`` (the API without the Trainer), cp=2: one step."""
+    from hf_dist import parallelize
+    from hf_dist.context_parallel import context_parallel_state, token_weighted_loss
+    from hf_dist.strategy import Layout
+
+    dims = Layout(strategy="ddp", num_gpus=world, cp=2).dims
+    dims.build_mesh("cpu")
+    model = parallelize(_model("qwen3_moe"), dims)
+    state = context_parallel_state(model)
+
+    def step():
+        with state.split():
+            token_weighted_loss(model, _micro_batch(), state, reduce_group=dims.get_mesh("dp_cp").get_group(),
+                                reduce_size=dims.dp_cp).backward()
+    return _sgd_step(model, step)
+
+
 def _two_ranks(rank, world, root):
-    out = {}
+    out = {"token_weighted": _token_weighted(rank, world)}
     for name, extra in CP_RUNS.items():
         losses, params, trainer = train_tiny(f"{root}/cp_{name}", model=_model(name), dataset=_dataset(), cp_size=2,
                                              **CP_BATCH, **extra)
@@ -149,6 +182,18 @@ def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
         _, _, local, sizes = result[(name, flavour)]
         assert sizes == (2, 2, 2) and local == {LOCAL_EXPERTS[flavour]}  # dp, cp, ep
     _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_BATCH["global_batch_size"])])
+
+
+def test_token_weighted_loss_weighs_the_aux_once(cp_runs):
+    """The API path (``parallelize`` + ``token_weighted_loss``): its gradients equal ``reference_step``'s (the one
+    definition of a step the layouts are compared with), router and experts included."""
+    from hf_dist.models.reference import reference_step
+
+    model = _model("qwen3_moe")
+    reference = _sgd_step(model, lambda: reference_step(model, [_micro_batch()]))
+    got = cp_runs[0]["token_weighted"]
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_a_slice_alone_has_another_aux_gradient():
