@@ -19,10 +19,13 @@ cp`` together (the flattened ``dp_shard_cp`` axis, as torchtitan does): CP ranks
 are data-parallel ranks for the parameters and one rank for the data.
 
 Experts (``ep > 1``) are laid out over the same ranks a second way, as transformers' ``DistributedConfig`` does:
-inside one pipeline stage (``cp = 1``: EP with CP is refused) the ``dp x tp`` ranks are factored into ``efsdp x ep`` (``efsdp = dp x tp / ep``). The
-``ep`` ranks of a group (neighbours, innermost) hold different experts and exchange tokens; the ``efsdp`` ranks
-hold the same experts and shard them with FSDP (or average their gradients without FSDP). The expert mesh is a
-second root mesh ``(pp, efsdp, ep)`` built next to the dense one.
+inside one pipeline stage the ``dp x tp`` ranks are factored into ``dp x tp / ep`` x ``ep``. The ``ep`` ranks of a
+group (neighbours among the ``dp x tp`` ranks, innermost) hold different experts and exchange tokens; the others
+hold the same experts and shard them with FSDP (or average their gradients without FSDP): ``efsdp = dp x cp x tp /
+ep`` ranks, the context-parallel ranks included -- a cp group's ranks hold different tokens of the same sequences
+and the same experts, each sending its own tokens to its ``ep`` peers, which hold the same slice of other batches.
+The expert mesh is a second root mesh ``(pp, efsdp, ep)`` built next to the dense one (with ``cp = 1``, the ranks
+in order).
 """
 
 from __future__ import annotations
@@ -99,9 +102,6 @@ class ParallelDims:
             )
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise ValueError(f"ep={self.ep!r} must be a positive integer (1: no expert parallelism)")
-        if self.ep > 1 and self.cp > 1:
-            raise ValueError(f"ep={self.ep} with cp={self.cp}: the expert mesh factors the dp x tp ranks of a stage; "
-                             f"context-parallel ranks have no place in it; set cp=1 or ep=1")
         if self.ep not in valid_ep_sizes(self.dp, self.tp):
             spread, valid = self.dp * self.tp, valid_ep_sizes(self.dp, self.tp)
             raise ValueError(f"ep={self.ep} does not divide the {spread} ranks of a stage that experts spread over "
@@ -119,8 +119,8 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """Ranks that hold the same experts (transformers' ``efsdp_size``): ``dp x tp / ep``."""
-        return self.dp * self.tp // self.ep
+        """Ranks that hold the same experts (transformers' ``efsdp_size``): ``dp x cp x tp / ep``."""
+        return self.dp * self.cp * self.tp // self.ep
 
     @property
     def ep_enabled(self) -> bool:
@@ -199,7 +199,7 @@ class ParallelDims:
         """
         if self._mesh is not None:
             return self._mesh
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -217,11 +217,15 @@ class ParallelDims:
             self._flat_meshes["dp_shard_cp"] = mesh["dp_shard"]
             self._flat_meshes["dp_cp"] = self._flat_meshes["dp"]
         if self.ep > 1:
-            self._expert_mesh = init_device_mesh(
-                device_type, (self.pp, self.efsdp, self.ep), mesh_dim_names=_EXPERT_FACTORS
-            )
+            self._expert_mesh = DeviceMesh(device_type, self.expert_ranks(), mesh_dim_names=_EXPERT_FACTORS)
         self._mesh = mesh
         return mesh
+
+    def expert_ranks(self) -> torch.Tensor:
+        """The expert mesh's ranks ``(pp, efsdp, ep)``: the ``ep`` axis over the ``dp x tp`` ranks of one cp coordinate
+        (rank order: ``pp, dp, cp, tp``), the ``efsdp`` axis over the rest. Pure: no process group."""
+        ranks = torch.arange(self.world_size).reshape(self.pp, self.dp, self.cp, self.tp)
+        return ranks.transpose(1, 2).reshape(self.pp, self.efsdp, self.ep)
 
     def get_mesh(self, name: str):
         """The sub-mesh for axis ``name`` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, or the flattened

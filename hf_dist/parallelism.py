@@ -12,8 +12,9 @@ wraps a model (``DistTrainer`` compiles the blocks of the layouts accelerate wra
 
 Expert parameters under EP are sharded (FSDP2) or reduced (replicated dp) over the ``efsdp`` ranks that hold the
 same experts, not over dp: each expert shard's gradient already sums the contributions of the ``ep`` ranks' batches
-(the dispatch brought their tokens), so the sum over ``efsdp`` covers all ``dp`` batches and is divided by ``dp``
-(transformers' ``apply_fsdp2`` makes the same choice).
+(the dispatch brought their tokens), so the sum over ``efsdp`` covers all ``dp`` batches (and, with CP, every cp
+rank's slice of them) and is divided by ``dp x cp``, as every other gradient is averaged (transformers'
+``apply_fsdp2`` makes the same choice).
 
 The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
 and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
@@ -160,7 +161,7 @@ def parallelize(
         if grad_reduction != "mean":
             raise ValueError("grad_reduction='sum' with replicated data parallelism: reduce the gradients yourself "
                              "(replicate_gradients=False) or use FSDP")
-        experts = (expert_params, dims.get_mesh("efsdp"), dims.dp) if dims.ep_enabled else None
+        experts = (expert_params, dims.get_mesh("efsdp"), dims.dp_cp) if dims.ep_enabled else None
         model = replicate(model, dims.get_mesh("dp_cp"), experts=experts)
     return model
 
@@ -237,14 +238,14 @@ def _keep_class_name(model: nn.Module) -> None:
 
 def _shard_experts(experts: nn.Module, dims: ParallelDims, request: FsdpRequest, kwargs: dict,
                    grad_reduction: str) -> None:
-    """FSDP2 of one experts module over the ``efsdp`` ranks, its gradient summed there and divided by ``dp``
+    """FSDP2 of one experts module over the ``efsdp`` ranks, its gradient summed there and divided by ``dp x cp``
     (``grad_reduction="mean"``) or left summed (``"sum"``: a pipeline's loss is divided by the global batch's tokens
     already). Either way the token exchange has brought every ``ep`` peer's share into the sum."""
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(experts, reshard_after_forward=request.reshard_after_forward, **(kwargs | {"mesh": dims.get_mesh(
         "efsdp")}))
-    experts.set_gradient_divide_factor(float(dims.dp) if grad_reduction == "mean" else 1.0)
+    experts.set_gradient_divide_factor(float(dims.dp_cp) if grad_reduction == "mean" else 1.0)
     if dims.efsdp > 1:  # a divisor other than the group's size is PREMUL_SUM, which gloo lacks: sum, divide locally
         experts.set_force_sum_reduction_for_comms(True)
 

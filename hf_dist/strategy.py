@@ -91,8 +91,8 @@ class Layout:
     """Pipeline-parallel degree (``--pp_size``)."""
     ep: int = 1
     """Expert-parallel degree (``--ep_size``): MoE experts split over this many data-parallel ranks, tokens sent to
-    their experts' ranks; experts are sharded (FSDP2) or replicated (DDP) over the ``efsdp = dp x tp / ep`` ranks
-    that hold the same ones."""
+    their experts' ranks; experts are sharded (FSDP2) or replicated (DDP) over the ``efsdp = dp x cp x tp / ep``
+    ranks that hold the same ones (a cp group's ranks hold the same experts)."""
     cp: int = 1
     """Context-parallel degree (``--cp_size``): ranks that split each sequence (all-to-all attention,
     ``hf_dist.context_parallel``). They read the same batch; parameters shard and gradients average over
@@ -158,8 +158,10 @@ class Layout:
     def _check_expert_parallel(self) -> None:
         """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP on a stage's data-parallel ranks
         (tests/test_expert_parallel.py), and inside pipeline stages with FULL_SHARD or DDP, each stage's experts over its
-        own data-parallel ranks (tests/test_ep_pp.py): the layouts a parity test holds against one process. Everything
-        else is refused here; which model types run EP x PP is the registry's (``hf_dist.expert_parallel.support``)."""
+        own data-parallel ranks (tests/test_ep_pp.py), and with CP (FULL_SHARD or DDP, experts over the data-parallel
+        ranks while each sequence is split, tests/test_moe_cp.py): the layouts a parity test holds against one process.
+        Everything else is refused here; which model types run EP x PP and EP x CP is the registry's
+        (``hf_dist.expert_parallel.support``)."""
         if self.ep == 1:
             return
         if self.is_deepspeed:
@@ -170,10 +172,10 @@ class Layout:
             raise ValueError(f"ep_size={self.ep} with pp_size={self.pp} and strategy={self.strategy!r}: a parity test "
                              f"covers EP x PP with FSDP2 FULL_SHARD or DDP on each stage's data-parallel ranks only; "
                              f"use fsdp_full_shard (reshard_after_forward) or DDP, or ep_size=1")
-        if self.cp > 1:
-            raise ValueError(f"ep_size={self.ep} with cp_size={self.cp}: the expert mesh spreads experts over the "
-                             f"data-parallel ranks of a stage, not over context-parallel ranks, and no parity test "
-                             f"covers EP x CP; set cp_size=1 (EP x FSDP2 or EP x DDP), or ep_size=1")
+        if self.cp > 1 and self.strategy not in ("fsdp_full_shard", "ddp"):
+            raise ValueError(f"ep_size={self.ep} with cp_size={self.cp} and strategy={self.strategy!r}: a parity test "
+                             f"covers EP x CP with FSDP2 FULL_SHARD or DDP only; use fsdp_full_shard "
+                             f"(reshard_after_forward) or DDP, or ep_size=1")
         if self.tp > 1:
             raise ValueError(f"ep_size={self.ep} with tp_size={self.tp}: hf_dist does not slice the batch over TP "
                              f"ranks before the token exchange (no parity test covers TP x EP); use ep_size with "
@@ -286,8 +288,8 @@ class Layout:
 
     @property
     def efsdp(self) -> int:
-        """Ranks that hold the same experts (``dp x tp / ep``; transformers' ``efsdp_size``)."""
-        return self.dp * self.tp // self.ep
+        """Ranks that hold the same experts (``dp x cp x tp / ep``; transformers' ``efsdp_size``)."""
+        return self.dp * self.cp * self.tp // self.ep
 
     @property
     def dp(self) -> int:

@@ -32,7 +32,7 @@ from hf_dist.families import family, num_experts, text_config
 from hf_dist.models.reference import reference_step, split_rows
 
 __all__ = [
-    "CP_CASES", "EP_PP_CASES", "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "CP_CASES", "EP_PP_CASES", "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
     "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
     "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
@@ -45,6 +45,8 @@ CP_CASES = ("llama", "mistral", "gemma2", "qwen3")
 """Context parallelism (``tests/test_context_parallel.py``; its own long-sequence configs)."""
 EP_PP_CASES = ("qwen3_moe", "mixtral")
 """EP x PP through the DistTrainer (``tests/test_ep_pp.py``; configs ``ep_cases``)."""
+MOE_CP_CASES = ("qwen3_moe", "mixtral")
+"""MoE under CP and EP x CP, at 2,048 tokens (``tests/test_moe_cp.py``; its own long-sequence configs)."""
 
 
 LEFT_AT_DEFAULT: dict[tuple[str, str], tuple[str, ...]] = {
@@ -77,9 +79,11 @@ def cases(parallelism: str) -> dict[str, tuple[str, ...]]:
     if parallelism == "ep":
         return {"tests/test_expert_parallel.py": CASES + SWEEP_CASES}
     if parallelism == "cp":
-        return {"tests/test_context_parallel.py": CP_CASES}
+        return {"tests/test_context_parallel.py": CP_CASES, "tests/test_moe_cp.py": MOE_CP_CASES}
     if parallelism == "ep_pp":
         return {"tests/test_ep_pp.py": EP_PP_CASES}
+    if parallelism == "ep_cp":
+        return {"tests/test_moe_cp.py": MOE_CP_CASES}
     raise ValueError(f"no parity cases for parallelism {parallelism!r}")
 
 

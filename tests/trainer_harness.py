@@ -72,10 +72,10 @@ def as_loaded(model, **load_kwargs):
 
 
 def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None,
-               trainer_kwargs: dict | None = None, resume: str | None = None, **overrides):
+               trainer_kwargs: dict | None = None, resume: str | None = None, dataset=None, **overrides):
     """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
     DistTrainingArguments, ``trainer_kwargs`` to DistTrainer; ``model`` (built the same on every rank) replaces the
-    tiny Llama; ``resume``: the checkpoint ``train`` resumes from."""
+    tiny Llama; ``resume``: the checkpoint ``train`` resumes from; ``dataset`` replaces ``token_dataset()``."""
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -99,7 +99,7 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
     if model is None:
         model = as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                            **(model_kwargs or {})))
-    trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=token_dataset(),
+    trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=dataset if dataset is not None else token_dataset(),
                           **(trainer_kwargs or {}))
     trainer.train(resume_from_checkpoint=resume)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]

@@ -1,5 +1,6 @@
 """Context parallelism: each sequence split over ``cp_size`` ranks, attention by all-to-all around the model's own
-attention function (``attention``), targets and loss weighting (``inputs``), which models run it (``support``).
+attention function (``attention``), targets and loss weighting (``inputs``), a MoE router aux loss from statistics
+pooled over the cp ranks (``router``), which models run it (``support``).
 
 Applied by ``hf_dist.parallelize`` (its only caller) when ``ParallelDims.cp > 1``; the Trainer glue (splitting
 the targets in the training step) is ``hf_dist.trainer.context``.

@@ -16,8 +16,9 @@ it (evaluation, generation) the model runs the whole sequence as usual.
 
 The attention function is registered under ``hf_dist_cp_<inner>`` in transformers' ``AttentionInterface``, with the
 inner implementation's mask function under the same name in ``AttentionMaskInterface``; ``apply_context_parallel``
-switches the model's config to it. Not here: which models may run it (``support``), the labels and the loss
-weighting (``inputs``), Trainer glue (``hf_dist.trainer``).
+switches the model's config to it; for a MoE model with a router aux loss it also installs ``router``'s pooling.
+Not here: which models may run it (``support``), the labels and the loss weighting (``inputs``), Trainer glue
+(``hf_dist.trainer``).
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     ``layers`` are its decoder layers in order. Returns the state whose ``split()`` turns the split on; it is also
     stored on the model (``context_parallel_state``).
     """
+    from hf_dist.context_parallel.router import PooledRouterLoss
     from hf_dist.models.peft_utils import unwrap_peft
+    from hf_dist.models.router import load_balancing_fn
 
     if context_parallel_state(model) is not None:
         raise ValueError(f"{type(model).__name__} splits sequences already; apply context parallelism once")
@@ -193,6 +196,8 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     layers[0].register_forward_pre_hook(_split_first_layer_input(state), with_kwargs=True)
     for layer in layers:
         layer.register_forward_pre_hook(_split_position_embeddings(state), with_kwargs=True)
+    if load_balancing_fn(unwrap_peft(model)) is not None:  # a MoE router aux loss: pooled over the cp ranks
+        PooledRouterLoss(unwrap_peft(model), state)
     object.__setattr__(model, STATE_ATTR, state)
     return state
 

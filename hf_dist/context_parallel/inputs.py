@@ -9,7 +9,9 @@ transformers' causal-LM loss takes ``shift_labels`` as given.
 The loss weighting is one function, ``token_weighted_loss``: each rank's loss is the sum of its tokens' losses
 divided by the tokens of the whole batch (every CP rank's, and every dp rank's), times ``dp x cp`` because the
 gradients are averaged over the ``dp x cp`` ranks (FSDP2 over ``dp_shard_cp``, replication over ``dp_cp``). The sum
-over ranks is then one process's token mean. The Trainer reaches the same weights by its own
+over ranks is then one process's token mean. A MoE router aux term is the micro-batch's (``router``: the
+statistics pooled over the cp ranks) and is weighted once, not by ``dp x cp``: the pooling's all-reduce already sums
+the cp ranks' gradients, and the average over dp gives one process's mean over micro-batches. The Trainer reaches the same weights by its own
 ``num_items_in_batch`` arithmetic once ``get_cp_size`` is the cp degree (it divides the gathered token count by
 tp x cp and multiplies the loss by world / tp); ``tests/test_context_parallel.py`` checks both against one process.
 """
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_dist.context_parallel.attention import ContextParallelState
+from hf_dist.models.peft_utils import unwrap_peft
+from hf_dist.models.router import aux_loss_coef
 
 IGNORE_INDEX = -100
 
@@ -59,5 +63,11 @@ def token_weighted_loss(model: nn.Module, inputs: dict, state: ContextParallelSt
     """
     inputs = split_targets(inputs, state)
     count = global_token_count(inputs["shift_labels"], reduce_group)
-    loss = model(**inputs, num_items_in_batch=count, use_cache=False).loss
-    return loss * reduce_size
+    out = model(**inputs, num_items_in_batch=count, use_cache=False)
+    aux = out.get("aux_loss")
+    coef = aux_loss_coef(unwrap_peft(model)) if aux is not None else None
+    if not coef:
+        return out.loss * reduce_size
+    # the micro-batch's aux (pooled over the cp ranks, ``router``) once: its all-reduce sums the cp ranks' gradients
+    aux = coef * aux.to(out.loss.device)
+    return (out.loss - aux) * reduce_size + aux

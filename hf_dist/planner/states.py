@@ -229,7 +229,7 @@ def _expert(name: str) -> bool:
 def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) -> ModelStates:
     """A MoE under EP x DDP or EP x FSDP2 (``Layout`` refuses EP with anything else): the dense parameters as
     ``_torch`` counts them over the data-parallel shards, the routed experts (``E / ep`` per rank) over the
-    expert-FSDP shards (``efsdp = dp x tp / ep``; 1 under DDP, which replicates them), then the two added.
+    expert-FSDP shards (``efsdp = dp x cp x tp / ep``; 1 under DDP, which replicates them), then the two added.
     FSDP2 shards on dim 0: ``E / ep`` experts over more than ``E / ep`` ranks leave some ranks padding."""
     experts = [s for n, s in base if _expert(n)]
     dense = [(n, s) for n, s in base if not _expert(n)]
@@ -241,7 +241,7 @@ def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) 
     dense_trainable = [s for _, s in (adapters or dense)]
     part = _torch(workload, layout, dense_trainable, [s for _, s in dense] if adapters else [], unit_dense, root,
                   lm_head)
-    expert_layout = replace(layout, num_gpus=layout.efsdp, num_nodes=1, ep=1, tp=1, pp=1)
+    expert_layout = replace(layout, num_gpus=layout.efsdp, num_nodes=1, ep=1, tp=1, pp=1, cp=1)
     expert = _torch(workload, expert_layout, [] if adapters else experts, experts if adapters else [],
                     unit_experts, [], [])
     sums = {f.name: getattr(part, f.name) + getattr(expert, f.name) for f in fields(ModelStates)}

@@ -46,6 +46,10 @@ def check_values(args) -> None:
         raise ValueError(f"router_aux_loss_scope='global_batch' with pp_size={args.pp_size}: pipeline stages compute "
                          f"the aux loss per micro-batch (statistics passed between stages, not over dp ranks); use "
                          f"router_aux_loss_scope='micro_batch' or pp_size=1")
+    if args.router_aux_loss_scope == "global_batch" and args.cp_size > 1:
+        raise ValueError(f"router_aux_loss_scope='global_batch' with cp_size={args.cp_size}: under context "
+                         f"parallelism the router statistics are pooled over the cp ranks of each micro-batch, not "
+                         f"gathered over the dp ranks; use router_aux_loss_scope='micro_batch' or cp_size=1")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "tp_size", "pp_size", "ep_size", "cp_size"):
         value = getattr(args, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -22,7 +22,10 @@ Two scopes (``DistTrainingArguments.router_aux_loss_scope``):
   accumulation steps would need every micro step's routing before the first backward).
 
 ``ExpertLoad`` counts the tokens routed to each expert per layer for ``--dist_logging`` (max / mean per layer).
-Not for: the loss's language-model part (the model's, normalised by the Trainer), pipeline stages
+Under context parallelism the model's forward already returns the micro-batch's aux (statistics pooled over the cp
+ranks, ``hf_dist.context_parallel.router``), which is reweighed here like any other; ``global_batch`` is refused
+with CP (``DistTrainingArguments``). ``ExpertLoad`` counts nothing under CP (the split forward returns no router
+logits). Not for: the loss's language-model part (the model's, normalised by the Trainer), pipeline stages
 (``hf_dist.pipeline_parallel``).
 """
 

@@ -1,0 +1,261 @@
+"""Mixture-of-experts models under context parallelism through ``DistTrainer``, against one process.
+
+Tiny qwen3_moe (top-3 of 4 experts, ``norm_topk_prob=True``) and mixtral (top-1), router aux loss on at 0.1, a
+sliding window of 64 tokens, loaded from disk as users load theirs, train 3 AdamW steps (accumulation 2) on rows of
+2,048 tokens whose halves draw on different tokens, with right padding (``attention_mask`` zeros, labels -100) and a
+block of ignored labels in the first cp rank's slice:
+
+- ``cp_size=2`` on 2 gloo ranks (qwen3_moe with the cp ranks averaging gradients and the model's own loss, mixtral x
+  FSDP2 with activation checkpointing, which recomputes the split forward in backward, and the chunked loss);
+- ``ep_size=2 x cp_size=2`` on 4 gloo ranks: the 2 data-parallel ranks hold 2 of the 4 experts each, the 2 cp ranks
+  of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp.
+
+Each equals a one-process ``DistTrainer`` on the same micro-batches within 1e-5 on the losses and on every parameter
+(routers, norms, experts). The API without the Trainer (``parallelize`` + ``token_weighted_loss``, cp=2) gives the
+gradients of ``hf_dist.models.reference.reference_step`` (one SGD step at learning rate 1; weighing the aux by
+``dp x cp`` as the language-model part would be 1e-3 off on the routers). The aux loss is the model's own per micro-batch (``hf_dist.models.reference``): each rank
+routes only its slice, so the router statistics are pooled over the cp ranks (``hf_dist.context_parallel.router``).
+Two checks that the comparison can fail: the aux gradient of the sequence halves (what the ranks would train from
+their slices alone) is not the micro-batch's, and a one-process run without the aux term ends with routers farther
+from the EP x CP runs' than the tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from parity import MOE_CP_CASES
+from trainer_harness import VOCAB, as_loaded, train_tiny
+
+CASES = MOE_CP_CASES
+"""The model types whose records prove ``cp`` and ``ep_cp`` (the harness's list; ``tests/test_families.py`` keeps it
+equal to the registry)."""
+SEQ, WINDOW, ROWS, AUX = 2048, 64, 24, 0.1
+SPAN = 8
+"""Distinct tokens per half sequence: the halves route differently, so a slice's own router statistics are not the
+micro-batch's (with tokens drawn from the whole vocabulary the halves' aux gradients differ by only ~1%)."""
+STEPS = 3
+FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2})
+CP_RUNS = {"qwen3_moe": dict(chunked_loss=False), "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
+"""2 ranks, ``cp_size=2``: the extra arguments per model type (the model's own loss, which the pooled aux is added
+to, and the chunked loss, which adds the returned aux itself, are both run)."""
+EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
+LOCAL_EXPERTS = {"fsdp2": 1, "ddp": 2}
+"""Experts of each layer per rank: 4 over ep=2, and FSDP2 shards the 2 over the 2 cp ranks that hold the same ones."""
+CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=4)
+EP_CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8)
+"""The same micro-batches of 2 rows: one process accumulates 2 (CP) or 4 (dp=2 x cp=2) of them per step."""
+
+
+def _model(name: str, aux: float = AUX):
+    from ep_cases import moe_config
+
+    from hf_dist.models.tiny import build_tiny_model
+
+    config = moe_config(name, aux=aux)
+    config.vocab_size, config.max_position_embeddings, config.sliding_window = VOCAB, 2 * SEQ, WINDOW
+    if name == "qwen3_moe":
+        config.use_sliding_window, config.norm_topk_prob = True, True
+    return as_loaded(build_tiny_model(config, seed=0), attn_implementation="sdpa")
+
+
+def _dataset():
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(3)
+    halves = [torch.randint(low, low + SPAN, (ROWS, SEQ // 2), generator=gen) for low in (3, VOCAB // 2)]
+    ids = torch.cat(halves, dim=1)  # each half of a sequence (each cp rank's slice) routes its own tokens
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    for row in range(ROWS):
+        pad = 150 * (row % 3)  # right padding on two rows in three, inside the second cp rank's slice
+        if pad:
+            ids[row, -pad:], mask[row, -pad:], labels[row, -pad:] = 0, 0, -100
+        labels[row, 100:400 + 10 * row] = -100  # inside the first cp rank's slice: the ranks count different tokens
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
+
+
+def _local_experts(trainer) -> set[int]:
+    """How many experts of each layer this rank holds (gathered DTensors would say 4)."""
+    from torch.distributed.tensor import DTensor
+
+    experts = [p for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    return {p.to_local().shape[0] if isinstance(p, DTensor) else 0 for p in experts}
+
+
+def _sgd_step(model, step) -> dict:
+    """One SGD step at learning rate 1 (the parameters then differ by the gradients themselves)."""
+    from hf_dist.state_dict import full_state_dict
+
+    step()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return full_state_dict(model)
+
+
+def _micro_batch() -> dict:
+    return {k: torch.tensor(v) for k, v in _dataset()[:2].items()}
+
+
+def _token_weighted(rank, world) -> dict:
+    """``hf_dist.parallelize`` + ``token_weighted_loss`` (the API without the Trainer), cp=2: one step."""
+    from hf_dist import parallelize
+    from hf_dist.context_parallel import context_parallel_state, token_weighted_loss
+    from hf_dist.strategy import Layout
+
+    dims = Layout(strategy="ddp", num_gpus=world, cp=2).dims
+    dims.build_mesh("cpu")
+    model = parallelize(_model("qwen3_moe"), dims)
+    state = context_parallel_state(model)
+
+    def step():
+        with state.split():
+            token_weighted_loss(model, _micro_batch(), state, reduce_group=dims.get_mesh("dp_cp").get_group(),
+                                reduce_size=dims.dp_cp).backward()
+    return _sgd_step(model, step)
+
+
+def _two_ranks(rank, world, root):
+    out = {"token_weighted": _token_weighted(rank, world)}
+    for name, extra in CP_RUNS.items():
+        losses, params, trainer = train_tiny(f"{root}/cp_{name}", model=_model(name), dataset=_dataset(), cp_size=2,
+                                             **CP_BATCH, **extra)
+        out[name] = (losses, params if rank == 0 else None, trainer.dims.cp)
+    return out
+
+
+def _four_ranks(rank, world, root):
+    out = {}
+    for name in CASES:
+        for flavour, layout in EP_CP_FLAVOURS.items():
+            losses, params, trainer = train_tiny(f"{root}/ep_cp_{name}_{flavour}", model=_model(name),
+                                                 dataset=_dataset(), cp_size=2, ep_size=2, **EP_CP_BATCH, **layout)
+            out[(name, flavour)] = (losses, params if rank == 0 else None, _local_experts(trainer),
+                                    (trainer.dims.dp, trainer.dims.cp, trainer.dims.ep))
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_cp")
+
+
+@pytest.fixture(scope="module")
+def references(root):
+    """One process, per model type and accumulation: ``(losses, params)``."""
+    return {(name, batch["global_batch_size"]): train_tiny(f"{root}/one_{name}_{batch['global_batch_size']}",
+                                                           model=_model(name), dataset=_dataset(), **batch)[:2]
+            for name in CASES for batch in (CP_BATCH, EP_CP_BATCH)}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(root):
+    return run_distributed(_two_ranks, 2, str(root), timeout_s=1500)
+
+
+@pytest.fixture(scope="module")
+def ep_cp_runs(root):
+    return run_distributed(_four_ranks, 4, str(root), timeout_s=1500)
+
+
+def _assert_equal(results, key, reference):
+    ref_losses, ref_params = reference
+    for rank, result in enumerate(results):
+        losses = result[key][0]
+        assert len(losses) == STEPS, rank
+        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    params = results[0][key][1]
+    assert set(params) == set(ref_params)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{key} {name}: {m}")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cp_equals_one_process(cp_runs, references, name):
+    assert all(result[name][2] == 2 for result in cp_runs)
+    _assert_equal(cp_runs, name, references[(name, CP_BATCH["global_batch_size"])])
+
+
+@pytest.mark.parametrize("flavour", sorted(EP_CP_FLAVOURS))
+@pytest.mark.parametrize("name", CASES)
+def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
+    for result in ep_cp_runs:
+        _, _, local, sizes = result[(name, flavour)]
+        assert sizes == (2, 2, 2) and local == {LOCAL_EXPERTS[flavour]}  # dp, cp, ep
+    _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_BATCH["global_batch_size"])])
+
+
+def test_token_weighted_loss_weighs_the_aux_once(cp_runs):
+    """The API path (``parallelize`` + ``token_weighted_loss``): its gradients equal ``reference_step``'s (the one
+    definition of a step the layouts are compared with), router and experts included."""
+    from hf_dist.models.reference import reference_step
+
+    model = _model("qwen3_moe")
+    reference = _sgd_step(model, lambda: reference_step(model, [_micro_batch()]))
+    got = cp_runs[0]["token_weighted"]
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_slice_alone_has_another_aux_gradient():
+    """What the cp ranks would train from their own slices (the mean of the halves' aux losses) moves the routers
+    another way than the micro-batch's aux: their gradients differ by more than half the latter's norm. The pooling
+    is what the parity above rests on."""
+    from hf_dist.models.router import load_balancing_fn
+
+    model = _model("qwen3_moe")
+    rows = _dataset()[:2]
+    batch = {k: torch.tensor(v) for k, v in rows.items() if k != "labels"}
+    fn, experts, top_k = load_balancing_fn(model), model.config.num_experts, model.config.num_experts_per_tok
+    grads = []
+    for parts in (1, 2):
+        model.zero_grad()
+        logits = model(**batch, output_router_logits=True).router_logits
+        aux = 0
+        for part in range(parts):
+            cut = slice(part * SEQ // parts, (part + 1) * SEQ // parts)
+            local = tuple(layer.reshape(2, SEQ, experts)[:, cut].reshape(-1, experts) for layer in logits)
+            aux = aux + fn(local, experts, top_k, batch["attention_mask"][:, cut]) / parts
+        aux.backward()
+        grads.append(torch.cat([p.grad.flatten() for n, p in model.named_parameters() if n.endswith("gate.weight")]))
+    whole, halves = grads
+    assert float((whole - halves).norm()) > 0.5 * float(whole.norm())
+
+
+def test_dropping_the_aux_loss_fails_the_comparison(ep_cp_runs, root):
+    """Without the aux term the routers end farther from the EP x CP run's than the parity tolerance."""
+    _, no_aux = train_tiny(f"{root}/no_aux", model=_model("qwen3_moe", aux=0.0), dataset=_dataset(),
+                           **EP_CP_BATCH)[:2]
+    params = ep_cp_runs[0][("qwen3_moe", "fsdp2")][1]
+    routers = [k for k in params if k.endswith("mlp.gate.weight")]
+    assert routers and max(float((params[k] - no_aux[k]).abs().max()) for k in routers) > 1e-4
+
+
+# -- pure: the rules, before any process group ------------------------------------------------------------------------
+def test_the_expert_mesh_puts_ep_over_the_data_parallel_ranks():
+    """dp=2 x cp=2 (ranks ``dp x 2 + cp``): ep peers share the cp coordinate and differ in dp; a cp group's ranks
+    hold the same experts (efsdp). Without CP the expert mesh is the ranks in order, as before."""
+    from hf_dist.parallel_dims import ParallelDims
+
+    dims = ParallelDims(world_size=4, dp_shard=2, cp=2, ep=2)
+    assert dims.expert_ranks().tolist() == [[[0, 2], [1, 3]]] and dims.efsdp == 2
+    plain = ParallelDims(world_size=8, dp_shard=8, ep=4)
+    assert plain.expert_ranks().tolist() == torch.arange(8).reshape(1, 2, 4).tolist()
+
+
+def test_layout_runs_ep_x_cp_only_as_proven():
+    from hf_dist.strategy import Layout
+
+    for strategy in ("fsdp_full_shard", "ddp"):
+        layout = Layout(strategy=strategy, num_gpus=4, ep=2, cp=2)
+        assert (layout.dp, layout.efsdp) == (2, 2)
+    with pytest.raises(ValueError, match="ep_size=2 with cp_size=2 and strategy='fsdp_shard_grad_op'"):
+        Layout(strategy="fsdp_shard_grad_op", num_gpus=4, ep=2, cp=2)
+
+
+def test_global_batch_aux_scope_is_refused_with_cp():
+    from hf_dist import DistTrainingArguments
+
+    with pytest.raises(ValueError, match="router_aux_loss_scope='global_batch' with cp_size=2"):
+        DistTrainingArguments(output_dir="unused", cp_size=2, router_aux_loss_scope="global_batch", report_to=[])
