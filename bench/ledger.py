@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from ledger_cases import LAYOUTS, STEPS  # noqa: E402
 
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "tp": "TP=2", "pp": "PP=2", "ep_fsdp2": "EP=2 x FSDP2", "cp": "CP=2"}
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "zero3": "ZeRO-3", "tp": "TP=2", "tp_sp": "TP=2+SP", "pp": "PP=2",
+          "ep_fsdp2": "EP=2 x FSDP2", "cp": "CP=2"}
 EXPLAINED: dict[tuple[str, str, bool, str], str] = {
     ("fsdp2", "all_gather", False, "float32"): "below 1: the root stays gathered from forward to backward and the "
         "last block is not resharded after forward (hf_dist's prefetch): 4 gathers, not 6",
