@@ -58,15 +58,18 @@ def _shape(model, args, dims, flops_per_token: float) -> tuple[object, float]:
 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    def size(p) -> int:  # a ZeRO-3 model is built partitioned (``zero.Init``): ds_numel is the whole
+        return (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
+
+    experts = sum(size(p) for n, p in model.named_parameters() if ".experts." in n)
     micro = args.pp_microbatches if dims.pp_enabled else args.gradient_accumulation_steps
     shape = StepShape(layers=c.num_hidden_layers, hidden=c.hidden_size, q_dim=c.num_attention_heads * head_dim,
                       kv_dim=c.num_key_value_heads * head_dim, units=c.num_hidden_layers + 1,
-                      param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                      param_bytes=sum(size(p) for p in model.parameters()),
                       expert_param_bytes=experts, tokens_per_micro=args.per_device_train_batch_size * SEQ,
                       micro_batches=micro, top_k=getattr(c, "num_experts_per_tok", 0),
-                      sp_partial_bytes=sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                                           if n.endswith("norm.weight")) if args.tp_sequence_parallel else 0)
+                      sp_partial_bytes=sum(size(p) for n, p in model.named_parameters() if n.endswith("norm.weight"))
+                      if args.tp_sequence_parallel else 0)
     return shape, flops_per_token * args.per_device_train_batch_size * micro * dims.dp * SEQ
 
 

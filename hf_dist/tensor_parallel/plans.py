@@ -227,7 +227,11 @@ def plan_names(
         )
     if sequence_parallel:
         plan = {pattern: _SP_OUTPUT_OVERRIDES.get(style, style) for pattern, style in plan.items()}
-        plan.update(SEQUENCE_PARALLEL_OVERLAY)
+        for pattern, style in SEQUENCE_PARALLEL_OVERLAY.items():
+            # the sequence gathered first, then what the plan already does on that module (Phi-3's local head
+            # counts: replacing them left its attention computing every head on half the q/k/v columns)
+            joins = style.startswith("gather_sequence") and pattern in plan
+            plan[pattern] = f"{style}+{plan[pattern]}" if joins else style
         plan["lm_head"] = "lm_head_from_sequence_shards"
     if vocab_parallel:
         plan["model.embed_tokens"] = "vocab_embedding_to_sequence_shards" if sequence_parallel else "vocab_embedding"
