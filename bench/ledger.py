@@ -1,6 +1,6 @@
 """The step ledger per layout: one optimizer step's collectives, bytes and FLOPs beside their theoretical minimum.
 
-    python bench/ledger.py [--layouts ddp fsdp2 tp pp ep_fsdp2 cp] [--where]
+    python bench/ledger.py [--layouts ddp fsdp2 zero3 tp tp_sp pp ep_fsdp2 cp] [--where]
 
 2 gloo ranks, one spawn; the layouts, models and batches are ``tests/ledger_cases.py`` (optimizer step 3 of a
 fresh ``DistTrainer`` each).
@@ -85,7 +85,8 @@ def table(layout: str, per_rank: list[dict]) -> list[str]:
                  f"{flops_ratio:>7}  {_explain(layout, 'FLOPs', False, '') if flops_ratio != '1.00' else ''}")
     led = first["ledger"]
     lines.append(f"{LABELS[layout]:<13}dtypes: params {'/'.join(led['param_dtypes'])}, grads "
-                 f"{'/'.join(led['grad_dtypes'])}, loss {led['loss_dtype']}")
+                 f"{'/'.join(led['grad_dtypes']) or 'none on the parameters (kept in the engine)'}, "
+                 f"loss {led['loss_dtype']}")
     return lines
 
 

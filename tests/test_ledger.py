@@ -53,6 +53,10 @@ EXPECTED = {
     # routed tokens (64 x top-3 x hidden 32, fp32) dispatched and combined per layer, forward and backward
     "ep_fsdp2": {("all_to_all", "float32"): (8, 8 * 24_576), ("all_gather", "float32"): (4, 105_024),
                  ("reduce_scatter", "float32"): (3, 91_904)},
+    # DeepSpeed ZeRO-3 (ds_configs/zero3.json, HF's "auto" sizes for hidden 64): every parameter but the 5 norms
+    # gathered once (kept gathered from forward to backward), in 14 calls; their gradients reduce-scattered once,
+    # in buckets of hidden^2 = 4,096 elements (k and v together, every other tensor alone)
+    "zero3": {("all_gather", "float32"): (14, GRADS - 5 * 256), ("reduce_scatter", "float32"): (14, GRADS - 5 * 256)},
     # q, k, v, out per layer both ways; every gradient in one bucket (+ one presence flag per parameter)
     "cp": {("all_to_all", "float32"): (16, 98_304), ("all_reduce", "float32"): (1, GRADS + 21 * 4)},
 }
@@ -87,10 +91,24 @@ def test_sequence_parallel_control_traffic(ledgers):
     assert small == {("all_reduce", "float32"): 1, ("all_reduce", "int32"): 1, ("all_gather", "int64"): 1}
 
 
+def test_zero3_small_calls(ledgers):
+    """ZeRO-3's calls under 1 KiB: the 5 norms (under stage3_param_persistence_threshold, whole on every rank)
+    gathered again one by one after the step and their gradients reduce-scattered one by one; the gradient norm once
+    per optimizer parameter group (decay, no decay) in float64."""
+    from hf_dist.metrics.ledger_minimum import measured_rows
+
+    small = {(r.kind, r.dtype): (r.count, r.bytes)
+             for r in measured_rows([x["ledger"] for x in ledgers["zero3"]]) if r.small}
+    assert small == {("all_gather", "float32"): (5, 5 * 256), ("reduce_scatter", "float32"): (5, 5 * 256),
+                     ("all_reduce", "float64"): (2, 16), ("all_reduce", "int32"): (1, 4),
+                     ("all_gather", "int64"): (1, 16)}
+
+
 def test_dtypes_recorded(ledgers):
     for layout, runs in ledgers.items():
         ledger = runs[0]["ledger"]
-        assert set(ledger["param_dtypes"]) == set(ledger["grad_dtypes"]) == {"float32"}, layout
+        grads = {"float32"} if layout != "zero3" else set()  # ZeRO-3 keeps gradients in its partitions
+        assert set(ledger["param_dtypes"]) == {"float32"} and set(ledger["grad_dtypes"]) == grads, layout
         assert ledger["loss_dtype"] == "float32", layout
 
 
