@@ -34,6 +34,21 @@ EXPLAINED: dict[tuple[str, str, bool, str], str] = {
         "all-reduces its input gradient (5 per block; Megatron fuses them: 2), + 1 for the lm_head input",
     ("tp", "all_gather", False, "float32"): "the logits gathered over the vocabulary shards for the loss "
         "(tp_vocab_parallel=False; vocab-parallel loss avoids it)",
+    ("tp_sp", "all_gather", False, "float32"): "+3 at the ends, beyond Megatron's per-block count: the head's "
+        "input gathered over the sequence (forward), the whole embedding's input gradient gathered (backward), the "
+        "logits gathered over the vocabulary shards (tp_vocab_parallel=False)",
+    ("tp_sp", "reduce_scatter", False, "float32"): "+1: the head's input gradient scattered back to sequence shards",
+    ("zero3", "all_gather", False, "float32"): "bytes 0.5: each parameter gathered once per step, kept from forward "
+        "to backward (zero3.json's stage3_max_reuse_distance 1e9 spans the tiny model); count: DeepSpeed fetches "
+        "per submodule (each Linear, neighbours coalesced), not per block",
+    ("zero3", "reduce_scatter", False, "float32"): "a bucket holds reduce_bucket_size = hidden^2 elements (HF's "
+        "auto: 4,096 here), so every tensor but k+v travels alone; at hidden 4,096 a bucket is 16.8 M elements",
+    ("zero3", "all_gather", True, "float32"): "the 5 norms (below stage3_param_persistence_threshold = 10 x hidden, "
+        "whole on every rank) gathered again after the step, one call each",
+    ("zero3", "reduce_scatter", True, "float32"): "the 5 norms' gradients, each its own bucket (the next tensor "
+        "would overflow it)",
+    ("zero3", "all_reduce", True, "float64"): "DeepSpeed's gradient norm, once per optimizer parameter group "
+        "(decay / no decay); the clipping norm the minimum counts",
     ("pp", "send", False, "float32"): "the pipeline pads every batch to a multiple of 64 tokens "
         "(PipelineConfig.pad_to_multiple_of): 32 -> 64, twice the activations",
     ("pp", "recv", False, "float32"): "as send: 32-token rows padded to 64",

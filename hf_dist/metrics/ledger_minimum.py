@@ -235,9 +235,10 @@ def _control_rows(layout: Layout, *, dp: int) -> list[Minimum]:
     if dp > 1:  # ranks with different batches agree on the loss divisor
         rows.append(Minimum(kind="all_gather", axis="world", count=1, bytes=8 * dp, small=True, dtype="int64",
                             rule="the batch's token count (the loss divisor)"))
-    if layout in ("fsdp2", "zero3", "ep_fsdp2", "tp", "tp_sp", "pp"):  # gradients sharded or split: the clipping norm is a sum
-        rows.append(Minimum(kind="all_reduce", axis="world", count=1, bytes=4, small=True, dtype="float32",
-                            rule="the gradient norm for clipping"))
+    if layout in ("fsdp2", "zero3", "ep_fsdp2", "tp", "tp_sp", "pp"):  # gradients sharded or split: the norm is a sum
+        wide = layout == "zero3"  # DeepSpeed sums the norm in float64
+        rows.append(Minimum(kind="all_reduce", axis="world", count=1, bytes=8 if wide else 4, small=True,
+                            dtype="float64" if wide else "float32", rule="the gradient norm for clipping"))
     return rows
 
 
