@@ -39,10 +39,10 @@ EXPLAINED: dict[tuple[str, str, bool, str], str] = {
         "logits gathered over the vocabulary shards (tp_vocab_parallel=False)",
     ("tp_sp", "reduce_scatter", False, "float32"): "+1: the head's input gradient scattered back to sequence shards",
     ("zero3", "all_gather", False, "float32"): "bytes 0.5: each parameter gathered once per step, kept from forward "
-        "to backward (zero3.json's stage3_max_reuse_distance 1e9 spans the tiny model); count: DeepSpeed fetches "
-        "per submodule (each Linear, neighbours coalesced), not per block",
+        "to backward (zero3.json's stage3_max_reuse_distance 1e9 spans the tiny model: at 0, 2 x bytes); count: "
+        "DeepSpeed fetches per submodule (16 Linears and embeddings: 32 calls at reuse distance 0), not per block",
     ("zero3", "reduce_scatter", False, "float32"): "a bucket holds reduce_bucket_size = hidden^2 elements (HF's "
-        "auto: 4,096 here), so every tensor but k+v travels alone; at hidden 4,096 a bucket is 16.8 M elements",
+        "auto: 4,096 here), so every tensor but k+v travels alone (reduce_bucket_size 1e9: 1 call, 623,872 B)",
     ("zero3", "all_gather", True, "float32"): "the 5 norms (below stage3_param_persistence_threshold = 10 x hidden, "
         "whole on every rank) gathered again after the step, one call each",
     ("zero3", "reduce_scatter", True, "float32"): "the 5 norms' gradients, each its own bucket (the next tensor "
