@@ -1,6 +1,6 @@
 """The step ledger per layout: one optimizer step's collectives, bytes and FLOPs beside their theoretical minimum.
 
-    python bench/ledger.py [--layouts ddp fsdp2 tp pp ep_fsdp2 cp] [--where]
+    python bench/ledger.py [--layouts ddp fsdp2 zero3 tp tp_sp pp ep_fsdp2 cp] [--where]
 
 2 gloo ranks, one spawn; the layouts, models and batches are ``tests/ledger_cases.py`` (optimizer step 3 of a
 fresh ``DistTrainer`` each).
@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from ledger_cases import LAYOUTS, STEPS  # noqa: E402
 
-LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "tp": "TP=2", "pp": "PP=2", "ep_fsdp2": "EP=2 x FSDP2", "cp": "CP=2"}
+LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "zero3": "ZeRO-3", "tp": "TP=2", "tp_sp": "TP=2+SP", "pp": "PP=2",
+          "ep_fsdp2": "EP=2 x FSDP2", "cp": "CP=2"}
 EXPLAINED: dict[tuple[str, str, bool, str], str] = {
     ("fsdp2", "all_gather", False, "float32"): "below 1: the root stays gathered from forward to backward and the "
         "last block is not resharded after forward (hf_dist's prefetch): 4 gathers, not 6",
@@ -33,6 +34,21 @@ EXPLAINED: dict[tuple[str, str, bool, str], str] = {
         "all-reduces its input gradient (5 per block; Megatron fuses them: 2), + 1 for the lm_head input",
     ("tp", "all_gather", False, "float32"): "the logits gathered over the vocabulary shards for the loss "
         "(tp_vocab_parallel=False; vocab-parallel loss avoids it)",
+    ("tp_sp", "all_gather", False, "float32"): "+3 at the ends, beyond Megatron's per-block count: the head's "
+        "input gathered over the sequence (forward), the whole embedding's input gradient gathered (backward), the "
+        "logits gathered over the vocabulary shards (tp_vocab_parallel=False)",
+    ("tp_sp", "reduce_scatter", False, "float32"): "+1: the head's input gradient scattered back to sequence shards",
+    ("zero3", "all_gather", False, "float32"): "bytes 0.5: each parameter gathered once per step, kept from forward "
+        "to backward (zero3.json's stage3_max_reuse_distance 1e9 spans the tiny model: at 0, 2 x bytes); count: "
+        "DeepSpeed fetches per submodule (16 Linears and embeddings: 32 calls at reuse distance 0), not per block",
+    ("zero3", "reduce_scatter", False, "float32"): "a bucket holds reduce_bucket_size = hidden^2 elements (HF's "
+        "auto: 4,096 here), so every tensor but k+v travels alone (reduce_bucket_size 1e9: 1 call, 623,872 B)",
+    ("zero3", "all_gather", True, "float32"): "the 5 norms (below stage3_param_persistence_threshold = 10 x hidden, "
+        "whole on every rank) gathered again after the step, one call each",
+    ("zero3", "reduce_scatter", True, "float32"): "the 5 norms' gradients, each its own bucket (the next tensor "
+        "would overflow it)",
+    ("zero3", "all_reduce", True, "float64"): "DeepSpeed's gradient norm, once per optimizer parameter group "
+        "(decay / no decay); the clipping norm the minimum counts",
     ("pp", "send", False, "float32"): "the pipeline pads every batch to a multiple of 64 tokens "
         "(PipelineConfig.pad_to_multiple_of): 32 -> 64, twice the activations",
     ("pp", "recv", False, "float32"): "as send: 32-token rows padded to 64",
@@ -84,7 +100,8 @@ def table(layout: str, per_rank: list[dict]) -> list[str]:
                  f"{flops_ratio:>7}  {_explain(layout, 'FLOPs', False, '') if flops_ratio != '1.00' else ''}")
     led = first["ledger"]
     lines.append(f"{LABELS[layout]:<13}dtypes: params {'/'.join(led['param_dtypes'])}, grads "
-                 f"{'/'.join(led['grad_dtypes'])}, loss {led['loss_dtype']}")
+                 f"{'/'.join(led['grad_dtypes']) or 'none on the parameters (kept in the engine)'}, "
+                 f"loss {led['loss_dtype']}")
     return lines
 
 

@@ -160,7 +160,12 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
                       "the count only after a step)"),
     PrivateMember(owner=_T, name="_clip_grad_norm", kind="override", where="trainer.trainer",
                   called_by="_run_epoch",
-                  why="under PP the gradient norm spans every stage's rank, not only this rank's parameters"),
+                  why="under PP the gradient norm spans every stage's rank, not only this rank's parameters; under TP "
+                      "the partial gradients of whole weights (SP norms) are summed first, in one all-reduce"),
+    PrivateMember(owner=_T, name="_get_grad_norm", kind="override", where="trainer.trainer",
+                  called_by="_run_epoch",
+                  why="without clipping, the first reader of the step's gradients: the TP partial gradients are summed "
+                      "here in one all-reduce, not one per tensor in the norm and again in the optimizer step"),
     PrivateMember(owner=_T, name="_defer_fsdp_gradient_reduction", kind="override", where="trainer.trainer",
                   called_by="_run_epoch",
                   why="gradient accumulation on hf_dist's FSDP2 model: reduce once per optimizer step (HSDP: skip the "

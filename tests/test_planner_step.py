@@ -57,6 +57,15 @@ def test_a_hand_computed_step():
     assert tp.exposed_s == tp.rows[1].seconds and tp.overlappable_s == tp.rows[0].seconds  # TP is on the critical path
 
 
+def test_sequence_parallel_rows():
+    """TP2+SP on TINY (fp32): each Megatron all-reduce as a gather and a scatter (4 per block of 2 x 32 x 64 fp32),
+    and the 5 norm weights' partial gradients (5 x 64 fp32) summed in one all-reduce, as the ledger measures."""
+    sp = communication(TINY, FP32, Layout(strategy="ddp", num_gpus=2, tp=2, sequence_parallel=True), Links.of(GPU))
+    assert [(r.kind, r.axis, r.bytes) for r in sp.rows] == [
+        ("all_gather", "tp", 8 * 2 * 32 * 64 * 4), ("reduce_scatter", "tp", 8 * 2 * 32 * 64 * 4),
+        ("all_reduce", "tp", 5 * 64 * 4)]
+
+
 def test_overlap_matches_torchtitans_64_a100_run():
     """torchtitan's Llama-2-13B FSDP2 on 64 A100s (8 nodes, local batch 2 x 4,096, selective AC counted as no
     recompute) publishes 1,904 tokens/s/GPU. At the efficiency its Llama-3-8B row gives (55.2 %) compute takes 4.15 s

@@ -201,6 +201,8 @@ TP2_CASES = {
     "llama_mqa_sp": {"arch": "llama", "tp": 2, "sp": True, "overrides": (("num_key_value_heads", 1),)},
     "qwen3_mqa": {"arch": "qwen3", "tp": 2, "overrides": (("num_key_value_heads", 1),)},
     "llama_sp_vp": {"arch": "llama", "tp": 2, "sp": True, "vp": True},
+    "qwen3_sp": {"arch": "qwen3", "tp": 2, "sp": True},  # head norms whole beside the sequence-split norms
+    "phi3_sp": {"arch": "phi3", "tp": 2, "sp": True},  # fused q/k/v and gate/up behind the sequence gather
     "qwen2_tied_vp": {"arch": "qwen2", "tp": 2, "vp": True, "overrides": (("tie_word_embeddings", True),)},
 }
 

@@ -192,6 +192,13 @@ def test_overlays_add_sequence_and_vocab_entries():
     assert names["model.embed_tokens"] == "vocab_embedding_to_sequence_shards"
 
 
+def test_sequence_gather_keeps_what_the_plan_does_on_the_module():
+    # Phi-3's fused q/k/v needs its attention to count local heads; the sequence overlay once replaced that entry
+    names = plan_names(tiny_config("phi3"), sequence_parallel=True)
+    assert names["model.layers.*.self_attn"] == "gather_sequence_kwarg+local_head_counts"
+    assert names["model.layers.*.mlp"] == "gather_sequence"
+
+
 def test_interleave_gives_each_rank_its_slice_of_every_part_and_inverts():
     weight = torch.arange(12.0).unsqueeze(1)  # parts of 4, 4, 4 rows
     reordered = interleave_parts(weight, (4, 4, 4), 2)

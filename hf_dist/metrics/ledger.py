@@ -136,7 +136,9 @@ class CommCounter(TorchDispatchMode):
 
         for frame in reversed(traceback.extract_stack()[:-3]):
             path = frame.filename.replace("\\", "/")
-            if "/torch/" in path or path.endswith(("/contextlib.py", "/ledger.py")):
+            # deepspeed.comm, its profiling decorator and the deprecation wrapper only pass the call on
+            if "/torch/" in path or "/deepspeed/comm/" in path or path.endswith(
+                    ("/contextlib.py", "/ledger.py", "/typing_extensions.py", "/deepspeed/utils/nvtx.py")):
                 continue
             return f"{'/'.join(path.split('/')[-2:])}:{frame.lineno} {frame.name}"
         return "torch"

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 SMALL_BYTES = 1024
 """A call moving fewer bytes than this is control traffic, not data."""
-Layout = Literal["ddp", "fsdp2", "tp", "pp", "ep_fsdp2", "cp"]
+Layout = Literal["ddp", "fsdp2", "zero3", "tp", "tp_sp", "pp", "ep_fsdp2", "cp"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +75,9 @@ class StepShape:
     """Bytes of an activation element (what TP, PP, EP and CP move)."""
     recompute: bool = False
     """Activation checkpointing: each layer's forward runs again in backward, with its TP, EP and CP collectives."""
+    sp_partial_bytes: int = 0
+    """Under TP sequence parallelism, the weights kept whole on every TP rank whose gradients come out partial per
+    rank (the norms), in the reduce dtype: summed over the TP ranks once per step (0: not counted)."""
 
     @property
     def trained(self) -> int:
@@ -131,13 +134,19 @@ def _activation(s: StepShape) -> int:
 def tp_rows(s: StepShape, *, sequence_parallel: bool = False) -> list[Minimum]:
     """Megatron TP: per block 2 all-reduces of the activations in forward (attention out, MLP out) and 2 in backward
     (attention in, MLP in), the forward's again under recompute. Sequence parallel splits each all-reduce into an
-    all-gather and a reduce-scatter of the same tensor (the same bytes on the wire)."""
+    all-gather and a reduce-scatter of the same tensor (the same bytes on the wire), and sums the norms' partial
+    gradients over the TP ranks once per step (``StepShape.sp_partial_bytes``, one bucket)."""
     per_block = 2 * s.forward_passes + 2
     count, size = per_block * s.layers * s.micro_batches, per_block * s.layers * _activation(s)
     if sequence_parallel:
-        return [Minimum(kind=k, axis="tp", count=count, bytes=size,
+        rows = [Minimum(kind=k, axis="tp", count=count, bytes=size,
                         rule="sequence parallel: each Megatron all-reduce as a gather + a scatter")
                 for k in ("all_gather", "reduce_scatter")]
+        if s.sp_partial_bytes:
+            rows.append(Minimum(kind="all_reduce", axis="tp", count=1, bytes=s.sp_partial_bytes,
+                                small=s.sp_partial_bytes < SMALL_BYTES,
+                                rule="the norms' partial gradients, one bucket per step"))
+        return rows
     return [Minimum(kind="all_reduce", axis="tp", count=count, bytes=size,
                     rule="Megatron: 2 forward + 2 backward per block" + (" + 2 recomputed" if s.recompute else ""))]
 
@@ -173,16 +182,18 @@ def cp_rows(s: StepShape, cp: int, *, tp: int = 1) -> list[Minimum]:
 def _data_rows(layout: Layout, s: StepShape, *, dp: int, cp: int) -> list[Minimum]:
     if layout == "ddp":
         return replicated_rows(s.grads, "world")
+    if layout == "zero3":
+        return sharded_rows(s.param_bytes, s.grads, "world", units=s.units)
     if layout in ("fsdp2", "ep_fsdp2"):
         return sharded_rows(s.param_bytes - s.expert_param_bytes, s.grads - s.expert_grads, "dp_shard",
                             units=s.units) + (ep_rows(s) if layout == "ep_fsdp2" else [])
-    if layout == "tp":
-        return tp_rows(s)
+    if layout in ("tp", "tp_sp"):
+        return tp_rows(s, sequence_parallel=layout == "tp_sp")
     if layout == "pp":
         return pp_rows(s)
     if layout == "cp":
         return cp_rows(s, cp) + replicated_rows(s.grads, "dp_cp")
-    raise ValueError(f"no minimum for layout {layout!r}; layouts are ddp, fsdp2, tp, pp, ep_fsdp2, cp")
+    raise ValueError(f"no minimum for layout {layout!r}; layouts are ddp, fsdp2, zero3, tp, tp_sp, pp, ep_fsdp2, cp")
 
 
 def layout_minimum(layout: StrategyLayout, s: StepShape) -> list[Minimum]:
@@ -224,9 +235,10 @@ def _control_rows(layout: Layout, *, dp: int) -> list[Minimum]:
     if dp > 1:  # ranks with different batches agree on the loss divisor
         rows.append(Minimum(kind="all_gather", axis="world", count=1, bytes=8 * dp, small=True, dtype="int64",
                             rule="the batch's token count (the loss divisor)"))
-    if layout in ("fsdp2", "ep_fsdp2", "tp", "pp"):  # gradients sharded or split: the clipping norm is a sum
-        rows.append(Minimum(kind="all_reduce", axis="world", count=1, bytes=4, small=True, dtype="float32",
-                            rule="the gradient norm for clipping"))
+    if layout in ("fsdp2", "zero3", "ep_fsdp2", "tp", "tp_sp", "pp"):  # gradients sharded or split: the norm is a sum
+        wide = layout == "zero3"  # DeepSpeed sums the norm in float64
+        rows.append(Minimum(kind="all_reduce", axis="world", count=1, bytes=8 if wide else 4, small=True,
+                            dtype="float64" if wide else "float32", rule="the gradient norm for clipping"))
     return rows
 
 

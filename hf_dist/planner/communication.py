@@ -123,6 +123,9 @@ def _stage_shape(model: ModelSpec, workload: Workload, layout: Layout, *, layers
     gathered, reduced = gathered_itemsize(workload, layout), itemsize(tensor_dtypes(layout, workload.precision).reduction)
     trained = _numel(s for _, s in (adapters or base))
     experts = _numel(s for n, s in base if n.startswith("mlp.experts.")) if layout.ep > 1 else 0
+    # under SP the norms run on sequence shards with their weights whole: partial gradients, summed once per step
+    sp_norms = _numel(s for n, s in base if n == "norm" or n.endswith("layernorm.weight")) if layout.sequence_parallel \
+        else 0
     return StepShape(
         layers=layers, hidden=model.hidden_size, q_dim=model.q_dim, kv_dim=model.kv_dim,
         param_bytes=gathered * _numel(s for _, s in base + adapters), expert_param_bytes=gathered * experts,
@@ -130,7 +133,7 @@ def _stage_shape(model: ModelSpec, workload: Workload, layout: Layout, *, layers
         expert_grad_bytes=0 if adapters else reduced * experts, units=layers + 1,
         tokens_per_micro=workload.tokens, micro_batches=workload.gradient_accumulation_steps,
         top_k=model.experts_per_token, element_size=4 if workload.precision == "fp32" else 2,
-        recompute=workload.activation_checkpointing)
+        recompute=workload.activation_checkpointing, sp_partial_bytes=reduced * sp_norms)
 
 
 def step_shape(model: ModelSpec, workload: Workload, layout: Layout) -> StepShape:

@@ -37,6 +37,7 @@ from hf_dist.state_dict import save_gathered
 from hf_dist.pipeline_parallel.apply import apply_pipeline
 from hf_dist.pipeline_parallel.save import save_pretrained as save_pipeline
 from hf_dist.tensor_parallel.apply import whole_logits
+from hf_dist.tensor_parallel.grads import reduce_partial_grads
 from hf_dist.trainer import (
     checkpoint_glue, compile_glue, context, data, launch_env, preemption, resume, router_loss, step, teardown,
 )
@@ -269,7 +270,19 @@ class DistTrainer(Trainer):
     def _clip_grad_norm(self, model):
         if self.dims.pp_enabled:  # the norm over every stage, not just this rank's
             return step.pipeline_clip_grad_norm(self)
+        self._reduce_partial_grads(model)
         return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # no clipping: the first look at this step's gradients
+            self._reduce_partial_grads(model)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _reduce_partial_grads(self, model) -> None:
+        """TP ranks' partial gradients of whole weights (the norms under sequence parallelism) summed in one
+        all-reduce before the norm and the optimizer step read them, not one per tensor in each."""
+        if self.dims.tp > 1:
+            reduce_partial_grads(model.parameters())
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
