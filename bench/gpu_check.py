@@ -61,7 +61,7 @@ GPU = Sizes(
              num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
              num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=8192,
              output_router_logits=True, router_aux_loss_coef=0.001),
-    seq=2048, micro=4, warmup=3, steps=6)
+    seq=2048, micro=2, warmup=3, steps=6)
 SMOKE = Sizes(
     llama=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
