@@ -8,7 +8,8 @@ Every run is a fresh spawn that loads the model as its users do (a checkpoint wr
     ep_size=2]))`` (transformers shards it while loading) trained by ``transformers.Trainer``;
   * ``hf_dist``: ``hf_dist.from_pretrained(dir, args)`` trained by ``DistTrainer`` (``fsdp="full_shard"``, FSDP2,
     ``ep_size=2``; the chunked loss on, its default);
-  * ``one``: the same tiny Llama on one process, ``Trainer`` vs ``DistTrainer``.
+  * ``one``: the same tiny Llama on one process, ``Trainer`` vs ``DistTrainer``; ``one_whole``: the same with
+    DistTrainer's ``chunked_loss=False`` (the Trainer's loss path), which separates the chunked loss's cost.
 The same arguments otherwise (micro batch 4 per rank, AdamW, constant lr, no accumulation), the same data.
 A round runs each pair once, the pair's order alternating between rounds, so both sides share the machine's
 noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
@@ -42,18 +43,21 @@ PAIRS = {
     "fsdp2": {"world": 2, "model": "llama", "sides": ("native", "hf_dist")},
     "ep2": {"world": 2, "model": "moe", "sides": ("native", "hf_dist")},
     "one": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist")},
+    "one_whole": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist"), "args": {"chunked_loss": False}},
 }
-LABELS = {"fsdp2": "FSDP2, 2 ranks", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process"}
+LABELS = {"fsdp2": "FSDP2, 2 ranks", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
+          "one_whole": "one, whole loss"}
 
 
-def write_models(folder: str) -> dict[str, str]:
+def write_models(folder: str, router_aux_loss_coef: float = MOE["router_aux_loss_coef"]) -> dict[str, str]:
     """The tiny Llama and Qwen3-MoE written as checkpoints; ``{name: directory}``."""
     from transformers import Qwen3MoeConfig
 
     from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
 
     dirs = {}
-    for name, config in (("llama", tiny_llama_config(vocab_size=VOCAB, **LLAMA)), ("moe", Qwen3MoeConfig(**MOE))):
+    moe = Qwen3MoeConfig(**{**MOE, "router_aux_loss_coef": router_aux_loss_coef})
+    for name, config in (("llama", tiny_llama_config(vocab_size=VOCAB, **LLAMA)), ("moe", moe)):
         dirs[name] = os.path.join(folder, name)
         build_tiny_model(config, seed=0).save_pretrained(dirs[name])
     return dirs
@@ -67,9 +71,11 @@ def _dataset(rows: int):
 
 
 def _common(out: str, steps: int, world: int) -> dict:
+    # use_cpu=True on every side: without it the plain Trainer on gloo ranks does not shard the data (each rank
+    # trained on the same batch, measured with transformers 5.24 under DistributedConfig(fsdp_size=2))
     return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=MICRO, learning_rate=1e-4,
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                data_seed=0, disable_tqdm=True, dataloader_num_workers=0, use_cpu=world == 1,
+                data_seed=0, disable_tqdm=True, dataloader_num_workers=0, use_cpu=True,
                 dataloader_pin_memory=False)
 
 
@@ -85,6 +91,7 @@ def _trainer(side: str, pair: str, model_dir: str, out: str, steps: int, world: 
         layout = {} if world == 1 else {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
         if pair == "ep2":
             layout["ep_size"] = 2
+        layout.update(PAIRS[pair].get("args", {}))
         args = DistTrainingArguments(**common, global_batch_size=MICRO * world, **layout)
         model = hf_dist.from_pretrained(model_dir, args) if world > 1 else AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32)
@@ -190,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8, help="measured steps per run (after 2 warm-up steps)")
+    parser.add_argument("--router-aux-loss-coef", type=float, default=MOE["router_aux_loss_coef"],
+                        help="the MoE's router aux loss weight (0: the losses then compare the language-model part)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}")
     opts = parser.parse_args(argv)
     pairs = [p for p in opts.pairs.split(",") if p]
@@ -199,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     per_pair: dict[str, list] = {p: [] for p in pairs}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="hf_dist_native_") as folder:
-        dirs = write_models(folder)
+        dirs = write_models(folder, opts.router_aux_loss_coef)
         for i in range(opts.rounds):
             for pair in pairs:
                 sides = PAIRS[pair]["sides"]
