@@ -13,7 +13,8 @@ Every run is a fresh spawn that loads the model as its users do (a checkpoint wr
 The same arguments otherwise (micro batch 4 per rank, AdamW, constant lr, no accumulation), the same data.
 A round runs each pair once, the pair's order alternating between rounds, so both sides share the machine's
 noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
-median and range over rounds. ``load MiB``: the rank's peak RSS (``ru_maxrss``) once the model is loaded and laid
+median and range over rounds. ``load`` is the FSDP2 pair on a 254 M-parameter Llama (vocabulary 32,000), one step
+only (its time is the first step's, warm-up included): what loading costs. ``load MiB``: the rank's peak RSS (``ru_maxrss``) once the model is loaded and laid
 out, before training; ``peak MiB``: after the last step; both the worst rank's. Not a test: nothing is asserted.
 Figures are in docs/benchmarks.md.
 """
@@ -44,20 +45,28 @@ PAIRS = {
     "ep2": {"world": 2, "model": "moe", "sides": ("native", "hf_dist")},
     "one": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist")},
     "one_whole": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist"), "args": {"chunked_loss": False}},
+    "load": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1},
 }
 LABELS = {"fsdp2": "FSDP2, 2 ranks", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
-          "one_whole": "one, whole loss"}
+          "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks"}
+BIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+           num_key_value_heads=8)
+"""The ``load`` pair's Llama: 254 M parameters (1.0 GB in fp32), vocabulary 32,000."""
 
 
-def write_models(folder: str, router_aux_loss_coef: float = MOE["router_aux_loss_coef"]) -> dict[str, str]:
-    """The tiny Llama and Qwen3-MoE written as checkpoints; ``{name: directory}``."""
+def write_models(folder: str, router_aux_loss_coef: float = MOE["router_aux_loss_coef"],
+                 names: tuple[str, ...] = ("llama", "moe")) -> dict[str, str]:
+    """The tiny Llama and Qwen3-MoE (and the ``big`` Llama) written as checkpoints; ``{name: directory}``."""
     from transformers import Qwen3MoeConfig
 
     from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
 
     dirs = {}
     moe = Qwen3MoeConfig(**{**MOE, "router_aux_loss_coef": router_aux_loss_coef})
-    for name, config in (("llama", tiny_llama_config(vocab_size=VOCAB, **LLAMA)), ("moe", moe)):
+    configs = {"llama": tiny_llama_config(vocab_size=VOCAB, **LLAMA), "moe": moe,
+               "big": tiny_llama_config(vocab_size=32000, **BIG)}
+    for name in names:
+        config = configs[name]
         dirs[name] = os.path.join(folder, name)
         build_tiny_model(config, seed=0).save_pretrained(dirs[name])
     return dirs
@@ -114,7 +123,7 @@ def _max_over_ranks(value: float) -> float:
     return float(t)
 
 
-def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int) -> dict:
+def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int, warmup: int = WARMUP) -> dict:
     """One fresh run of ``side``: step times (the slowest rank's), load and final peak RSS (the worst rank's)."""
     from transformers import TrainerCallback, logging as hf_logging
 
@@ -129,10 +138,10 @@ def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps:
             times.append(time.perf_counter() - self.start)
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = _trainer(side, pair, model_dir, out, WARMUP + steps, world, [Timer()])
+        trainer = _trainer(side, pair, model_dir, out, warmup + steps, world, [Timer()])
         load = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         trainer.train()
-    slowest = [_max_over_ranks(t) for t in times[WARMUP:]]
+    slowest = [_max_over_ranks(t) for t in times[warmup:]]
     peak = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
@@ -151,12 +160,13 @@ def run_pair(pair: str, dirs: dict[str, str], steps: int, order: tuple[str, str]
     from dist_utils import run_distributed
 
     spec, out = PAIRS[pair], {}
+    steps, warmup = spec.get("steps", steps), spec.get("warmup", WARMUP)
     for side in order:
         if spec["world"] == 1:
             with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
                 out[side] = pool.submit(_alone, side, pair, dirs[spec["model"]], steps).result()
         else:
-            out[side] = run_distributed(run_side, spec["world"], side, pair, dirs[spec["model"]], steps,
+            out[side] = run_distributed(run_side, spec["world"], side, pair, dirs[spec["model"]], steps, warmup,
                                         timeout_s=1800)[0]
     return out
 
@@ -188,6 +198,8 @@ def table(results: dict[str, dict], rounds: int) -> list[str]:
                          f"{r['load_mib']:>10.0f}{r['peak_mib']:>10.0f}{r['loss']:>9.4f}{diff:>15}{ratio:>24}")
     lines.append("loss 1: the first step's loss; max loss diff: the largest |difference| of the logged losses over the "
                  "run's steps (round 1)")
+    if "load" in results:
+        lines.append("FSDP2 load: one step only, the first (its time includes the warm-up)")
     lines.append(f"ratio: median step of hf_dist over the other side's in the same round, median (min-max) of "
                  f"{rounds} interleaved rounds")
     return lines
@@ -208,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     per_pair: dict[str, list] = {p: [] for p in pairs}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="hf_dist_native_") as folder:
-        dirs = write_models(folder, opts.router_aux_loss_coef)
+        dirs = write_models(folder, opts.router_aux_loss_coef,
+                            tuple(dict.fromkeys(PAIRS[p]["model"] for p in pairs)))
         for i in range(opts.rounds):
             for pair in pairs:
                 sides = PAIRS[pair]["sides"]
