@@ -1,7 +1,7 @@
 """One command for a GPU: what hf_dist claims about memory and speed, measured on one CUDA device in minutes.
 
     python bench/gpu_check.py                 # or: make gpu-check; writes docs/gpu_check.md
-    python bench/gpu_check.py --cpu-smoke     # the same code paths at toy sizes on CPU, in seconds (figures mean nothing)
+    python bench/gpu_check.py --cpu-smoke     # the same code paths at toy sizes on CPU, in seconds (no meaning)
 
 Sections, each row one training run (fresh process on CUDA, so each peak is its own), bf16 (``bf16=True``: fp32
 weights under autocast, as one device trains), AdamW, no activation checkpointing, random tokens:

@@ -14,8 +14,9 @@ The same arguments otherwise (micro batch 4 per rank, AdamW, constant lr, no acc
 A round runs each pair once, the pair's order alternating between rounds, so both sides share the machine's
 noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
 median and range over rounds. ``load`` is the FSDP2 pair on a 254 M-parameter Llama (vocabulary 32,000), one step
-only (its time is the first step's, warm-up included): what loading costs. ``load MiB``: the rank's peak RSS (``ru_maxrss``) once the model is loaded and laid
-out, before training; ``peak MiB``: after the last step; both the worst rank's. Not a test: nothing is asserted.
+only (its time is the first step's, warm-up included): what loading costs. ``load MiB``: the rank's peak RSS
+(``ru_maxrss``) once the model is loaded and laid out, before training; ``peak MiB``: after the last step; both the
+worst rank's. Not a test: nothing is asserted.
 Figures are in docs/benchmarks.md.
 """
 
