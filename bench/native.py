@@ -15,7 +15,7 @@ A round runs each pair once, the pair's order alternating between rounds, so bot
 noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
 median and range over rounds. ``load`` is the FSDP2 pair on a 254 M-parameter Llama (vocabulary 32,000), one step
 only (its time is the first step's, warm-up included): what loading costs. ``load MiB``: the rank's peak RSS
-(``ru_maxrss``) once the model is loaded and laid out, before training; ``peak MiB``: after the last step; both the
+(``VmHWM``) once the model is loaded and laid out, before training; ``peak MiB``: after the last step; both the
 worst rank's. Not a test: nothing is asserted.
 Figures are in docs/benchmarks.md.
 """
@@ -26,7 +26,6 @@ import argparse
 import datetime
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -115,6 +114,13 @@ def _trainer(side: str, pair: str, model_dir: str, out: str, steps: int, world: 
     return Trainer(model=model, args=TrainingArguments(**common), train_dataset=_dataset(64), callbacks=callbacks)
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set (``VmHWM``), in MiB. Not ``ru_maxrss``: Linux carries that over ``execve``
+    from the forked parent, so a spawned rank would report at least the RSS of the process that spawned it."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def _max_over_ranks(value: float) -> float:
     import torch.distributed as dist
 
@@ -140,10 +146,10 @@ def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps:
 
     with tempfile.TemporaryDirectory() as out:
         trainer = _trainer(side, pair, model_dir, out, warmup + steps, world, [Timer()])
-        load = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        load = _max_over_ranks(peak_rss_mib())
         trainer.train()
     slowest = [_max_over_ranks(t) for t in times[warmup:]]
-    peak = _max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak = _max_over_ranks(peak_rss_mib())
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
 
