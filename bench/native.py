@@ -115,10 +115,10 @@ def _trainer(side: str, pair: str, model_dir: str, out: str, steps: int, world: 
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident set (``VmHWM``), in MiB. Not ``ru_maxrss``: Linux carries that over ``execve``
-    from the forked parent, so a spawned rank would report at least the RSS of the process that spawned it."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    """This process's peak RSS (``VmHWM``: a spawned rank's own, not its parent's), in MiB."""
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def _max_over_ranks(value: float) -> float:
