@@ -46,9 +46,12 @@ PAIRS = {
     "one": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist")},
     "one_whole": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist"), "args": {"chunked_loss": False}},
     "load": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1},
+    "load_whole": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1,
+                   "args": {"chunked_loss": False}},
 }
 LABELS = {"fsdp2": "FSDP2, 2 ranks", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
-          "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks"}
+          "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks",
+          "load_whole": "load, whole loss"}
 BIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
            num_key_value_heads=8)
 """The ``load`` pair's Llama: 254 M parameters (1.0 GB in fp32), vocabulary 32,000."""
@@ -205,8 +208,8 @@ def table(results: dict[str, dict], rounds: int) -> list[str]:
                          f"{r['load_mib']:>10.0f}{r['peak_mib']:>10.0f}{r['loss']:>9.4f}{diff:>15}{ratio:>24}")
     lines.append("loss 1: the first step's loss; max loss diff: the largest |difference| of the logged losses over the "
                  "run's steps (round 1)")
-    if "load" in results:
-        lines.append("FSDP2 load: one step only, the first (its time includes the warm-up)")
+    if {"load", "load_whole"} & set(results):
+        lines.append("load pairs: one step only, the first (its time includes the warm-up)")
     lines.append(f"ratio: median step of hf_dist over the other side's in the same round, median (min-max) of "
                  f"{rounds} interleaved rounds")
     return lines
