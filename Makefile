@@ -10,7 +10,7 @@ LATEST_PY := $(LATEST_VENV)/bin/python
 # the suite's fast part: everything but the real-model runs (override to pick files: LATEST_PYTEST_ARGS="tests/test_tp_plans.py")
 LATEST_PYTEST_ARGS ?= -m "not real_model" tests
 
-.PHONY: setup demo test test-latest clean
+.PHONY: setup demo test test-latest gpu-check clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/harbor/demo.sh
+
+# On a machine with one CUDA GPU (<= 8 minutes): memory, tokens/s, MFU and the planner's forecast, written to
+# docs/gpu_check.md (bench/gpu_check.py; without CUDA it refuses, --cpu-smoke runs it at toy sizes).
+gpu-check: setup
+	$(PY) bench/gpu_check.py
 
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -ra $(PYTEST_ARGS) tests

@@ -235,3 +235,22 @@ def test_catalogue_entries_round_trip_through_pretrained_config(name):
     config = get_model_config(name)
     assert config.model_type == model_spec(name).model_type
     assert model_spec(config).num_params == model_spec(name).num_params
+
+
+def test_peak_rss_of_a_started_process_is_its_own_not_its_parents():
+    """``peak_rss_bytes`` in a process started from a big one reads that process's own peak: ``ru_maxrss`` would carry
+    the parent's over ``execve`` (every spawned rank of a bench reported at least its parent's RSS)."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    ballast = torch.ones(256 * 2**20 // 4)  # 256 MiB touched in this process before the child starts
+    code = "from hf_dist.planner.measure import peak_rss_bytes; print(peak_rss_bytes())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    child = int(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                               env=env).stdout.split()[-1])
+    assert float(ballast[-1]) == 1.0
+    assert child < peak_rss_bytes() - 200 * 2**20, (child, peak_rss_bytes())

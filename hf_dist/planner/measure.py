@@ -89,5 +89,14 @@ def model_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer 
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process: ``VmHWM`` where ``/proc`` has it, else ``ru_maxrss``.
+
+    ``ru_maxrss`` is kept over ``execve`` (Linux saves the old address space's peak into it), so a process started by
+    spawn or ``subprocess`` reports at least the RSS its parent had when it forked; ``VmHWM`` belongs to the new
+    address space alone.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import resource
 import statistics
 import threading
 import time
@@ -78,7 +77,9 @@ def peak_memory_bytes() -> int:
     """Peak memory of this rank: CUDA allocator peak on GPU, peak resident set size on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    return peak_rss_bytes()
 
 
 def find_stragglers(busy: list[float], ratio: float = STRAGGLER_RATIO) -> list[int]:

@@ -1,0 +1,250 @@
+"""hf_dist vs the plain stack on the same work: DistTrainer FSDP2 (and EP2 x FSDP2) vs transformers' native
+``DistributedConfig`` on 2 gloo ranks, and DistTrainer vs the plain ``Trainer`` on one process.
+
+    flock /tmp/hf_dist_cpu.lock python bench/native.py [--rounds 4] [--steps 8] [--pairs fsdp2,ep2,one]
+
+Every run is a fresh spawn that loads the model as its users do (a checkpoint written with ``save_pretrained``):
+  * ``native``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=2[,
+    ep_size=2]))`` (transformers shards it while loading) trained by ``transformers.Trainer``;
+  * ``hf_dist``: ``hf_dist.from_pretrained(dir, args)`` trained by ``DistTrainer`` (``fsdp="full_shard"``, FSDP2,
+    ``ep_size=2``; the chunked loss on, its default);
+  * ``one``: the same tiny Llama on one process, ``Trainer`` vs ``DistTrainer``; ``one_whole``: the same with
+    DistTrainer's ``chunked_loss=False`` (the Trainer's loss path), which separates the chunked loss's cost.
+The same arguments otherwise (micro batch 4 per rank, AdamW, constant lr, no accumulation), the same data.
+A round runs each pair once, the pair's order alternating between rounds, so both sides share the machine's
+noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
+median and range over rounds. ``load`` is the FSDP2 pair on a 254 M-parameter Llama (vocabulary 32,000), one step
+only (its time is the first step's, warm-up included): what loading costs. ``load MiB``: the rank's peak RSS
+(``VmHWM``) once the model is loaded and laid out, before training; ``peak MiB``: after the last step; both the
+worst rank's. Not a test: nothing is asserted.
+Figures are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+VOCAB, SEQ, MICRO, WARMUP = 2048, 128, 4, 2
+LLAMA = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+MOE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+           tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.01)
+PAIRS = {
+    "fsdp2": {"world": 2, "model": "llama", "sides": ("native", "hf_dist")},
+    "ep2": {"world": 2, "model": "moe", "sides": ("native", "hf_dist")},
+    "one": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist")},
+    "one_whole": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist"), "args": {"chunked_loss": False}},
+    "load": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1},
+    "load_whole": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1,
+                   "args": {"chunked_loss": False}},
+}
+LABELS = {"fsdp2": "FSDP2, 2 ranks", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
+          "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks",
+          "load_whole": "load, whole loss"}
+BIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+           num_key_value_heads=8)
+"""The ``load`` pair's Llama: 254 M parameters (1.0 GB in fp32), vocabulary 32,000."""
+
+
+def write_models(folder: str, router_aux_loss_coef: float = MOE["router_aux_loss_coef"],
+                 names: tuple[str, ...] = ("llama", "moe")) -> dict[str, str]:
+    """The tiny Llama and Qwen3-MoE (and the ``big`` Llama) written as checkpoints; ``{name: directory}``."""
+    from transformers import Qwen3MoeConfig
+
+    from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
+
+    dirs = {}
+    moe = Qwen3MoeConfig(**{**MOE, "router_aux_loss_coef": router_aux_loss_coef})
+    configs = {"llama": tiny_llama_config(vocab_size=VOCAB, **LLAMA), "moe": moe,
+               "big": tiny_llama_config(vocab_size=32000, **BIG)}
+    for name in names:
+        config = configs[name]
+        dirs[name] = os.path.join(folder, name)
+        build_tiny_model(config, seed=0).save_pretrained(dirs[name])
+    return dirs
+
+
+def _dataset(rows: int):
+    from datasets import Dataset
+
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def _common(out: str, steps: int, world: int) -> dict:
+    # use_cpu=True on every side: without it the plain Trainer on gloo ranks does not shard the data (each rank
+    # trained on the same batch, measured with transformers 5.24 under DistributedConfig(fsdp_size=2))
+    return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=MICRO, learning_rate=1e-4,
+                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                data_seed=0, disable_tqdm=True, dataloader_num_workers=0, use_cpu=True,
+                dataloader_pin_memory=False)
+
+
+def _trainer(side: str, pair: str, model_dir: str, out: str, steps: int, world: int, callbacks: list):
+    """The trainer of ``side`` with its model loaded and laid out."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hf_dist
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    common = _common(out, steps, world)
+    if side == "hf_dist":
+        layout = {} if world == 1 else {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+        if pair == "ep2":
+            layout["ep_size"] = 2
+        layout.update(PAIRS[pair].get("args", {}))
+        args = DistTrainingArguments(**common, global_batch_size=MICRO * world, **layout)
+        model = hf_dist.from_pretrained(model_dir, args) if world > 1 else AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32)
+        return DistTrainer(model=model, args=args, train_dataset=_dataset(64), callbacks=callbacks)
+    kwargs = {"dtype": torch.float32}
+    if side == "native":
+        from transformers import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(fsdp_size=world, **({"ep_size": 2} if pair == "ep2" else {}))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    return Trainer(model=model, args=TrainingArguments(**common), train_dataset=_dataset(64), callbacks=callbacks)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS (``VmHWM``: a spawned rank's own, not its parent's), in MiB."""
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor(float(value))
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int, warmup: int = WARMUP) -> dict:
+    """One fresh run of ``side``: step times (the slowest rank's), load and final peak RSS (the worst rank's)."""
+    from transformers import TrainerCallback, logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.start)
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = _trainer(side, pair, model_dir, out, warmup + steps, world, [Timer()])
+        load = _max_over_ranks(peak_rss_mib())
+        trainer.train()
+    slowest = [_max_over_ranks(t) for t in times[warmup:]]
+    peak = _max_over_ranks(peak_rss_mib())
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
+
+
+def _alone(side: str, pair: str, model_dir: str, steps: int) -> dict:
+    torch.set_num_threads(1)  # as run_distributed's ranks
+    return run_side(0, 1, side, pair, model_dir, steps)
+
+
+def run_pair(pair: str, dirs: dict[str, str], steps: int, order: tuple[str, str]) -> dict[str, dict]:
+    """Each side of ``pair`` in fresh processes: gloo ranks, or one process with no process group."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch.multiprocessing as mp
+    from dist_utils import run_distributed
+
+    spec, out = PAIRS[pair], {}
+    steps, warmup = spec.get("steps", steps), spec.get("warmup", WARMUP)
+    for side in order:
+        if spec["world"] == 1:
+            with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+                out[side] = pool.submit(_alone, side, pair, dirs[spec["model"]], steps).result()
+        else:
+            out[side] = run_distributed(run_side, spec["world"], side, pair, dirs[spec["model"]], steps, warmup,
+                                        timeout_s=1800)[0]
+    return out
+
+
+def summarise(rounds: list[dict[str, dict]], base: str) -> dict:
+    """Median step per side (pooled), the per-round ratio hf_dist/base (median, min, max), memory (worst run)."""
+    ratios = [statistics.median(r["hf_dist"]["times"]) / statistics.median(r[base]["times"]) for r in rounds]
+    out = {"ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios)}
+    for side in (base, "hf_dist"):
+        out[side] = {"step_ms": 1e3 * statistics.median([t for r in rounds for t in r[side]["times"]]),
+                     "load_mib": max(r[side]["load_mib"] for r in rounds),
+                     "peak_mib": max(r[side]["peak_mib"] for r in rounds),
+                     "loss": rounds[0][side]["losses"][0]}
+    first = rounds[0]
+    out["loss_diff"] = max(abs(a - b) for a, b in zip(first["hf_dist"]["losses"], first[base]["losses"]))
+    return out
+
+
+def table(results: dict[str, dict], rounds: int) -> list[str]:
+    lines = [f"{'work':<22}{'side':<10}{'step ms':>9}{'load MiB':>10}{'peak MiB':>10}{'loss 1':>9}"
+             f"{'max loss diff':>15}{'hf_dist/other (range)':>24}"]
+    for pair, s in results.items():
+        base = PAIRS[pair]["sides"][0]
+        for side in (base, "hf_dist"):
+            r = s[side]
+            ratio = f"{s['ratio']:.2f} ({s['lo']:.2f}-{s['hi']:.2f})" if side == "hf_dist" else ""
+            diff = f"{s['loss_diff']:.1e}" if side == "hf_dist" else ""
+            lines.append(f"{LABELS[pair] if side == base else '':<22}{side:<10}{r['step_ms']:>9.1f}"
+                         f"{r['load_mib']:>10.0f}{r['peak_mib']:>10.0f}{r['loss']:>9.4f}{diff:>15}{ratio:>24}")
+    lines.append("loss 1: the first step's loss; max loss diff: the largest |difference| of the logged losses over the "
+                 "run's steps (round 1)")
+    if {"load", "load_whole"} & set(results):
+        lines.append("load pairs: one step only, the first (its time includes the warm-up)")
+    lines.append(f"ratio: median step of hf_dist over the other side's in the same round, median (min-max) of "
+                 f"{rounds} interleaved rounds")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per run (after 2 warm-up steps)")
+    parser.add_argument("--router-aux-loss-coef", type=float, default=MOE["router_aux_loss_coef"],
+                        help="the MoE's router aux loss weight (0: the losses then compare the language-model part)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}")
+    opts = parser.parse_args(argv)
+    pairs = [p for p in opts.pairs.split(",") if p]
+    unknown = sorted(set(pairs) - set(PAIRS))
+    if unknown:
+        parser.error(f"unknown pair(s) {unknown}; choose from {', '.join(PAIRS)}")
+    per_pair: dict[str, list] = {p: [] for p in pairs}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="hf_dist_native_") as folder:
+        dirs = write_models(folder, opts.router_aux_loss_coef,
+                            tuple(dict.fromkeys(PAIRS[p]["model"] for p in pairs)))
+        for i in range(opts.rounds):
+            for pair in pairs:
+                sides = PAIRS[pair]["sides"]
+                per_pair[pair].append(run_pair(pair, dirs, opts.steps, sides if i % 2 == 0 else sides[::-1]))
+                print(f"round {i + 1} {pair} done", flush=True)
+    results = {p: summarise(r, PAIRS[p]["sides"][0]) for p, r in per_pair.items()}
+    print(f"\n{datetime.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after; tiny Llama {LLAMA}, Qwen3-MoE "
+          f"{MOE['num_experts']} experts top-{MOE['num_experts_per_tok']}; micro {MICRO} x {SEQ} tokens per rank, "
+          f"{opts.steps} measured steps per run")
+    for line in table(results, opts.rounds):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
