@@ -7,8 +7,9 @@ steps with clipping active; the losses and every parameter (routers, experts, no
 own per micro-batch, ``hf_dist.models.reference``) within 1e-5. The router statistics travel with the hidden states
 between stages (``pipeline_parallel.stage_module``); without the aux term the first stage's routers move differently
 by far more than the tolerance (checked once, on qwen3_moe), so a stage whose aux gradient were lost fails here. The
-layout canary runs at launch on every run (``layout_canary`` on by default) and must agree. One run saves at step 2
-(the Trainer's default ``save_strategy``) and resumes from there exactly.
+layout canary runs at launch on every run (``layout_canary`` on by default) and must agree. With activation
+checkpointing too (it crashed: the router statistics were computed inside the checkpointed layers). One run saves at
+step 2 (the Trainer's default ``save_strategy``) and resumes from there exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from parity import EP_PP_CASES, assert_parity
 from trainer_harness import VOCAB, as_loaded, train_tiny
 
 CASES = EP_PP_CASES
-FLAVOURS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "ddp": {}}
+FLAVOURS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "ddp": {},
+            # the stages' router hooks keep the logits and sum them after the stage: recomputation replays exactly
+            "fsdp2_recompute": dict(fsdp="full_shard", fsdp_config={"version": 2}, gradient_checkpointing=True)}
 STEPS, AUX, MAX_NORM = 3, 0.1, 0.5
 BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8, max_grad_norm=MAX_NORM)
 RESUMED, SAVE_AT = ("qwen3_moe", "fsdp2"), 2

@@ -97,13 +97,14 @@ def _run(tokenizer_dir: Path, out: str, *, lora: bool, save_steps: int | None = 
         max_length=24, max_grad_norm=1.0, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=MICRO,
         use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1, **layout,
     )
-    trainer = DistSFTTrainer(model=_model(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": texts(48, 0)}),
+    trainer = DistSFTTrainer(model=_model(tokenizer), args=args,
+                             train_dataset=Dataset.from_dict({"text": texts(48, 0)}),
                              eval_dataset=Dataset.from_dict({"text": texts(8, 1)}), processing_class=tokenizer,
                              peft_config=_lora_config() if lora else None)
     trainer.train(resume_from_checkpoint=resume)
     eval_loss = trainer.evaluate()["eval_loss"]
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log] + [eval_loss]
-    return {"losses": losses, "trained": _trained(trainer, lora), "ep": trainer.dims.ep, "dp_shard": trainer.dims.dp_shard}
+    return {"losses": losses, "trained": _trained(trainer, lora), "ep": trainer.dims.ep}
 
 
 def _rank_runs(rank, world_size, tokenizer_dir, root):

@@ -70,6 +70,9 @@ class RouterStats:
         self.experts, self.top_k = experts, top_k
         self.total: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None  # (tokens,) float: 0 on padding
+        self.pending: list[torch.Tensor] = []
+        """Router logits the hooks kept during the forward, summed by ``end`` (outside any checkpointed layer: an
+        op inside one would be missing from its recomputation, which activation checkpointing refuses)."""
 
     def begin(self, incoming: torch.Tensor | None, mask: torch.Tensor | None, tokens: int, device) -> None:
         self.mask = (mask.reshape(-1).float() if mask is not None else torch.ones(tokens, device=device))
@@ -87,12 +90,14 @@ class RouterStats:
 
     def hook(self, index: int):
         def record(module, args, output):
-            if self.total is not None:
-                self.add(output[index] if isinstance(output, (tuple, list)) else output)
+            if self.total is not None:  # between begin and end; not in a recomputation during backward
+                self.pending.append(output[index] if isinstance(output, (tuple, list)) else output)
         return record
 
     def end(self) -> torch.Tensor:
-        total, self.total, self.mask = self.total, None, None
+        for logits in self.pending:
+            self.add(logits)
+        total, self.total, self.mask, self.pending = self.total, None, None, []
         return total
 
 
