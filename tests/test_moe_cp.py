@@ -38,9 +38,10 @@ SPAN = 8
 micro-batch's (with tokens drawn from the whole vocabulary the halves' aux gradients differ by only ~1%)."""
 STEPS = 3
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2})
-CP_RUNS = {"qwen3_moe": dict(chunked_loss=False), "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
+CP_RUNS = {"qwen3_moe": dict(chunked_loss=False, dist_logging=True),
+           "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
 """2 ranks, ``cp_size=2``: the extra arguments per model type (the model's own loss, which the pooled aux is added
-to, and the chunked loss, which adds the returned aux itself, are both run)."""
+to, and the chunked loss, which adds the returned aux itself, are both run; ``--dist_logging``'s expert load)."""
 EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
 LOCAL_EXPERTS = {"fsdp2": 1, "ddp": 2}
 """Experts of each layer per rank: 4 over ep=2, and FSDP2 shards the 2 over the 2 cp ranks that hold the same ones."""
@@ -121,8 +122,14 @@ def _two_ranks(rank, world, root):
     for name, extra in CP_RUNS.items():
         losses, params, trainer = train_tiny(f"{root}/cp_{name}", model=_model(name), dataset=_dataset(), cp_size=2,
                                              **CP_BATCH, **extra)
-        out[name] = (losses, params if rank == 0 else None, trainer.dims.cp)
+        out[name] = (losses, params if rank == 0 else None, trainer.dims.cp, _expert_load(trainer))
     return out
+
+
+def _expert_load(trainer) -> list[dict[str, float]]:
+    """``--dist_logging``'s tokens-per-expert max / mean per layer, per logged step."""
+    return [{k: v for k, v in log.items() if k.startswith("expert_load")} for log in trainer.state.log_history
+            if any(k.startswith("expert_load") for k in log)]
 
 
 def _four_ranks(rank, world, root):
@@ -175,6 +182,17 @@ def _assert_equal(results, key, reference):
 def test_cp_equals_one_process(cp_runs, references, name):
     assert all(result[name][2] == 2 for result in cp_runs)
     _assert_equal(cp_runs, name, references[(name, CP_BATCH["global_batch_size"])])
+
+
+def test_expert_load_under_cp_counts_every_token_once(cp_runs, root):
+    """``--dist_logging``'s expert load under CP: each rank counts its slice's routing, summed over dp x cp, so the
+    logged max / mean per layer is one process's on the same batches (it logged nothing before)."""
+    _, _, trainer = train_tiny(f"{root}/one_load", model=_model("qwen3_moe"), dataset=_dataset(), **CP_BATCH,
+                               **CP_RUNS["qwen3_moe"])
+    expected = _expert_load(trainer)
+    assert len(expected) == STEPS and all(len(step) == 2 for step in expected)  # 2 layers
+    for result in cp_runs:
+        assert result["qwen3_moe"][3] == expected
 
 
 @pytest.mark.parametrize("flavour", sorted(EP_CP_FLAVOURS))

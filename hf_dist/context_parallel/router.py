@@ -76,6 +76,7 @@ class PooledRouterLoss:
                              f"with a router aux loss; call it with return_dict=True (the aux is set on its output)")
         aux = self.aux(recorded, mask)
         output["aux_loss"] = aux
+        output["router_logits"] = tuple(recorded)  # this rank's slice's, as asked for (``--dist_logging`` counts them)
         if output.get("loss") is not None:
             output["loss"] = output["loss"] + aux_loss_coef(self.lm) * aux.to(output["loss"].device)
         return output

@@ -24,8 +24,8 @@ Two scopes (``DistTrainingArguments.router_aux_loss_scope``):
 ``ExpertLoad`` counts the tokens routed to each expert per layer for ``--dist_logging`` (max / mean per layer).
 Under context parallelism the model's forward already returns the micro-batch's aux (statistics pooled over the cp
 ranks, ``hf_dist.context_parallel.router``), which is reweighed here like any other; ``global_batch`` is refused
-with CP (``DistTrainingArguments``). ``ExpertLoad`` counts nothing under CP (the split forward returns no router
-logits). Not for: the loss's language-model part (the model's, normalised by the Trainer), pipeline stages
+with CP (``DistTrainingArguments``). Under CP the forward returns each rank's slice's router logits, and
+``ExpertLoad`` sums its counts over the dp x cp ranks: every token of the global batch once. Not for: the loss's language-model part (the model's, normalised by the Trainer), pipeline stages
 (``hf_dist.pipeline_parallel``).
 """
 
@@ -120,14 +120,16 @@ def reweigh_router_loss(trainer, model, loss, outputs, inputs, num_items_in_batc
     return loss + coef * (wanted.to(loss.device) / steps - aux.to(loss.device) * applied)
 
 
-def dp_group(trainer):
-    """The process group of the ranks holding different data: the mesh's dp axis under hf_dist's own layouts,
-    every rank under accelerate's DDP and DeepSpeed; None on one process."""
+def dp_group(trainer, *, with_cp: bool = False):
+    """The process group of the ranks holding different data: the mesh's dp axis under hf_dist's own layouts (with
+    ``with_cp``, dp x cp: the ranks holding different tokens), every rank under accelerate's DDP and DeepSpeed; None
+    on one process."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     dims = trainer.dims
     if getattr(dims, "_mesh", None) is not None:
-        return dims.get_mesh("dp").get_group() if dims.dp > 1 else None
+        axis = "dp_cp" if with_cp and dims.cp > 1 else "dp"
+        return dims.get_mesh(axis).get_group() if (dims.dp_cp if axis == "dp_cp" else dims.dp) > 1 else None
     return dist.group.WORLD
 
 

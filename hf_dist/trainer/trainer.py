@@ -299,7 +299,8 @@ class DistTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.args.dist_logging and "loss" in logs:  # a training log: every rank is here (loss just gathered)
             logs.update(self.throughput.report())
-            logs.update(self.expert_load.report(router_loss.dp_group(self)))  # MoE: tokens per expert, max/mean
+            # MoE: tokens per expert, max / mean, over every rank holding different tokens
+            logs.update(self.expert_load.report(router_loss.dp_group(self, with_cp=True)))
         super().log(logs, start_time)
 
     # -- saving ---------------------------------------------------------------------------------
