@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -36,7 +35,9 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    return peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across exec
 
 
 def worker(cp: int, lengths: list[int], steps: int) -> None:

@@ -31,7 +31,6 @@ import argparse
 import datetime
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -91,9 +90,11 @@ def _rank(rank, world, ep, steps):
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= WARMUP:
             times.append(float(elapsed))
-    rss = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    rss = torch.tensor(float(peak_rss_bytes()))  # VmHWM: ru_maxrss would carry the parent's peak across exec
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-    return {"times": times, "states_mb": states / 2**20, "rss_mb": float(rss) / 1024}
+    return {"times": times, "states_mb": states / 2**20, "rss_mb": float(rss) / 2**20}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import socket
 import statistics
 import tempfile
@@ -76,7 +75,9 @@ def _free_port() -> int:
 
 
 def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    from hf_dist.planner.measure import peak_rss_bytes
+
+    return peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across exec
 
 
 def _load(variant: str, path: str, tp_mesh, dtype: torch.dtype):
