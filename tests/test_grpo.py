@@ -125,11 +125,12 @@ def _gathered_blocks(trainer) -> list[int]:
 
 
 def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = False, output_dir: Path | None = None,
-         resume: str | None = None, **overrides):
+         resume: str | None = None, model_path: Path | None = None, lora_config=None, **overrides):
+    """``model_path``: a saved policy other than the tiny Llama; ``lora_config``: other than ``_lora_config()``."""
     from datasets import Dataset
 
     tokenizer = _tokenizer(folder / "tokenizer")
-    path = _saved_model(folder, tokenizer)
+    path = model_path or _saved_model(folder, tokenizer)
     generated: list[list[list[int]]] = []
 
     def reward(completions, completion_ids, **kwargs):
@@ -148,13 +149,14 @@ def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = Fa
         args = config_cls(output_dir=str(out), **(settings | overrides))
         trainer = trainer_cls(model=_policy(path, lora), reward_funcs=reward, args=args,
                               train_dataset=Dataset.from_dict({"prompt": _pairs(12, seed=0)["prompt"]}),
-                              processing_class=tokenizer, peft_config=_lora_config() if lora else None)
+                              processing_class=tokenizer, peft_config=(lora_config or _lora_config()) if lora else None)
         gathered = _gathered_blocks(trainer) if getattr(trainer, "owns_layout", False) else []
         trainer.train(resume_from_checkpoint=resume)
     logs = [log for log in trainer.state.log_history if "loss" in log]
     metrics = {k: [log[k] for log in logs] for k in logs[0] if k not in SKIPPED and "time" not in k}
     dims = getattr(trainer, "dims", None)
     facts = {"layout": (trainer.accelerator.num_processes, dims.dp_shard if dims is not None else None),
+             "ep": dims.ep if dims is not None else None,
              "max_gathered_blocks": max(gathered, default=None),
              "steps_per_generation": trainer.args.steps_per_generation,
              "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps}
