@@ -335,7 +335,8 @@ def test_global_batch_counts_completions(tmp_path):
 REFUSED = [  # (fields, environment, what the message must say)
     ({"pp_size": 2}, {}, r"pp_size=2 in DistGRPOConfig: .*no pipelined generate.* drop it and shard with FSDP2"),
     ({"cp_size": 2}, {}, r"cp_size=2 in DistGRPOConfig: .*cp ranks.* drop it and shard with FSDP2"),
-    ({"ep_size": 2}, {}, r"ep_size=2 in DistGRPOConfig: .*reference.* drop it and shard with FSDP2"),
+    ({"ep_size": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+     r"ep_size=2 over 4 data-parallel ranks in DistGRPOConfig: .* use ep_size=4, or drop ep_size"),
     ({}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      r"DeepSpeed zero3 with DistGRPOConfig: .* shard with FSDP2"),
     ({"fsdp2": True, "fsdp2_dp_replicate": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
