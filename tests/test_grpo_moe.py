@@ -15,9 +15,11 @@ as the policy's.
 Micro-batches of one completion: the load-balancing loss is not a sum over completions, so it depends on which
 completions share a micro-batch, and TRL cuts each process's shuffled generation batch into micro-batches (one process
 and two ranks would cut different groups). With one completion per micro-batch each completion's term is the same
-wherever it runs, and every logged metric -- loss, aux loss, kl, entropy, rewards, token counts, grad norm -- and every
-weight after 3 plain-SGD steps (routers and norms included) must equal one process within 1e-5, and the greedy
-completions token for token.
+wherever it runs, and the greedy completions must equal one process token for token, its loss, aux loss, rewards,
+completion lengths, token count and grad norm and every weight after 3 plain-SGD steps (routers and norms included)
+within 1e-5. kl, entropy and the clip ratios are token-weighted over the ranks' micro-batches of each micro step
+(``test_grpo._split_invariant``), so every logged metric is also compared with TRL's own GRPOTrainer on the same 2
+ranks (accelerate's DDP, no EP).
 """
 
 from __future__ import annotations
