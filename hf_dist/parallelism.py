@@ -146,6 +146,8 @@ def parallelize(
         )
     if dims.ep_enabled:
         apply_expert_parallel(model, dims)
+        if request is None:  # FSDP2's generate steps in sync already (``_generate_as_forward``)
+            _generate_in_step(model)
     if dims.cp_enabled:
         apply_context_parallel(model, dims.get_mesh("cp").get_group(), find_blocks(model))
     if activation_checkpointing or (request is not None and request.activation_checkpointing):
@@ -292,6 +294,25 @@ def _generate_as_forward(model: nn.Module) -> None:
                 return gathered_generate(*args, **kwargs)
         finally:
             _reshard_units(model)
+
+    model.generate = generate
+
+
+def _generate_in_step(model: nn.Module) -> None:
+    """Make ``model.generate`` keep stepping on every rank until all ranks are done (``synced_gpus``).
+
+    Under expert parallelism every forward exchanges tokens with the ``ep`` peers (an all-to-all), so a rank whose
+    sequences all ended would leave its peers waiting in the exchange; transformers turns ``synced_gpus`` on only
+    for DeepSpeed ZeRO-3 and its own FSDP. A finished rank runs forwards whose tokens it discards, as under FSDP2."""
+    if not callable(getattr(model, "generate", None)):
+        return
+    own_generate = model.generate
+
+    @functools.wraps(own_generate)
+    def generate(*args, **kwargs):
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            kwargs.setdefault("synced_gpus", True)
+        return own_generate(*args, **kwargs)
 
     model.generate = generate
 

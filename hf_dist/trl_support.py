@@ -3,7 +3,7 @@
 ``dpo_layout_refusal`` / ``grpo_layout_refusal`` say why ``DistDPOTrainer`` / ``DistGRPOTrainer`` do not run a
 ``hf_dist.strategy.Layout`` (with the config's options, ``args``; None: TRL's defaults), or None: the layouts their
 parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP; TP, and for DPO CP, with every rank in one group;
-full fine-tune and LoRA). The trainers call them
+for GRPO EP over all the data-parallel ranks; full fine-tune and LoRA). The trainers call them
 before any process group (``hf_dist.trainer.trl_layout.check_trl_layout``), ``hf-dist plan --trainer`` before
 proposing a layout (``trainer_layout_refusal``). Pure: no torch, no TRL import.
 
@@ -34,6 +34,10 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
         if sizes[name] > 1 and name in model_parallel:
             return (f"{name}={sizes[name]} in {config}: {model_parallel[name]}, and {trainer} has no parity test for "
                     f"it yet; {_FIX}")
+    if layout.ep > 1 and layout.ep != layout.dp:  # TP x EP: refused by Layout itself
+        return (f"ep_size={layout.ep} over {layout.dp} data-parallel ranks in {config}: {trainer} runs experts spread "
+                f"over every data-parallel rank (ep_size = dp) and has no parity test for ranks that hold the same "
+                f"experts yet; use ep_size={layout.dp}, or drop ep_size")
     if (layout.tp > 1 or layout.cp > 1) and (why := _model_parallel_refusal(layout, config, trainer)) is not None:
         return why
     if layout.is_deepspeed:
@@ -107,8 +111,6 @@ _GRPO_MODEL_PARALLEL = {
                "the model over stages (there is no pipelined generate)",
     "cp_size": "generation grows each sequence one token at a time on one rank, which context parallelism splits "
                "over the cp ranks (TRL's GRPOTrainer refuses it too)",
-    "ep_size": "experts are exchanged all-to-all in every generation step, and the frozen reference would need the "
-               "same expert layout",
 }
 _GRPO_FSDP2_OPTIONS = {
     "use_vllm": "TRL's vLLM weight sync gathers the policy through accelerate's FSDP, which hf_dist's fully_shard "
@@ -122,8 +124,9 @@ _GRPO_FSDP2_OPTIONS = {
 
 def grpo_layout_refusal(layout: Layout, args=None) -> str | None:
     """Why GRPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_grpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one process: DDP, FSDP2
-    FULL_SHARD / SHARD_GRAD_OP and TP as one group, full and LoRA."""
+    ``tests/test_grpo.py``, ``tests/test_trl_model_parallel.py`` and ``tests/test_grpo_moe.py`` prove against one
+    process: DDP, FSDP2 FULL_SHARD / SHARD_GRAD_OP, TP as one group, and EP over all the data-parallel ranks (DDP or
+    FSDP2) of a mixture-of-experts policy, full and LoRA."""
     return trl_layout_refusal(layout, args, config="DistGRPOConfig", model_parallel=_GRPO_MODEL_PARALLEL,
                               fsdp2_options=_GRPO_FSDP2_OPTIONS)
 

@@ -125,11 +125,12 @@ def _gathered_blocks(trainer) -> list[int]:
 
 
 def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = False, output_dir: Path | None = None,
-         resume: str | None = None, **overrides):
+         resume: str | None = None, model_path: Path | None = None, lora_config=None, **overrides):
+    """``model_path``: a saved policy other than the tiny Llama; ``lora_config``: other than ``_lora_config()``."""
     from datasets import Dataset
 
     tokenizer = _tokenizer(folder / "tokenizer")
-    path = _saved_model(folder, tokenizer)
+    path = model_path or _saved_model(folder, tokenizer)
     generated: list[list[list[int]]] = []
 
     def reward(completions, completion_ids, **kwargs):
@@ -148,13 +149,14 @@ def _run(folder: Path, config_cls, trainer_cls, *, lora: bool, sample: bool = Fa
         args = config_cls(output_dir=str(out), **(settings | overrides))
         trainer = trainer_cls(model=_policy(path, lora), reward_funcs=reward, args=args,
                               train_dataset=Dataset.from_dict({"prompt": _pairs(12, seed=0)["prompt"]}),
-                              processing_class=tokenizer, peft_config=_lora_config() if lora else None)
+                              processing_class=tokenizer, peft_config=(lora_config or _lora_config()) if lora else None)
         gathered = _gathered_blocks(trainer) if getattr(trainer, "owns_layout", False) else []
         trainer.train(resume_from_checkpoint=resume)
     logs = [log for log in trainer.state.log_history if "loss" in log]
     metrics = {k: [log[k] for log in logs] for k in logs[0] if k not in SKIPPED and "time" not in k}
     dims = getattr(trainer, "dims", None)
     facts = {"layout": (trainer.accelerator.num_processes, dims.dp_shard if dims is not None else None),
+             "ep": dims.ep if dims is not None else None,
              "max_gathered_blocks": max(gathered, default=None),
              "steps_per_generation": trainer.args.steps_per_generation,
              "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps}
@@ -333,7 +335,8 @@ def test_global_batch_counts_completions(tmp_path):
 REFUSED = [  # (fields, environment, what the message must say)
     ({"pp_size": 2}, {}, r"pp_size=2 in DistGRPOConfig: .*no pipelined generate.* drop it and shard with FSDP2"),
     ({"cp_size": 2}, {}, r"cp_size=2 in DistGRPOConfig: .*cp ranks.* drop it and shard with FSDP2"),
-    ({"ep_size": 2}, {}, r"ep_size=2 in DistGRPOConfig: .*reference.* drop it and shard with FSDP2"),
+    ({"ep_size": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+     r"ep_size=2 over 4 data-parallel ranks in DistGRPOConfig: .* use ep_size=4, or drop ep_size"),
     ({}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      r"DeepSpeed zero3 with DistGRPOConfig: .* shard with FSDP2"),
     ({"fsdp2": True, "fsdp2_dp_replicate": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},

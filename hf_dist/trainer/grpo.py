@@ -22,16 +22,24 @@ stepping until all are done (``synced_gpus``), because a block's gather is a col
 measures the gathered blocks.
 
 What runs is decided in one place, ``grpo_layout_refusal`` (``hf_dist.trl_support``, called from
-``DistGRPOConfig.__post_init__`` before any process group): DDP, FSDP2 and TP (every rank in one TP group),
-full fine-tune and LoRA, with transformers' ``generate`` (``use_vllm=False``), each proven equal to one process
-in ``tests/test_grpo.py`` and ``tests/test_trl_model_parallel.py``.
+``DistGRPOConfig.__post_init__`` before any process group): DDP, FSDP2, TP (every rank in one TP group) and, for a
+mixture-of-experts policy, EP over all the data-parallel ranks (DDP or FSDP2 for the rest of the model), full
+fine-tune and LoRA, with transformers' ``generate`` (``use_vllm=False``), each proven equal to one process in
+``tests/test_grpo.py``, ``tests/test_trl_model_parallel.py`` and ``tests/test_grpo_moe.py``.
+
+Under EP the frozen reference gets the policy's expert layout (``lay_out_reference``: ``parallelize`` with the same
+dims), and every forward -- each generated token's, the old and reference log-probabilities' -- exchanges tokens
+with the ``ep`` peers, so ``generate`` keeps stepping on every rank until all are done (``synced_gpus``, set by
+``hf_dist.parallelism`` for EP as for FSDP2). TRL adds the router's load-balancing loss (``router_aux_loss_coef``)
+per micro-batch, which is not a sum over completions: it depends on which completions share a micro-batch.
 
 Under TP (every rank in one TP group) the reference is sharded with the policy's plan and ``generate`` runs the
 TP-sharded policy, each rank holding its shards throughout. The TP ranks read the same prompts, so what TRL counts
 per process is counted per dp rank: the seeds (TRL seeds each process apart; the TP ranks sample and shuffle alike,
 as one process does), the generation batch (``generation_batch_over_dp``), the gathered rewards and the token count.
 
-Not here: vLLM or continuous-batching generation under FSDP2, PP/CP/EP and TP beside data parallelism (refused); the
+Not here: vLLM or continuous-batching generation under FSDP2, PP/CP, TP beside data parallelism and EP over
+fewer ranks than dp (refused); the
 layouts (``DistTrainer``).
 """
 
@@ -135,7 +143,7 @@ class _DataParallelRank:
 
 
 class DistGRPOTrainer(GRPOTrainer, DistTrainer):
-    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, LoRA) and batch contract."""
+    """``trl.GRPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, EP, LoRA) and batch contract."""
 
     def __init__(self, model, reward_funcs=None, args: TrainingArguments | None = None, *positional, **kwargs):
         check_internals(TRL_MEMBERS)  # a private TRL member overridden below that trl removed: stop now
