@@ -38,6 +38,9 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
         return (f"ep_size={layout.ep} over {layout.dp} data-parallel ranks in {config}: {trainer} runs experts spread "
                 f"over every data-parallel rank (ep_size = dp) and has no parity test for ranks that hold the same "
                 f"experts yet; use ep_size={layout.dp}, or drop ep_size")
+    if layout.ep > 1 and layout.strategy not in ("ddp", "fsdp_full_shard"):
+        return (f"ep_size={layout.ep} with {layout.strategy} in {config}: {trainer} has a parity test for EP with DDP "
+                f"or FSDP2 FULL_SHARD only; use one of them (fsdp2_reshard_after_forward=True), or drop ep_size")
     if (layout.tp > 1 or layout.cp > 1) and (why := _model_parallel_refusal(layout, config, trainer)) is not None:
         return why
     if layout.is_deepspeed:

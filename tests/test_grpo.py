@@ -337,6 +337,8 @@ REFUSED = [  # (fields, environment, what the message must say)
     ({"cp_size": 2}, {}, r"cp_size=2 in DistGRPOConfig: .*cp ranks.* drop it and shard with FSDP2"),
     ({"ep_size": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
      r"ep_size=2 over 4 data-parallel ranks in DistGRPOConfig: .* use ep_size=4, or drop ep_size"),
+    ({"ep_size": 2, "fsdp2": True, "fsdp2_reshard_after_forward": False}, {},
+     r"ep_size=2 with fsdp_shard_grad_op in DistGRPOConfig: .*DDP or FSDP2 FULL_SHARD only"),
     ({}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      r"DeepSpeed zero3 with DistGRPOConfig: .* shard with FSDP2"),
     ({"fsdp2": True, "fsdp2_dp_replicate": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
@@ -360,6 +362,21 @@ def test_what_grpo_does_not_run_is_refused_before_any_process_group(tmp_path, mo
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         DistGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **fields)
+    assert not dist.is_initialized()
+
+
+def test_expert_adapters_under_ep_are_refused_before_any_process_group(tmp_path):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from peft import LoraConfig
+
+    from hf_dist.trainer.grpo import DistGRPOTrainer
+
+    args = SimpleNamespace(ep_size=2)  # what DistGRPOConfig(ep_size=2) holds (building one starts the group)
+    peft = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(ValueError, match=r"target_parameters=\['mlp.experts.gate_up_proj'\] with ep_size=2 .* drop"):
+        DistGRPOTrainer(model=str(tmp_path / "never_loaded"), reward_funcs=len, args=args, peft_config=peft)
     assert not dist.is_initialized()
 
 

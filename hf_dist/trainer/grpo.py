@@ -149,6 +149,11 @@ class DistGRPOTrainer(GRPOTrainer, DistTrainer):
         check_internals(TRL_MEMBERS)  # a private TRL member overridden below that trl removed: stop now
         if args is None:  # where GRPOTrainer would write, not the Trainer's "trainer_output"
             args = DistGRPOConfig(output_dir=default_output_dir(model, suffix="GRPO"))
+        adapted, ep = getattr(kwargs.get("peft_config"), "target_parameters", None), getattr(args, "ep_size", 1)
+        if adapted and ep > 1:  # the config alone cannot say it; before the Trainer starts the process group
+            raise ValueError(f"peft_config.target_parameters={list(adapted)} with ep_size={ep} in DistGRPOTrainer: "
+                             f"adapters on the expert weights have no GRPO parity test under EP yet (attention adapters "
+                             f"do); drop target_parameters, or drop ep_size")
         super().__init__(model, reward_funcs, as_dist_grpo_config(args), *positional, **kwargs)
         if self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
