@@ -46,6 +46,7 @@ TINY = [  # 72 conversations keep 56 trainable at 48 tokens: 7 steps an epoch, n
     "--lr_scheduler_type", "linear", "--warmup_steps", "1", "--base_learning_rate", "2e-3", "--base_batch_size", "8",
     "--save_strategy", "steps", "--save_steps", "1",
 ]
+SHRINK_STEPS = 24
 RESUMED = re.compile(r"resuming from (\S+) with world size (\d+)")
 
 
@@ -181,9 +182,11 @@ def _saved_by(checkpoint: Path) -> int:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_shrink(tmp_path, layout):
     out, port = tmp_path / "run", free_port()
-    a = _agent(out, port, "a", LAYOUTS[layout])
+    # B must die while both train: at 8 steps a loaded machine reached the last step before the kill landed
+    longer = ["--max_steps", str(SHRINK_STEPS), *LAYOUTS[layout]]
+    a = _agent(out, port, "a", longer)
     time.sleep(2)  # A serves the rendezvous store
-    b = _agent(out, port, "b", LAYOUTS[layout])
+    b = _agent(out, port, "b", longer)
     try:
         _wait(lambda: _latest_step(out) >= 2, a, "checkpoint-2")
         _kill(b)
@@ -196,7 +199,7 @@ def test_shrink(tmp_path, layout):
     checkpoint = _resumed_from(log, world=1)
     assert _saved_by(checkpoint) == 2, log[-6000:]  # saved by 2 ranks, loaded by 1
     assert (checkpoint / "manifest.json").is_file() == (layout == "fsdp2")
-    _check_continues(out, tmp_path, checkpoint, worlds=(2, 1), steps=8, extra=[])
+    _check_continues(out, tmp_path, checkpoint, worlds=(2, 1), steps=SHRINK_STEPS, extra=longer[:2])  # 1 process
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
