@@ -23,7 +23,6 @@ from hf_dist.parallelism import parallelize
 from hf_dist.strategy import Layout
 from hf_dist.trainer import launch_env
 from hf_dist.trainer.layout import resolve_layout
-from hf_dist.trl_support import MODEL_PARALLEL_SIZES, trl_layout_refusal  # noqa: F401 -- re-exported
 
 
 
