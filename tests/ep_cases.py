@@ -22,8 +22,9 @@ _GATED_DELTA = dict(layer_types=["linear_attention", "full_attention"], linear_n
 
 _SPECS: dict[str, dict] = {
     "qwen3_moe": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                      num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=1),
-    "mixtral": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=1),
+                      num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=1, use_sliding_window=True,
+                      sliding_window=8),
+    "mixtral": dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=1, sliding_window=8),
     "gpt_oss": dict(head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                     layer_types=_HALF),
     # shared expert behind a sigmoid gate; first layer dense (mlp_only_layers)
@@ -59,7 +60,8 @@ _SPECS: dict[str, dict] = {
                            sliding_window=8),
     "minimax_m2": dict(head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=3),
     "mellum": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, num_local_experts=4,
-                   num_experts_per_tok=3, norm_topk_prob=False, mlp_layer_types=["dense", "sparse"]),
+                   num_experts_per_tok=3, norm_topk_prob=False, mlp_layer_types=["dense", "sparse"],
+                   layer_types=_HALF, sliding_window=8),
     # router logits soft-capped, routed output scaled, a shared expert
     "laguna": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                    num_experts=4, num_experts_per_tok=3, mlp_layer_types=["dense", "sparse"],

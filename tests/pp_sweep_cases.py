@@ -137,9 +137,10 @@ def named_config(name: str):
 # Mixture-of-experts cases (tests/test_pp_moe.py): router values away from the defaults, a large aux coefficient.
 MOE = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 16,
-                  "decoder_sparse_step": 1, "output_router_logits": True, "router_aux_loss_coef": 5.0},
+                  "decoder_sparse_step": 1, "output_router_logits": True, "router_aux_loss_coef": 5.0,
+                  "use_sliding_window": True, "sliding_window": 4},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 1, "output_router_logits": True,
-                "router_aux_loss_coef": 5.0, "router_jitter_noise": 0.0},
+                "router_aux_loss_coef": 5.0, "router_jitter_noise": 0.0, "sliding_window": 4},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
                 "router_aux_loss_coef": 5.0},
     "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
