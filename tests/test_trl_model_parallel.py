@@ -31,6 +31,7 @@ import test_grpo
 TIMING_KEYS = ("step_time", "_runtime", "_samples_per_second", "_steps_per_second", "epoch")
 DPO = {"dpo_tp": (False, {"tp_size": 2}), "dpo_tp_lora": (True, {"tp_size": 2}),  # name -> (lora, fields)
        "dpo_cp": (False, {"cp_size": 2}), "dpo_cp_lora": (True, {"cp_size": 2})}
+DPO_PP = {"dpo_pp": False, "dpo_pp_lora": True}  # name -> lora; pp_size=2: one pipeline of two stages
 GRPO = {"grpo_tp": (False, False), "grpo_tp_lora": (True, False), "grpo_tp_sampled": (False, True)}  # (lora, sample)
 SAMPLED = {"scale_rewards": "batch"}  # sampled: non-zero advantages, scaled by the whole batch's reward std
 
@@ -78,11 +79,42 @@ def _sequence_split(trainer) -> list[tuple[str, bool, float]]:
     return seen
 
 
-def _rank_runs(rank, world_size, folder):
+def _dpo_pp(folder: Path, lora: bool):
+    """DistDPOTrainer with pp_size=2; the state is each rank's stages joined (HF names; a PEFT policy's as its
+    ``PeftModel`` names them), and what each rank holds of the policy and the reference."""
+    import torch.distributed as dist
+
+    from hf_dist.trainer.dpo import DistDPOConfig, DistDPOTrainer
+
+    held = []
+    _, _, facts = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
+                       per_device_train_batch_size=4, pp_size=2, watch=lambda trainer: held.append(trainer) or [])
+    trainer = held.pop()
+    local = {("base_model.model." if lora else "") + k: v.detach().cpu().clone()
+             for k, v in trainer.model.state_dict().items()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    facts["local_parameters"] = len(local)
+    facts["pipeline"] = (trainer.model.pipeline.pp_rank, trainer.model.pipeline.plan.num_stages)
+    if trainer.ref_model is not None:
+        facts["ref_stages"] = len(trainer.ref_model.pipeline.modules)
+        facts["ref_parameters"] = sum(p.numel() for p in trainer.ref_model.parameters())
+    trainable = [None] * dist.get_world_size()
+    dist.all_gather_object(trainable, facts["policy_trainable"])
+    facts["policy_trainable"] = sum(trainable)
+    return None, {k: v for part in parts for k, v in part.items()}, facts
+
+
+def _rank_runs(rank, world_size, folder, names=None):
     from hf_dist.trainer.dpo import DistDPOConfig, DistDPOTrainer
     from hf_dist.trainer.grpo import DistGRPOConfig, DistGRPOTrainer
 
     results = {}
+    for name, lora in DPO_PP.items():
+        if names is None or name in names:
+            results[name] = _dpo_pp(folder, lora)
+    if names is not None:
+        return results
     for name, (lora, fields) in DPO.items():
         results[name] = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
                              per_device_train_batch_size=4, watch=_sequence_split, **fields)

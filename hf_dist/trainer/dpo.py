@@ -91,7 +91,20 @@ class DistDPOTrainer(DPOTrainer, DistTrainer):
         if args is None:  # where DPOTrainer would write, not the Trainer's "trainer_output"
             args = DistDPOConfig(output_dir=default_output_dir(model, suffix="DPO"))
         super().__init__(model, ref_model, as_dist_dpo_config(args), *positional, **kwargs)
-        if self.ref_model is not None:
+        self.dpo_pipeline = None
+        if self.dims.pp_enabled:  # the loss and metrics on the last stage, the reference split into the same stages
+            from hf_dist.trainer.dpo_pipeline import DpoPipeline
+
+            self.dpo_pipeline = DpoPipeline(self)
+        elif self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
         if self.dims.cp_enabled:  # TRL sums each sequence's log-probabilities: whole sequences on every cp rank
             split_trl_heads(self)
+
+    def pipeline_step(self, pipeline, inputs):
+        return self.dpo_pipeline.train_step(self, inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.dpo_pipeline is not None:  # evaluation: training runs pipeline_step
+            return self.dpo_pipeline.evaluate(self, model, inputs, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
