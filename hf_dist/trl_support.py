@@ -99,6 +99,7 @@ _REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_
 _DPO_FSDP2_OPTIONS = {"precompute_ref_log_probs": _REFERENCE_UNDER_FSDP, "sync_ref_model": _REFERENCE_UNDER_FSDP}
 
 
+_DPO_PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 _DPO_PIPELINE_DEFAULTS = {  # option -> (what DistDPOTrainer's pipeline step computes, why another value is refused)
     "loss_type": (("sigmoid", ("sigmoid",)), "the last stage computes TRL's default sigmoid loss only"),
     "loss_weights": ((None, (1.0,)), "the last stage computes one unweighted loss"),
@@ -124,6 +125,10 @@ def _dpo_pipeline_refusal(layout: Layout, args) -> str | None:
                 f"DistDPOTrainer runs pp with every rank in one pipeline (world size {layout.world_size} = pp_size x "
                 f"1) and has no parity test beside data parallelism or a sharded engine yet; launch pp_size "
                 f"processes without FSDP2/DeepSpeed, or drop pp_size and shard with FSDP2")
+    schedule = getattr(args, "pp_schedule", "1f1b") if args is not None else "1f1b"
+    if schedule not in _DPO_PIPELINE_SCHEDULES:
+        return (f"pp_schedule={schedule!r} with DistDPOConfig: DistDPOTrainer has a parity test for one stage per "
+                f"rank ({', '.join(_DPO_PIPELINE_SCHEDULES)}) only; use pp_schedule='1f1b', or drop pp_size")
     for name, (allowed, why) in _DPO_PIPELINE_DEFAULTS.items():
         value = getattr(args, name, allowed[0]) if args is not None else allowed[0]
         if (tuple(value) if isinstance(value, list) else value) not in allowed:

@@ -31,7 +31,7 @@ import test_grpo
 TIMING_KEYS = ("step_time", "_runtime", "_samples_per_second", "_steps_per_second", "epoch")
 DPO = {"dpo_tp": (False, {"tp_size": 2}), "dpo_tp_lora": (True, {"tp_size": 2}),  # name -> (lora, fields)
        "dpo_cp": (False, {"cp_size": 2}), "dpo_cp_lora": (True, {"cp_size": 2})}
-DPO_PP = {"dpo_pp": False, "dpo_pp_lora": True}  # name -> lora; pp_size=2: one pipeline of two stages
+DPO_PP = {"dpo_pp": (False, "1f1b"), "dpo_pp_lora": (True, "gpipe")}  # name -> (lora, pp_schedule); pp_size=2
 GRPO = {"grpo_tp": (False, False), "grpo_tp_lora": (True, False), "grpo_tp_sampled": (False, True)}  # (lora, sample)
 SAMPLED = {"scale_rewards": "batch"}  # sampled: non-zero advantages, scaled by the whole batch's reward std
 
@@ -79,7 +79,7 @@ def _sequence_split(trainer) -> list[tuple[str, bool, float]]:
     return seen
 
 
-def _dpo_pp(folder: Path, lora: bool):
+def _dpo_pp(folder: Path, lora: bool, schedule: str):
     """DistDPOTrainer with pp_size=2; the state is each rank's stages joined (HF names; a PEFT policy's as its
     ``PeftModel`` names them), and what each rank holds of the policy and the reference."""
     import torch.distributed as dist
@@ -88,17 +88,20 @@ def _dpo_pp(folder: Path, lora: bool):
 
     held = []
     _, _, facts = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
-                       per_device_train_batch_size=4, pp_size=2, watch=lambda trainer: held.append(trainer) or [])
+                       per_device_train_batch_size=4, pp_size=2, pp_schedule=schedule,
+                       watch=lambda trainer: held.append(trainer) or [])
     trainer = held.pop()
     local = {("base_model.model." if lora else "") + k: v.detach().cpu().clone()
              for k, v in trainer.model.state_dict().items()}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
-    facts["local_parameters"] = len(local)
-    facts["pipeline"] = (trainer.model.pipeline.pp_rank, trainer.model.pipeline.plan.num_stages)
-    if trainer.ref_model is not None:
-        facts["ref_stages"] = len(trainer.ref_model.pipeline.modules)
-        facts["ref_parameters"] = sum(p.numel() for p in trainer.ref_model.parameters())
+    pipe = trainer.model.pipeline
+    facts["pipeline"] = (pipe.pp_rank, pipe.plan.num_stages, pipe.has_last)
+    facts["policy_numel"] = sum(p.numel() for p in trainer.model.parameters())
+    if trainer.ref_model is not None:  # the reference's stages are the policy's, on the same rank
+        facts["ref_stages"] = [sorted(s.owned_modules()) for s in trainer.ref_model.pipeline.modules]
+        facts["policy_stages"] = [sorted(s.owned_modules()) for s in pipe.modules]
+        facts["ref_numel"] = sum(p.numel() for p in trainer.ref_model.parameters())
     trainable = [None] * dist.get_world_size()
     dist.all_gather_object(trainable, facts["policy_trainable"])
     facts["policy_trainable"] = sum(trainable)
@@ -110,9 +113,9 @@ def _rank_runs(rank, world_size, folder, names=None):
     from hf_dist.trainer.grpo import DistGRPOConfig, DistGRPOTrainer
 
     results = {}
-    for name, lora in DPO_PP.items():
+    for name, (lora, schedule) in DPO_PP.items():
         if names is None or name in names:
-            results[name] = _dpo_pp(folder, lora)
+            results[name] = _dpo_pp(folder, lora, schedule)
     if names is not None:
         return results
     for name, (lora, fields) in DPO.items():
@@ -210,6 +213,34 @@ def test_dpo_tp2_and_cp2_match_one_process(references, distributed, name):
             assert 0.5 < facts["ref_local_fraction"] < 0.9
         else:
             assert facts["ref_local_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("name", list(DPO_PP))
+def test_dpo_pp2_matches_one_process(references, distributed, name):
+    """pp_size=2 (one pipeline of two stages, 2 micro-batches of 4 pairs): every logged training and evaluation
+    figure on both ranks and every weight (the stages joined) equal one process's; each rank holds one stage of the
+    policy and, for a full fine-tune, the same stage of the frozen reference, which is not optimized; under LoRA there
+    is no second model."""
+    lora, _ = DPO_PP[name]
+    _, ref_state, ref_facts = references[lora]
+    whole = sum(v.numel() for k, v in ref_state.items() if "lora_" not in k)
+    for rank, rank_results in enumerate(distributed):
+        _, state, facts = rank_results[name]
+        assert facts["layout"] == (2, 1) and facts["pipeline"] == (rank, 2, rank == 1)
+        _same_logs(facts["logs"], ref_facts["logs"])
+        eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
+        assert len(eval_names) > 5
+        for key in eval_names:
+            torch.testing.assert_close(facts["evaluation"][key], ref_facts["evaluation"][key], rtol=0, atol=1e-5,
+                                       msg=key)
+        _same_state(state, ref_state)
+        assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
+        assert facts["policy_numel"] < 0.8 * whole  # this rank's stage only
+        if lora:
+            assert "ref_trainable" not in facts
+            continue
+        assert facts["ref_trainable"] == 0 and facts["ref_in_optimizer"] == 0
+        assert facts["ref_stages"] == facts["policy_stages"] and facts["ref_numel"] == facts["policy_numel"]
 
 
 @pytest.mark.parametrize("name", list(GRPO))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
+from hf_dist.internals import TRL_MEMBERS, check_internals
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
@@ -88,6 +89,7 @@ class DistDPOTrainer(DPOTrainer, DistTrainer):
     """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, CP, LoRA) and batch contract."""
 
     def __init__(self, model, ref_model=None, args: TrainingArguments | None = None, *positional, **kwargs):
+        check_internals(TRL_MEMBERS)  # a private TRL member set below (under PP) that trl removed: stop now
         if args is None:  # where DPOTrainer would write, not the Trainer's "trainer_output"
             args = DistDPOConfig(output_dir=default_output_dir(model, suffix="DPO"))
         super().__init__(model, ref_model, as_dist_dpo_config(args), *positional, **kwargs)

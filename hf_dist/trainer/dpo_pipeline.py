@@ -60,6 +60,11 @@ class DpoPipeline:
 
     def __init__(self, trainer) -> None:
         self.policy: PipelinedCausalLM = trainer.model.pipeline
+        if trainer.aux_loss_enabled or any(stage.router_stats is not None for stage in self.policy.modules):
+            raise ValueError(f"pp_size={self.policy.dims.pp} with the mixture-of-experts "
+                             f"{type(self.policy.source_model).__name__} in DistDPOTrainer: its router aux loss would "
+                             f"travel through the stages beside the pair loss, which no parity test covers yet; set "
+                             f"router_aux_loss_coef=0.0 (and the config's output_router_logits=False), or drop pp_size")
         self.beta = trainer.beta
         self.loss = SigmoidPairLoss(self.beta)
         _install_head(self.policy, POLICY_FIELDS)
@@ -135,8 +140,10 @@ class DpoPipeline:
         _append_metrics(trainer, "eval", self.policy._dp_sum(sums.clone())[None])
         if not return_outputs:
             return loss
-        with torch.no_grad():  # TRL's deprecated logits for compute_metrics: one more forward, whole logits
-            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"))
+        with torch.no_grad():  # TRL's deprecated logits for compute_metrics: one more forward, whole logits (on
+            # every pp rank when metrics need them: PipelineModel.logits_everywhere; its token loss is not used)
+            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                            labels=inputs["input_ids"])
         return loss, outputs
 
 
