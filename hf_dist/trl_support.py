@@ -120,11 +120,11 @@ def _dpo_pipeline_refusal(layout: Layout, args) -> str | None:
         if size > 1:
             return (f"pp_size={layout.pp} with {name}={size} in DistDPOConfig: DistDPOTrainer has no parity test for "
                     f"the two together yet; use one of them")
-    if layout.is_fsdp or layout.is_deepspeed or layout.dp > 1:
+    if layout.is_deepspeed or layout.dp > 1:  # FSDP2 over one dp rank shards nothing: the stages run as without it
         return (f"pp_size={layout.pp} with {layout.strategy} over {layout.dp} data-parallel rank(s) in DistDPOConfig: "
                 f"DistDPOTrainer runs pp with every rank in one pipeline (world size {layout.world_size} = pp_size x "
-                f"1) and has no parity test beside data parallelism or a sharded engine yet; launch pp_size "
-                f"processes without FSDP2/DeepSpeed, or drop pp_size and shard with FSDP2")
+                f"1) and has no parity test beside data parallelism or DeepSpeed yet; launch pp_size processes, or "
+                f"drop pp_size and shard with FSDP2")
     schedule = getattr(args, "pp_schedule", "1f1b") if args is not None else "1f1b"
     if schedule not in _DPO_PIPELINE_SCHEDULES:
         return (f"pp_schedule={schedule!r} with DistDPOConfig: DistDPOTrainer has a parity test for one stage per "

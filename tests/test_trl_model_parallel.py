@@ -31,7 +31,8 @@ import test_grpo
 TIMING_KEYS = ("step_time", "_runtime", "_samples_per_second", "_steps_per_second", "epoch")
 DPO = {"dpo_tp": (False, {"tp_size": 2}), "dpo_tp_lora": (True, {"tp_size": 2}),  # name -> (lora, fields)
        "dpo_cp": (False, {"cp_size": 2}), "dpo_cp_lora": (True, {"cp_size": 2})}
-DPO_PP = {"dpo_pp": (False, "1f1b"), "dpo_pp_lora": (True, "gpipe")}  # name -> (lora, pp_schedule); pp_size=2
+DPO_PP = {"dpo_pp": (False, {"pp_schedule": "1f1b"}),  # name -> (lora, fields beside pp_size=2)
+          "dpo_pp_lora": (True, {"pp_schedule": "gpipe", "fsdp2": True})}  # FSDP2 over 1 dp rank: as hf-dist plan says
 GRPO = {"grpo_tp": (False, False), "grpo_tp_lora": (True, False), "grpo_tp_sampled": (False, True)}  # (lora, sample)
 SAMPLED = {"scale_rewards": "batch"}  # sampled: non-zero advantages, scaled by the whole batch's reward std
 
@@ -79,7 +80,7 @@ def _sequence_split(trainer) -> list[tuple[str, bool, float]]:
     return seen
 
 
-def _dpo_pp(folder: Path, lora: bool, schedule: str):
+def _dpo_pp(folder: Path, lora: bool, fields: dict):
     """DistDPOTrainer with pp_size=2; the state is each rank's stages joined (HF names; a PEFT policy's as its
     ``PeftModel`` names them), and what each rank holds of the policy and the reference."""
     import torch.distributed as dist
@@ -88,7 +89,7 @@ def _dpo_pp(folder: Path, lora: bool, schedule: str):
 
     held = []
     _, _, facts = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
-                       per_device_train_batch_size=4, pp_size=2, pp_schedule=schedule,
+                       per_device_train_batch_size=4, pp_size=2, **fields,
                        watch=lambda trainer: held.append(trainer) or [])
     trainer = held.pop()
     local = {("base_model.model." if lora else "") + k: v.detach().cpu().clone()
@@ -96,7 +97,7 @@ def _dpo_pp(folder: Path, lora: bool, schedule: str):
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
     pipe = trainer.model.pipeline
-    facts["pipeline"] = (pipe.pp_rank, pipe.plan.num_stages, pipe.has_last)
+    facts["pipeline"] = (pipe.pp_rank, pipe.plan.num_stages, pipe.has_last, trainer.args.layout.strategy)
     facts["policy_numel"] = sum(p.numel() for p in trainer.model.parameters())
     if trainer.ref_model is not None:  # the reference's stages are the policy's, on the same rank
         facts["ref_stages"] = [sorted(s.owned_modules()) for s in trainer.ref_model.pipeline.modules]
@@ -113,9 +114,9 @@ def _rank_runs(rank, world_size, folder, names=None):
     from hf_dist.trainer.grpo import DistGRPOConfig, DistGRPOTrainer
 
     results = {}
-    for name, (lora, schedule) in DPO_PP.items():
+    for name, (lora, fields) in DPO_PP.items():
         if names is None or name in names:
-            results[name] = _dpo_pp(folder, lora, schedule)
+            results[name] = _dpo_pp(folder, lora, fields)
     if names is not None:
         return results
     for name, (lora, fields) in DPO.items():
@@ -221,12 +222,13 @@ def test_dpo_pp2_matches_one_process(references, distributed, name):
     figure on both ranks and every weight (the stages joined) equal one process's; each rank holds one stage of the
     policy and, for a full fine-tune, the same stage of the frozen reference, which is not optimized; under LoRA there
     is no second model."""
-    lora, _ = DPO_PP[name]
+    lora, fields = DPO_PP[name]
     _, ref_state, ref_facts = references[lora]
     whole = sum(v.numel() for k, v in ref_state.items() if "lora_" not in k)
     for rank, rank_results in enumerate(distributed):
         _, state, facts = rank_results[name]
-        assert facts["layout"] == (2, 1) and facts["pipeline"] == (rank, 2, rank == 1)
+        strategy = "fsdp_full_shard" if fields.get("fsdp2") else "ddp"
+        assert facts["layout"] == (2, 1) and facts["pipeline"] == (rank, 2, rank == 1, strategy)
         _same_logs(facts["logs"], ref_facts["logs"])
         eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
         assert len(eval_names) > 5
