@@ -2,8 +2,8 @@
 
 ``dpo_layout_refusal`` / ``grpo_layout_refusal`` say why ``DistDPOTrainer`` / ``DistGRPOTrainer`` do not run a
 ``hf_dist.strategy.Layout`` (with the config's options, ``args``; None: TRL's defaults), or None: the layouts their
-parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP; TP, and for DPO CP and PP, with every rank in one group;
-for GRPO EP over all the data-parallel ranks; full fine-tune and LoRA). The trainers call them
+parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP; TP, and for DPO CP and PP (TRL's default loss), with
+every rank in one group; for GRPO EP over all the data-parallel ranks; full fine-tune and LoRA). The trainers call them
 before any process group (``hf_dist.trainer.trl_layout.check_trl_layout``), ``hf-dist plan --trainer`` before
 proposing a layout (``trainer_layout_refusal``). Pure: no torch, no TRL import.
 
@@ -113,8 +113,8 @@ _DPO_PIPELINE_DEFAULTS = {  # option -> (what DistDPOTrainer's pipeline step com
 
 def _dpo_pipeline_refusal(layout: Layout, args) -> str | None:
     """Why DPO does not run this PP layout or option (pure), or None. What runs is what
-    ``tests/test_dpo_pipeline.py`` proves: every rank in one pipeline (no data, tensor, context or expert parallelism
-    beside it), TRL's default sigmoid loss, full fine-tune and LoRA."""
+    ``tests/test_trl_model_parallel.py`` proves: every rank in one pipeline (no data, tensor, context or expert
+    parallelism beside it), TRL's default sigmoid loss, full fine-tune and LoRA."""
     others = {"tp_size": layout.tp, "cp_size": layout.cp, "ep_size": layout.ep}
     for name, size in others.items():
         if size > 1:
@@ -139,7 +139,7 @@ def _dpo_pipeline_refusal(layout: Layout, args) -> str | None:
 
 def dpo_layout_refusal(layout: Layout, args=None) -> str | None:
     """Why DPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_dpo.py``, ``tests/test_trl_model_parallel.py`` and ``tests/test_dpo_pipeline.py`` prove against one
+    ``tests/test_dpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one
     process: DDP, FSDP2 FULL_SHARD / SHARD_GRAD_OP, TP, CP or PP as one group (PP with TRL's default sigmoid loss),
     full and LoRA."""
     if layout.pp > 1 and (why := _dpo_pipeline_refusal(layout, args)) is not None:

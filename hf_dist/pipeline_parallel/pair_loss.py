@@ -59,6 +59,15 @@ class SequenceHead:
         return log_probs.sum(dim=1), torch.stack([f.sum(dim=1) for f in fields], dim=1).detach()
 
 
+def install_sequence_head(pipe: PipelinedCausalLM, fuse: Callable) -> None:
+    """A ``SequenceHead`` on ``pipe``'s last stage, after ``fuse(view)`` gave the stage's view of the model its fused
+    forward (TRL's ``add_fused_lm_head``: the stage calls the view, not the model the trainer patched)."""
+    for stage in pipe.modules:
+        if stage.is_last:
+            fuse(stage._lm)
+            stage.head = SequenceHead()
+
+
 def sigmoid_pair_losses(logps: torch.Tensor, reference: torch.Tensor, beta: float) -> torch.Tensor:
     """Each pair's ``-log sigmoid(beta x ((chosen - ref chosen) - (rejected - ref rejected)))`` (rows: chosen half,
     then rejected half)."""
@@ -96,7 +105,8 @@ def pair_sums(logps: torch.Tensor, reference: torch.Tensor, figures: torch.Tenso
         rejected_rewards.sum(), (chosen_rewards > rejected_rewards).double().sum(),
         (chosen_rewards - rejected_rewards).sum(), chosen.sum(), rejected.sum(), figures[:, col["entropy"]].sum(),
         figures[:, col["tokens"]].sum(), chosen_fig[:, col["mean_logits"]].sum(), chosen_fig[:, col["tokens"]].sum(),
-        rejected_fig[:, col["mean_logits"]].sum(), rejected_fig[:, col["tokens"]].sum(), chosen_fig[:, col["top1"]].sum(),
+        rejected_fig[:, col["mean_logits"]].sum(), rejected_fig[:, col["tokens"]].sum(),
+        chosen_fig[:, col["top1"]].sum(),
     ]
     return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=logps.device) for v in values])
 

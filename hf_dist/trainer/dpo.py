@@ -9,13 +9,14 @@ gathered one block at a time in its no-grad forward); under TP it is sharded wit
 splits sequences as the policy does; under DDP every rank holds a whole replica, as TRL's ``DPOTrainer`` has it. It
 is frozen (``requires_grad=False``) and never in the optimizer. Under LoRA there is no second model: the reference is
 the policy with its adapters disabled (TRL's own path). Under CP the fused LM heads of both return whole-sequence
-per-token log-probabilities (``hf_dist.trainer.trl_context_parallel``).
+per-token log-probabilities (``hf_dist.trainer.trl_context_parallel``). Under PP the reference is split into the
+policy's stages, and the loss and TRL's metrics are made on the last stage (``hf_dist.trainer.dpo_pipeline``).
 
 What runs is decided in one place, ``check_dpo_layout`` (called from ``DistDPOConfig.__post_init__``, before any
 process group; the shared rules are ``hf_dist.trainer.trl_layout``'s): DDP and FSDP2 (FULL_SHARD / SHARD_GRAD_OP),
-proven in ``tests/test_dpo.py``, and TP or CP with every rank in that one group, proven in
-``tests/test_trl_model_parallel.py``, each full fine-tune and LoRA, equal to one process. PP, EP, TP/CP beside data
-parallelism, DeepSpeed ZeRO, HSDP and FSDP2 CPU offload are refused with the reason; with no hf_dist field set
+proven in ``tests/test_dpo.py``, and TP, CP or PP with every rank in that one group (PP: TRL's default sigmoid loss),
+proven in ``tests/test_trl_model_parallel.py``, each full fine-tune and LoRA, equal to one process. EP, TP/CP/PP beside
+data parallelism, DeepSpeed ZeRO, HSDP and FSDP2 CPU offload are refused with the reason; with no hf_dist field set
 nothing is refused and the trainer is TRL's.
 
 Not here: GRPO (``hf_dist.trainer.grpo``), precomputed reference log-probs or a synced reference under FSDP2
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 from transformers import TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
-from hf_dist.internals import TRL_MEMBERS, check_internals
 from hf_dist.trainer.args import DistTrainingArguments
 from hf_dist.trainer.sft import default_output_dir
 from hf_dist.trainer.trainer import DistTrainer
@@ -86,10 +86,9 @@ def as_dist_dpo_config(args: TrainingArguments | None) -> DistDPOConfig | None:
 
 
 class DistDPOTrainer(DPOTrainer, DistTrainer):
-    """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, CP, LoRA) and batch contract."""
+    """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, CP, PP, LoRA) and batch contract."""
 
     def __init__(self, model, ref_model=None, args: TrainingArguments | None = None, *positional, **kwargs):
-        check_internals(TRL_MEMBERS)  # a private TRL member set below (under PP) that trl removed: stop now
         if args is None:  # where DPOTrainer would write, not the Trainer's "trainer_output"
             args = DistDPOConfig(output_dir=default_output_dir(model, suffix="DPO"))
         super().__init__(model, ref_model, as_dist_dpo_config(args), *positional, **kwargs)

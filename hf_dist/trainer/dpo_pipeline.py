@@ -1,4 +1,4 @@
-"""``DistDPOTrainer`` under PP: TRL's DPO loss and metrics through the pipeline (``hf_dist.pipeline_parallel.pair_loss``).
+"""``DistDPOTrainer`` under PP: TRL's DPO loss and metrics through the pipeline (``pipeline_parallel.pair_loss``).
 
 Under PP no rank holds the whole model, so TRL's ``compute_loss`` (one forward of the whole policy, one of the
 reference) cannot run. Instead ``DpoPipeline`` puts TRL's own fused LM head (``trl.trainer.utils.add_fused_lm_head``)
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hf_dist.pipeline_parallel.model import PipelineModel
 from hf_dist.pipeline_parallel.pair_loss import (
-    PAIR_SUMS, SequenceHead, SigmoidPairLoss, pair_sums, pair_train_step, sequence_logps,
+    PAIR_SUMS, SigmoidPairLoss, install_sequence_head, pair_sums, pair_train_step, sequence_logps,
 )
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
 from hf_dist.pipeline_parallel.microbatches import microbatches_for_rows
@@ -36,13 +36,10 @@ _COL = {name: i for i, name in enumerate(PAIR_SUMS)}
 
 
 def _install_head(pipe: PipelinedCausalLM, outputs: tuple[str, ...]) -> None:
-    """TRL's fused LM head on the last stage's view of the model, and that stage's per-row head."""
+    """TRL's fused LM head (computing ``outputs``) on the last stage's view of the model, and its per-row head."""
     from trl.trainer.utils import add_fused_lm_head
 
-    for stage in pipe.modules:
-        if stage.is_last:
-            add_fused_lm_head(stage._lm, outputs=outputs)
-            stage.head = SequenceHead()
+    install_sequence_head(pipe, lambda view: add_fused_lm_head(view, outputs=outputs))
 
 
 def _peft_adapter(pipe: PipelinedCausalLM):
