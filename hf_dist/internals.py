@@ -247,8 +247,14 @@ TRL_MEMBERS: tuple[PrivateMember, ...] = (
                   why="the logged num_tokens replaced by the per-dp-rank count"),
     PrivateMember(owner="trl.trainer.grpo_trainer", name="gather", kind="patch", where="trainer.grpo",
                   why="TRL's module-level gather swapped for a gather over the dp group for one call"),
+    PrivateMember(owner="a DPOTrainer instance (set in its __init__)", name="_metrics", kind="set",
+                  where="trainer.dpo_pipeline",
+                  why="under PP the last stage computes the loss, not compute_loss: its figures are appended here, "
+                      "where DPOTrainer.log reads them"),
+    PrivateMember(owner="a DPOTrainer instance (set in its __init__)", name="_total_train_tokens", kind="set",
+                  where="trainer.dpo_pipeline", why="the num_tokens DPOTrainer logs, counted by the pipeline step"),
 )
-"""The private TRL members ``DistGRPOTrainer`` touches: checked when one is built (``check_internals(TRL_MEMBERS)``),
+"""The private TRL members ``DistGRPOTrainer`` and ``DistDPOTrainer`` touch: checked when one is built (``check_internals(TRL_MEMBERS)``),
 not at every ``DistTrainer`` start (importing trl there would cost every run)."""
 
 

@@ -2,8 +2,8 @@
 
 ``dpo_layout_refusal`` / ``grpo_layout_refusal`` say why ``DistDPOTrainer`` / ``DistGRPOTrainer`` do not run a
 ``hf_dist.strategy.Layout`` (with the config's options, ``args``; None: TRL's defaults), or None: the layouts their
-parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP; TP, and for DPO CP, with every rank in one group;
-for GRPO EP over all the data-parallel ranks; full fine-tune and LoRA). The trainers call them
+parity tests prove (DDP and FSDP2 FULL_SHARD / SHARD_GRAD_OP; TP, and for DPO CP and PP (TRL's default loss), with
+every rank in one group; for GRPO EP over all the data-parallel ranks; full fine-tune and LoRA). The trainers call them
 before any process group (``hf_dist.trainer.trl_layout.check_trl_layout``), ``hf-dist plan --trainer`` before
 proposing a layout (``trainer_layout_refusal``). Pure: no torch, no TRL import.
 
@@ -92,8 +92,6 @@ def _model_parallel_refusal(layout: Layout, config: str, trainer: str) -> str | 
 
 
 _DPO_MODEL_PARALLEL = {
-    "pp_size": "the policy and reference forwards run TRL's fused LM head over the whole model and the "
-               "chosen/rejected log-probability sums exist only on the last stage",
     "ep_size": "experts are exchanged all-to-all in the policy and would have to be in the frozen reference as well",
 }
 _REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_dist's fully_shard is not "
@@ -101,10 +99,51 @@ _REFERENCE_UNDER_FSDP = ("TRL handles the reference under its own FSDP only (hf_
 _DPO_FSDP2_OPTIONS = {"precompute_ref_log_probs": _REFERENCE_UNDER_FSDP, "sync_ref_model": _REFERENCE_UNDER_FSDP}
 
 
+_DPO_PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+_DPO_PIPELINE_DEFAULTS = {  # option -> (what DistDPOTrainer's pipeline step computes, why another value is refused)
+    "loss_type": (("sigmoid", ("sigmoid",)), "the last stage computes TRL's default sigmoid loss only"),
+    "loss_weights": ((None, (1.0,)), "the last stage computes one unweighted loss"),
+    "f_divergence_type": (("reverse_kl",), "the last stage scores log-ratios as TRL's default reverse KL"),
+    "ld_alpha": ((None,), "the last stage sums every completion token (no LD-DPO length weighting)"),
+    "use_weighting": ((False,), "the last stage applies no WPO weights"),
+    "precompute_ref_log_probs": ((False,), "the reference runs through the pipeline in every step"),
+    "sync_ref_model": ((False,), "the reference pipeline is never synced from the policy"),
+}
+
+
+def _dpo_pipeline_refusal(layout: Layout, args) -> str | None:
+    """Why DPO does not run this PP layout or option (pure), or None. What runs is what
+    ``tests/test_trl_model_parallel.py`` proves: every rank in one pipeline (no data, tensor, context or expert
+    parallelism beside it), TRL's default sigmoid loss, full fine-tune and LoRA."""
+    others = {"tp_size": layout.tp, "cp_size": layout.cp, "ep_size": layout.ep}
+    for name, size in others.items():
+        if size > 1:
+            return (f"pp_size={layout.pp} with {name}={size} in DistDPOConfig: DistDPOTrainer has no parity test for "
+                    f"the two together yet; use one of them")
+    if layout.is_deepspeed or layout.dp > 1:  # FSDP2 over one dp rank shards nothing: the stages run as without it
+        return (f"pp_size={layout.pp} with {layout.strategy} over {layout.dp} data-parallel rank(s) in DistDPOConfig: "
+                f"DistDPOTrainer runs pp with every rank in one pipeline (world size {layout.world_size} = pp_size x "
+                f"1) and has no parity test beside data parallelism or DeepSpeed yet; launch pp_size processes, or "
+                f"drop pp_size and shard with FSDP2")
+    schedule = getattr(args, "pp_schedule", "1f1b") if args is not None else "1f1b"
+    if schedule not in _DPO_PIPELINE_SCHEDULES:
+        return (f"pp_schedule={schedule!r} with DistDPOConfig: DistDPOTrainer has a parity test for one stage per "
+                f"rank ({', '.join(_DPO_PIPELINE_SCHEDULES)}) only; use pp_schedule='1f1b', or drop pp_size")
+    for name, (allowed, why) in _DPO_PIPELINE_DEFAULTS.items():
+        value = getattr(args, name, allowed[0]) if args is not None else allowed[0]
+        if (tuple(value) if isinstance(value, list) else value) not in allowed:
+            return (f"{name}={value!r} with pp_size={layout.pp} in DistDPOConfig: {why}, and no parity test covers "
+                    f"another value; use {name}={allowed[0]!r} (TRL's default), or drop pp_size")
+    return None
+
+
 def dpo_layout_refusal(layout: Layout, args=None) -> str | None:
     """Why DPO does not run on ``layout`` with ``args`` (pure), or None. The layouts it runs are the ones
-    ``tests/test_dpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one process: DDP, FSDP2
-    FULL_SHARD / SHARD_GRAD_OP, TP or CP as one group, full and LoRA."""
+    ``tests/test_dpo.py`` and ``tests/test_trl_model_parallel.py`` prove against one
+    process: DDP, FSDP2 FULL_SHARD / SHARD_GRAD_OP, TP, CP or PP as one group (PP with TRL's default sigmoid loss),
+    full and LoRA."""
+    if layout.pp > 1 and (why := _dpo_pipeline_refusal(layout, args)) is not None:
+        return why
     return trl_layout_refusal(layout, args, config="DistDPOConfig", model_parallel=_DPO_MODEL_PARALLEL,
                               fsdp2_options=_DPO_FSDP2_OPTIONS)
 

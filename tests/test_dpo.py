@@ -231,7 +231,13 @@ def test_one_process_without_hf_dist_fields_is_dpo_trainer(references, tokenizer
 
 
 REFUSED = [  # (fields, environment, what the message must say)
-    ({"pp_size": 2}, {}, r"pp_size=2 in DistDPOConfig: .*last stage.* drop it and shard with FSDP2"),
+    ({"pp_size": 2}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"},
+     r"pp_size=2 with ddp over 2 data-parallel rank\(s\) in DistDPOConfig: .* launch pp_size processes"),
+    ({"pp_size": 2, "loss_type": ["ipo"]}, {},
+     r"loss_type=\['ipo'\] with pp_size=2 in DistDPOConfig: .*sigmoid.* use loss_type='sigmoid'"),
+    ({"pp_size": 2, "ld_alpha": 0.5}, {}, r"ld_alpha=0.5 with pp_size=2 in DistDPOConfig: .* use ld_alpha=None"),
+    ({"pp_size": 2, "pp_schedule": "interleaved_1f1b"}, {},
+     r"pp_schedule='interleaved_1f1b' with DistDPOConfig: .* use pp_schedule='1f1b'"),
     ({"ep_size": 2}, {}, r"ep_size=2 in DistDPOConfig: .*reference.* drop it and shard with FSDP2"),
     ({}, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
      r"DeepSpeed zero3 with DistDPOConfig: .* shard with FSDP2"),

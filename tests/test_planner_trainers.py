@@ -91,7 +91,10 @@ def test_trl_trainers_are_offered_only_the_layouts_they_run():
                                       gpu=gpu_spec("h100"), seq_len=1024, precision="bf16"))
         offered = {c.layout.strategy for c in plan.candidates if c.memory is not None}
         assert offered <= {"ddp", "fsdp_full_shard", "fsdp_shard_grad_op"}, offered
-        assert all(c.layout.tp == c.layout.pp == c.layout.cp == 1 for c in plan.candidates if c.memory is not None)
+        assert all(c.layout.tp == c.layout.cp == 1 for c in plan.candidates if c.memory is not None)
+        # DPO runs PP with every rank in one pipeline (FSDP2 over one dp rank shards nothing); GRPO no PP
+        assert {(c.layout.pp, c.layout.dp) for c in plan.candidates if c.memory is not None and c.layout.pp > 1} <= \
+            ({(4, 1)} if trainer == "dpo" else set())
         zero3 = _candidate(plan, "zero3")
         assert zero3.memory is None and zero3.reason.startswith("rule: DeepSpeed zero3 with Dist")
         assert plan.chosen is not None

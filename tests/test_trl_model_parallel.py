@@ -31,6 +31,8 @@ import test_grpo
 TIMING_KEYS = ("step_time", "_runtime", "_samples_per_second", "_steps_per_second", "epoch")
 DPO = {"dpo_tp": (False, {"tp_size": 2}), "dpo_tp_lora": (True, {"tp_size": 2}),  # name -> (lora, fields)
        "dpo_cp": (False, {"cp_size": 2}), "dpo_cp_lora": (True, {"cp_size": 2})}
+DPO_PP = {"dpo_pp": (False, {"pp_schedule": "1f1b"}),  # name -> (lora, fields beside pp_size=2)
+          "dpo_pp_lora": (True, {"pp_schedule": "gpipe", "fsdp2": True})}  # FSDP2 over 1 dp rank: as hf-dist plan says
 GRPO = {"grpo_tp": (False, False), "grpo_tp_lora": (True, False), "grpo_tp_sampled": (False, True)}  # (lora, sample)
 SAMPLED = {"scale_rewards": "batch"}  # sampled: non-zero advantages, scaled by the whole batch's reward std
 
@@ -78,11 +80,45 @@ def _sequence_split(trainer) -> list[tuple[str, bool, float]]:
     return seen
 
 
-def _rank_runs(rank, world_size, folder):
+def _dpo_pp(folder: Path, lora: bool, fields: dict):
+    """DistDPOTrainer with pp_size=2; the state is each rank's stages joined (HF names; a PEFT policy's as its
+    ``PeftModel`` names them), and what each rank holds of the policy and the reference."""
+    import torch.distributed as dist
+
+    from hf_dist.trainer.dpo import DistDPOConfig, DistDPOTrainer
+
+    held = []
+    _, _, facts = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
+                       per_device_train_batch_size=4, pp_size=2, **fields,
+                       watch=lambda trainer: held.append(trainer) or [])
+    trainer = held.pop()
+    local = {("base_model.model." if lora else "") + k: v.detach().cpu().clone()
+             for k, v in trainer.model.state_dict().items()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    pipe = trainer.model.pipeline
+    facts["pipeline"] = (pipe.pp_rank, pipe.plan.num_stages, pipe.has_last, trainer.args.layout.strategy)
+    facts["policy_numel"] = sum(p.numel() for p in trainer.model.parameters())
+    if trainer.ref_model is not None:  # the reference's stages are the policy's, on the same rank
+        facts["ref_stages"] = [sorted(s.owned_modules()) for s in trainer.ref_model.pipeline.modules]
+        facts["policy_stages"] = [sorted(s.owned_modules()) for s in pipe.modules]
+        facts["ref_numel"] = sum(p.numel() for p in trainer.ref_model.parameters())
+    trainable = [None] * dist.get_world_size()
+    dist.all_gather_object(trainable, facts["policy_trainable"])
+    facts["policy_trainable"] = sum(trainable)
+    return None, {k: v for part in parts for k, v in part.items()}, facts
+
+
+def _rank_runs(rank, world_size, folder, names=None):
     from hf_dist.trainer.dpo import DistDPOConfig, DistDPOTrainer
     from hf_dist.trainer.grpo import DistGRPOConfig, DistGRPOTrainer
 
     results = {}
+    for name, (lora, fields) in DPO_PP.items():
+        if names is None or name in names:
+            results[name] = _dpo_pp(folder, lora, fields)
+    if names is not None:
+        return results
     for name, (lora, fields) in DPO.items():
         results[name] = _dpo(folder, DistDPOConfig, DistDPOTrainer, lora, global_batch_size=test_dpo.GLOBAL_BATCH,
                              per_device_train_batch_size=4, watch=_sequence_split, **fields)
@@ -178,6 +214,35 @@ def test_dpo_tp2_and_cp2_match_one_process(references, distributed, name):
             assert 0.5 < facts["ref_local_fraction"] < 0.9
         else:
             assert facts["ref_local_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("name", list(DPO_PP))
+def test_dpo_pp2_matches_one_process(references, distributed, name):
+    """pp_size=2 (one pipeline of two stages, 2 micro-batches of 4 pairs): every logged training and evaluation
+    figure on both ranks and every weight (the stages joined) equal one process's; each rank holds one stage of the
+    policy and, for a full fine-tune, the same stage of the frozen reference, which is not optimized; under LoRA there
+    is no second model."""
+    lora, fields = DPO_PP[name]
+    _, ref_state, ref_facts = references[lora]
+    whole = sum(v.numel() for k, v in ref_state.items() if "lora_" not in k)
+    for rank, rank_results in enumerate(distributed):
+        _, state, facts = rank_results[name]
+        strategy = "fsdp_full_shard" if fields.get("fsdp2") else "ddp"
+        assert facts["layout"] == (2, 1) and facts["pipeline"] == (rank, 2, rank == 1, strategy)
+        _same_logs(facts["logs"], ref_facts["logs"])
+        eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
+        assert len(eval_names) > 5
+        for key in eval_names:
+            torch.testing.assert_close(facts["evaluation"][key], ref_facts["evaluation"][key], rtol=0, atol=1e-5,
+                                       msg=key)
+        _same_state(state, ref_state)
+        assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
+        assert facts["policy_numel"] < 0.8 * whole  # this rank's stage only
+        if lora:
+            assert "ref_trainable" not in facts
+            continue
+        assert facts["ref_trainable"] == 0 and facts["ref_in_optimizer"] == 0
+        assert facts["ref_stages"] == facts["policy_stages"] and facts["ref_numel"] == facts["policy_numel"]
 
 
 @pytest.mark.parametrize("name", list(GRPO))

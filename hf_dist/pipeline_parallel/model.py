@@ -42,6 +42,11 @@ class PipelineModel(nn.Module):
                 parent.add_module(leaf, module)
         self.config = pipe.modules[0].config
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's parameter dtype (``PreTrainedModel.dtype``; TRL loads its reference in it)."""
+        return self.pipeline.hidden_dtype
+
     def train(self, mode: bool = True) -> PipelineModel:
         """Train or eval mode for the local parameters *and* each stage's view of the base model, which is not a
         child here: a model loaded in eval mode (``from_pretrained``) would otherwise keep its base model's forward

@@ -172,19 +172,20 @@ class PipelinedCausalLM:
         self.stages: list = []  # the torch PipelineStage objects of the latest training step's schedule
         self.schedule = None
 
-    def _schedule_for(self, microbatches: int, length: int = 0) -> tuple[list, object]:
-        """Stages and schedule for ``microbatches`` of ``length`` tokens (built once per pair: a short last batch
-        needs fewer micro-batches, and the stages fix their activation shapes at their first step)."""
+    def _schedule_for(self, microbatches: int, length: int = 0, loss_fn=None) -> tuple[list, object]:
+        """Stages and schedule for ``microbatches`` of ``length`` tokens and ``loss_fn`` (default: the token loss),
+        built once per key: a short last batch needs fewer micro-batches, and stages fix their shapes at first use."""
         from torch.distributed.pipelining import PipelineStage
 
-        key = (microbatches, length)
+        loss_fn = self.loss_fn if loss_fn is None else loss_fn
+        key = (microbatches, length, id(loss_fn))
         if key not in self._schedules:
             stages = [
                 PipelineStage(module, i, self.plan.num_stages, self.device, group=self.pp_group)
                 for i, module in zip(self.stage_ids, self.modules)
             ]
             config = dataclasses.replace(self.config, microbatches=microbatches)
-            self._schedules[key] = (stages, build_schedule(config, stages, self.loss_fn))
+            self._schedules[key] = (stages, build_schedule(config, stages, loss_fn))
         return self._schedules[key]
 
     # -- queries -----------------------------------------------------------------------------------
@@ -279,11 +280,14 @@ class PipelinedCausalLM:
         """Run every stage forward in pipeline order; the logits on the last stage's rank, None elsewhere."""
         return self._forward_stages(batch)[0]
 
-    def _forward_stages(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward_stages(self, batch: Mapping[str, torch.Tensor], labels: torch.Tensor | None = None):
         """``(logits, router statistics)`` on the last stage's rank (None elsewhere); the statistics (a MoE whose
-        loss adds a router aux term, else None) travel with the hidden states as in training."""
+        loss adds a router aux term, else None) travel with the hidden states as in training. ``labels`` go to every
+        stage (a last stage's ``head`` returns its figures instead of the logits)."""
         input_ids = batch["input_ids"].to(self.device)
         kwargs = {k: v.to(self.device) for k, v in self._model_kwargs(batch).items()}
+        if labels is not None:
+            kwargs["labels"] = labels.to(self.device)
         shape = (*input_ids.shape, self.hidden_size)
         with_stats = self.router_aux_coef > 0
         out = stats = None

@@ -218,6 +218,9 @@ class CausalLMStage(nn.Module):
 
     eval_router_stats = False
     """Set by ``PipelinedCausalLM.forward_only``: collect router statistics outside training too (eval loss)."""
+    head = None
+    """On a last stage, a callable ``head(view, model_kwargs, labels)`` run instead of the logits whenever labels are
+    given: per-sequence figures for a pairwise loss (``hf_dist.pipeline_parallel.pair_loss``)."""
 
     def __init__(self, model: nn.Module, fqns: tuple[str, ...], *, chunked_loss: bool = False) -> None:
         super().__init__()
@@ -335,14 +338,19 @@ class CausalLMStage(nn.Module):
         if collect:
             self.router_stats.begin(router_stats, attention_mask, inputs.shape[0] * inputs.shape[1], inputs.device)
         loss = self.chunked_loss if labels is not None and self.training else None
+        head = self.head if labels is not None and self.is_last else None
         try:
-            out = self._lm(**kwargs) if loss is None else loss(**kwargs, labels=labels, num_items_in_batch=1)
+            if head is not None:
+                out = head(self._lm, kwargs, labels)
+            else:
+                out = self._lm(**kwargs) if loss is None else loss(**kwargs, labels=labels, num_items_in_batch=1)
         except _StageExit as done:
             out = done.hidden
         else:
             if not self.is_last:
                 raise RuntimeError(f"stage of {type(self._lm).__name__} ran past its last layer without stopping")
-            out = out.logits if loss is None else out.loss  # the summed loss: num_items_in_batch=1
+            if head is None:
+                out = out.logits if loss is None else out.loss  # the summed loss: num_items_in_batch=1
         finally:
             self._inbox.received = None
             stats = self.router_stats.end() if collect else None

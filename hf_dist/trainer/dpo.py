@@ -9,13 +9,14 @@ gathered one block at a time in its no-grad forward); under TP it is sharded wit
 splits sequences as the policy does; under DDP every rank holds a whole replica, as TRL's ``DPOTrainer`` has it. It
 is frozen (``requires_grad=False``) and never in the optimizer. Under LoRA there is no second model: the reference is
 the policy with its adapters disabled (TRL's own path). Under CP the fused LM heads of both return whole-sequence
-per-token log-probabilities (``hf_dist.trainer.trl_context_parallel``).
+per-token log-probabilities (``hf_dist.trainer.trl_context_parallel``). Under PP the reference is split into the
+policy's stages, and the loss and TRL's metrics are made on the last stage (``hf_dist.trainer.dpo_pipeline``).
 
 What runs is decided in one place, ``check_dpo_layout`` (called from ``DistDPOConfig.__post_init__``, before any
 process group; the shared rules are ``hf_dist.trainer.trl_layout``'s): DDP and FSDP2 (FULL_SHARD / SHARD_GRAD_OP),
-proven in ``tests/test_dpo.py``, and TP or CP with every rank in that one group, proven in
-``tests/test_trl_model_parallel.py``, each full fine-tune and LoRA, equal to one process. PP, EP, TP/CP beside data
-parallelism, DeepSpeed ZeRO, HSDP and FSDP2 CPU offload are refused with the reason; with no hf_dist field set
+proven in ``tests/test_dpo.py``, and TP, CP or PP with every rank in that one group (PP: TRL's default sigmoid loss),
+proven in ``tests/test_trl_model_parallel.py``, each full fine-tune and LoRA, equal to one process. EP, TP/CP/PP beside
+data parallelism, DeepSpeed ZeRO, HSDP and FSDP2 CPU offload are refused with the reason; with no hf_dist field set
 nothing is refused and the trainer is TRL's.
 
 Not here: GRPO (``hf_dist.trainer.grpo``), precomputed reference log-probs or a synced reference under FSDP2
@@ -85,13 +86,26 @@ def as_dist_dpo_config(args: TrainingArguments | None) -> DistDPOConfig | None:
 
 
 class DistDPOTrainer(DPOTrainer, DistTrainer):
-    """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, CP, LoRA) and batch contract."""
+    """``trl.DPOTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, CP, PP, LoRA) and batch contract."""
 
     def __init__(self, model, ref_model=None, args: TrainingArguments | None = None, *positional, **kwargs):
         if args is None:  # where DPOTrainer would write, not the Trainer's "trainer_output"
             args = DistDPOConfig(output_dir=default_output_dir(model, suffix="DPO"))
         super().__init__(model, ref_model, as_dist_dpo_config(args), *positional, **kwargs)
-        if self.ref_model is not None:
+        self.dpo_pipeline = None
+        if self.dims.pp_enabled:  # the loss and metrics on the last stage, the reference split into the same stages
+            from hf_dist.trainer.dpo_pipeline import DpoPipeline
+
+            self.dpo_pipeline = DpoPipeline(self)
+        elif self.ref_model is not None:
             self.ref_model = lay_out_reference(self.ref_model, self.args, self.dims, self.owns_layout)
         if self.dims.cp_enabled:  # TRL sums each sequence's log-probabilities: whole sequences on every cp rank
             split_trl_heads(self)
+
+    def pipeline_step(self, pipeline, inputs):
+        return self.dpo_pipeline.train_step(self, inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.dpo_pipeline is not None:  # evaluation: training runs pipeline_step
+            return self.dpo_pipeline.evaluate(self, model, inputs, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

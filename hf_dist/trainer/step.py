@@ -17,10 +17,15 @@ def pipeline_training_step(trainer, model, inputs) -> torch.Tensor:
     """One optimizer step's forward and backward through the schedule; the loss for logging on every rank."""
     model.train()
     inputs = trainer._prepare_inputs(inputs)
-    microbatches = microbatches_for_rows(trainer.args, inputs["input_ids"].shape[0])
     with trainer.compute_loss_context_manager():
-        loss = model.pipeline.train_step(inputs, microbatches=microbatches)
+        loss = trainer.pipeline_step(model.pipeline, inputs)
     return loss.detach()
+
+
+def token_loss_step(trainer, pipeline, inputs) -> torch.Tensor:
+    """The causal-LM token loss through the schedule (``DistTrainer.pipeline_step``'s default)."""
+    microbatches = microbatches_for_rows(trainer.args, inputs["input_ids"].shape[0])
+    return pipeline.train_step(inputs, microbatches=microbatches)
 
 
 def pipeline_clip_grad_norm(trainer) -> torch.Tensor:

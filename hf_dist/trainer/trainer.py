@@ -211,6 +211,11 @@ class DistTrainer(Trainer):
                 return step.pipeline_training_step(self, model, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def pipeline_step(self, pipeline, inputs) -> torch.Tensor:
+        """Under PP, one optimizer step's forward and backward through ``pipeline``; the global-batch mean loss on
+        every rank. The causal-LM token loss here; a trainer with another objective (DPO) replaces it."""
+        return step.token_loss_step(self, pipeline, inputs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The Trainer's own, with the model's loss made chunk by chunk where exact (``hf_dist.trainer.loss``) and,
         in a training step, a MoE router aux term weighted the same for any batch split

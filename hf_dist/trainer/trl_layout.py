@@ -3,7 +3,7 @@
 ``DistDPOTrainer`` and ``DistGRPOTrainer`` share the same shape: TRL's config plus ``DistTrainingArguments``' fields
 (``trl_default`` keeps the TRL config's own defaults), a refusal before any process group of every layout no parity
 test covers (``check_trl_layout``, asking the pure rules of ``hf_dist.trl_support``, which ``hf-dist plan`` asks
-too: the model-parallel axes each trainer runs, TP for both and CP for DPO, every rank in one TP or CP group), and
+too: the model-parallel axes each trainer runs, TP for both and CP and PP for DPO, every rank in that one group), and
 a frozen reference laid out like the policy (``lay_out_reference``).
 
 Not here: the trainers themselves (``hf_dist.trainer.dpo``, ``hf_dist.trainer.grpo``) and the layouts
