@@ -22,7 +22,8 @@ and backward (FSDP2's default: backward needs them first), and the blocks follow
 (``_shard_embedding``): in the root its whole weight would stay gathered through the step. A forward run without
 autograd (evaluation, generation) is followed by no backward to reshard, and while gathered the parameters
 registered on a module are the unsharded ones: an optimizer built then (the Trainer builds it in ``train()``, after
-any ``evaluate()``) would hold them and update tensors FSDP throws away. So every FSDP unit reshards at the end of a forward without autograd (``_reshard_after_no_grad_forward``).
+any ``evaluate()``) would hold them and update tensors FSDP throws away. So every FSDP unit reshards at the end of
+a forward without autograd (``_reshard_after_no_grad_forward``).
 ``generate`` is a forward of the root too (``_generate_as_forward``): a ``PeftModel`` root's ``generate`` bypasses
 its ``forward``, and would otherwise meet sharded embeddings.
 ``tests/test_parallelize.py`` trains several optimizer steps after an evaluation against one process.
