@@ -18,10 +18,12 @@ rank's slice of them) and is divided by ``dp x cp``, as every other gradient is 
 
 The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
 and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
-``reshard_after_forward``. A forward run without autograd (evaluation, generation) is followed by no backward to
-reshard, and while gathered the parameters registered on a module are the unsharded ones: an optimizer built then
-(the Trainer builds it in ``train()``, after any ``evaluate()``) would hold them and update tensors FSDP throws
-away. So every FSDP unit reshards at the end of a forward without autograd (``_reshard_after_no_grad_forward``).
+``reshard_after_forward``. An input embedding not tied to the head is a unit of its own that follows the request too
+(``_shard_embedding``): in the root its whole weight would stay gathered through the step. A forward run without
+autograd (evaluation, generation) is followed by no backward to reshard, and while gathered the parameters
+registered on a module are the unsharded ones: an optimizer built then (the Trainer builds it in ``train()``, after
+any ``evaluate()``) would hold them and update tensors FSDP throws away. So every FSDP unit reshards at the end of
+a forward without autograd (``_reshard_after_no_grad_forward``).
 ``generate`` is a forward of the root too (``_generate_as_forward``): a ``PeftModel`` root's ``generate`` bypasses
 its ``forward``, and would otherwise meet sharded embeddings.
 ``tests/test_parallelize.py`` trains several optimizer steps after an evaluation against one process.
@@ -206,6 +208,7 @@ def apply_fsdp(
     )
     offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
+    whole_model = units is None  # not a pipeline stage, whose root holds what its stage has of the edges
     units = list(units) if units is not None else find_blocks(model, request.wrap_classes)
     for experts in expert_modules(model):  # first: each block then leaves the experts' parameters to them
         _shard_experts(experts, dims, request, kwargs, grad_reduction)
@@ -213,17 +216,43 @@ def apply_fsdp(
         reshard = reshard_after_forward(i, len(units), requested=request.reshard_after_forward,
                                         explicit_prefetch=request.explicit_prefetch)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    edges = _shard_embedding(model, request, kwargs) if whole_model else []
     fully_shard(model, reshard_after_forward=False, **kwargs)
     if request.explicit_prefetch:
         set_explicit_prefetch(units)
     if grad_reduction == "sum":
-        for unit in (*units, model):  # per unit: a unit's settings do not reach the units inside it
+        for unit in (*units, *edges, model):  # per unit: a unit's settings do not reach the units inside it
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     model.register_forward_hook(_reshard_after_no_grad_forward)
     _generate_as_forward(model)
     _keep_class_name(model)
     return model
+
+
+def _shard_embedding(model: nn.Module, request: FsdpRequest, kwargs: dict) -> list[nn.Module]:
+    """The input embedding as an FSDP unit of its own (``[embedding]``), where it is not tied to the head.
+
+    In the root, its whole weight would stay gathered from the start of forward to the end of backward, and its
+    gradient would wait for the root's reduce-scatter together with the head's. As a unit it is freed after forward
+    (``request.reshard_after_forward``), gathered again for its backward and reduced on its own: transformers' own
+    FSDP plan (``free_full_weight``) does the same. The head stays in the root: the chunked loss and TRL's fused LM
+    head read its weight outside its ``forward``, which gathers only the root's parameters. A tied embedding is the
+    head's Parameter, which one unit must own: it stays in the root too.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    base = unwrap_peft(model)
+    try:
+        embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return []
+    weight = getattr(embed, "weight", None)
+    if (not isinstance(embed, nn.Module) or isinstance(embed, FSDPModule) or weight is None
+            or weight is getattr(head, "weight", None)):
+        return []
+    fully_shard(embed, reshard_after_forward=request.reshard_after_forward, **kwargs)
+    return [embed]
 
 
 def _keep_class_name(model: nn.Module) -> None:

@@ -116,6 +116,8 @@ def _case(directory: str, output_dir: str, layout: dict) -> dict:
         assert got_state[name].dtype == dtype or "norm" in name or "lora_" in name, (name, got_state[name].dtype)
     lora_b = [n for n in got_state if "lora_B" in n]
     assert all(got_state[n].abs().sum() == 0 for n in lora_b)
+    if set(layout) == {"fsdp"}:
+        _check_holds_its_shard_only(streamed)
     result = {"logits": (_logits(reference, batch), _logits(streamed, batch))}
     _step(reference, batch)
     _step(streamed, batch)
@@ -123,6 +125,30 @@ def _case(directory: str, output_dir: str, layout: dict) -> dict:
     if not layout.get("pp") and not lora:
         _check_streaming_save(reference, streamed, f"{output_dir}/saved")
     return result
+
+
+def _held_bytes(model) -> int:
+    """Bytes of the distinct storages behind a model's parameters and buffers on this rank (a view of a whole
+    tensor, e.g. a memory-mapped checkpoint tensor, counts whole)."""
+    seen, total = set(), 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        local = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _check_holds_its_shard_only(streamed) -> None:
+    """Under FSDP2 a rank's streamed model holds its shard of every tensor and nothing more: no whole tensor, no
+    second copy (the bound leaves 10% for FSDP2's padding of uneven shards; the buffers are whole on every rank)."""
+    import torch.distributed as dist
+
+    buffers = sum(b.numel() * b.element_size() for b in streamed.buffers())
+    whole = sum(p.numel() * p.element_size() for p in streamed.parameters())
+    held = _held_bytes(streamed)
+    assert held <= 1.1 * whole / dist.get_world_size() + buffers, (held, whole, buffers)
 
 
 def _check_streaming_save(reference, streamed, directory: str) -> None:
