@@ -96,7 +96,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("cohere_compass_text", tp=TP_SWEEP),
     _dense("cwm", tp=TP_SWEEP, pp=PP_SWEEP),
     _moe("deepseek_v2", ep=EP_TESTS),
-    _moe("deepseek_v3", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS),
+    _moe("deepseek_v3", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
+         notes=dict(cp="all-to-all (MLA's per-head keys and values exchanged as they are, values wider than keys); no "
+                       "router aux loss in its code (routing per token); with ep_size too (experts over the "
+                       "data-parallel ranks, FSDP2 FULL_SHARD or DDP)")),
     _moe("deepseek_v32", ep=EP_TESTS),
     _moe("deepseek_v4", ep=EP_TESTS),
     _dense("doge", pp=PP_SWEEP),
@@ -129,7 +132,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _moe("gpt_oss", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
          tp_plan="hf_dist", tp_base_plan=GPT_OSS_BASE_TP, attention_head_params=("sinks",),
          planner=PlannerShape(output_bias=True, sinks=True, router_bias=True, expert_bias=True),
-         notes=dict(tp="hf_dist's plan (moe.py): attention sinks split by head, experts by intermediate dimension")),
+         notes=dict(tp="hf_dist's plan (moe.py): attention sinks split by head, experts by intermediate dimension",
+                    cp=f"{_MOE_CP_NOTE}; attention sinks cut to each rank's heads (eager attention)")),
     _classic("gptj", tp=TP_SWEEP, pp=PP_SWEEP, tp_classic=GPTJ_TP, pp_modules=_GPTJ_PP),
     _dense("granite", tp=TP_SWEEP, pp=PP_SWEEP),
     _dense("granite_swa", pp=PP_SWEEP),
