@@ -1,12 +1,13 @@
 """Coverage table: for every causal-LM model type of the installed transformers, whether hf_dist runs it with
-tensor parallelism, pipeline parallelism and (MoE types) expert parallelism, and why not where it does not; then the
-model types that run with context parallelism (``hf_dist.context_parallel.support``, the check DistTrainer makes
-with ``cp_size > 1``).
+tensor parallelism, pipeline parallelism, (MoE types) expert parallelism and context parallelism, and why not where
+it does not; then how context parallelism runs on the types it runs (``hf_dist.context_parallel.support``, the check
+DistTrainer makes with ``cp_size > 1``).
 
 The statuses are the support decisions themselves (``hf_dist.tensor_parallel.support``,
-``hf_dist.pipeline_parallel.support`` and ``hf_dist.expert_parallel.support``) on each type's default config; "yes"
-means the type passed its parity test against one process (tests/test_tp_sweep.py, tests/test_moe_tp.py for MoE
-TP, the PP sweep for PP, tests/test_expert_parallel.py for EP; "-": a dense model). Where a type's default config is
+``hf_dist.pipeline_parallel.support``, ``hf_dist.expert_parallel.support`` and ``hf_dist.context_parallel.support``)
+on each type's default config; "yes" means the type passed its parity test against one process
+(tests/test_tp_sweep.py, tests/test_moe_tp.py for MoE TP, the PP sweep for PP, tests/test_expert_parallel.py for EP,
+tests/test_context_parallel.py and tests/test_moe_cp.py for CP; "-": a dense model). Where a type's default config is
 refused at degree 2, the note gives the reason ``hf_dist.support.model_refusals`` gives (the run's own answer;
 ``tests/test_coverage_doc.py`` checks every cell against it). Nothing is run here.
 
@@ -25,6 +26,7 @@ import os
 import re
 import sys
 import warnings
+from types import SimpleNamespace
 
 
 def _pp_status() -> dict[str, str]:
@@ -57,8 +59,6 @@ def default_refusal(model_type: str, parallelism: str) -> str | None:
     """What a run says of ``model_type``'s default config with ``parallelism`` at 2 and the others at 1: the first
     reason of ``hf_dist.support.model_refusals`` (the entry point the trainer, the loader, the planner and
     ``hf-dist config`` ask); ``None`` when it runs, or when the default config cannot be built."""
-    from types import SimpleNamespace
-
     from transformers import AutoConfig
 
     from hf_dist.support import model_refusals
@@ -93,8 +93,20 @@ def _default_ep_note(model_type: str) -> str | None:
     return f"EP: its default config is refused ({_short(why)})" if why else None
 
 
-def coverage_rows() -> list[tuple[str, str, str, str, str]]:
-    """``(model type, TP, PP, EP, note)`` for every causal-LM model type, sorted by type."""
+def _cp_status(model_type: str) -> str:
+    """CP decision: ``"yes"`` (its record proves CP), else what the run says of the default config with cp=2 (up to
+    its fix), or the record's reason when the default config cannot be built."""
+    from hf_dist.context_parallel.support import cp_refusal
+    from hf_dist.families import family
+
+    if family(model_type).proves("cp"):
+        return "yes"
+    why = default_refusal(model_type, "cp") or cp_refusal(SimpleNamespace(model_type=model_type), 2)
+    return why.split(";")[0]
+
+
+def coverage_rows() -> list[tuple[str, str, str, str, str, str]]:
+    """``(model type, TP, PP, EP, CP, note)`` for every causal-LM model type, sorted by type."""
     from hf_dist.expert_parallel.support import ep_coverage
     from hf_dist.tensor_parallel.support import tp_coverage
 
@@ -115,12 +127,14 @@ def coverage_rows() -> list[tuple[str, str, str, str, str]]:
         elif ep_reason == "yes" and (note := _default_ep_note(model_type)):
             notes.append(note)
         ep_cell = "yes" if ep_reason == "yes" else "-" if ep_reason == "dense" else "no"
+        if (cp_reason := _cp_status(model_type)) != "yes":
+            notes.append(f"CP: {_short(cp_reason)}")
         rows.append((model_type, "yes" if tp_reason == "yes" else "no", "yes" if pp_reason == "yes" else "no",
-                     ep_cell, "; ".join(notes)))
+                     ep_cell, "yes" if cp_reason == "yes" else "no", "; ".join(notes)))
     return rows
 
 
-def render(rows: list[tuple[str, str, str, str, str]]) -> str:
+def render(rows: list[tuple[str, str, str, str, str, str]]) -> str:
     """A markdown table with a one-line summary above it."""
     import torch
     import transformers
@@ -128,16 +142,18 @@ def render(rows: list[tuple[str, str, str, str, str]]) -> str:
     tp_yes = sum(row[1] == "yes" for row in rows)
     pp_yes = sum(row[2] == "yes" for row in rows)
     ep_yes, moe = sum(row[3] == "yes" for row in rows), sum(row[3] != "-" for row in rows)
+    cp_yes = sum(row[4] == "yes" for row in rows)
     lines = [
         f"{len(rows)} causal-LM model types in transformers {transformers.__version__} (torch {torch.__version__}); "
-        f"TP supported: {tp_yes}, PP supported: {pp_yes}, EP supported: {ep_yes} of {moe} MoE types. Generated by "
+        f"TP supported: {tp_yes}, PP supported: {pp_yes}, EP supported: {ep_yes} of {moe} MoE types, CP supported: "
+        f"{cp_yes}. Generated by "
         f"`python bench/coverage.py --write docs/coverage.md --readme README.md` on "
         f"{datetime.date.today().isoformat()}.",
         "",
-        "| model type | TP | PP | EP | note |",
-        "|---|---|---|---|---|",
+        "| model type | TP | PP | EP | CP | note |",
+        "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {t} | {tp} | {pp} | {ep} | {note.replace('|', '/')} |" for t, tp, pp, ep, note in rows]
+    lines += [f"| {t} | {tp} | {pp} | {ep} | {cp} | {note.replace('|', '/')} |" for t, tp, pp, ep, cp, note in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -99,9 +99,11 @@ _NO_AUX: dict[str, dict] = {
     "glm4_moe": dict(head_dim=8, intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
                      num_experts_per_tok=3, n_shared_experts=1, **_GROUPED, first_k_dense_replace=1,
                      routed_scaling_factor=1.5, norm_topk_prob=False, use_qk_norm=True),
+    # MLA expands keys to every head: kv heads = heads, as DeepSeek-V3's config has them (with fewer, SDPA's
+    # grouped-query path and its repeat_kv path disagree on the key heads)
     "deepseek_v3": dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
                         **_GROUPED, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.0,
-                        norm_topk_prob=False, **_MLA),
+                        norm_topk_prob=False, **_MLA, num_key_value_heads=4),
     # a shared MLP beside top-2 routing
     "hunyuan_v1_moe": dict(head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2, use_qk_norm=True),
     "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,

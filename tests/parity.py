@@ -43,9 +43,9 @@ TP_MOE_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 """TP=2 on MoE types (``tests/test_moe_tp.py``; configs ``ep_cases``)."""
 CP_CASES = ("llama", "mistral", "gemma2", "qwen3")
 """Context parallelism (``tests/test_context_parallel.py``; its own long-sequence configs)."""
-EP_PP_CASES = ("qwen3_moe", "mixtral")
+EP_PP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 """EP x PP through the DistTrainer (``tests/test_ep_pp.py``; configs ``ep_cases``)."""
-MOE_CP_CASES = ("qwen3_moe", "mixtral")
+MOE_CP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 """MoE under CP and EP x CP, at 2,048 tokens (``tests/test_moe_cp.py``; its own long-sequence configs)."""
 
 

@@ -273,8 +273,8 @@ def test_support_refuses_by_name_and_by_heads():
     assert cp_refusal(llama, 2) is None
     with pytest.raises(ValueError, match=r"cp_size=4 does not divide .*num_key_value_heads=2.*Ring attention"):
         check_cp_support(llama, 4)
-    with pytest.raises(ValueError, match="model_type='gpt_oss' has no context-parallel parity test"):
-        check_cp_support(AutoConfig.for_model("gpt_oss"), 2)
+    with pytest.raises(ValueError, match="model_type='olmoe' has no context-parallel parity test"):
+        check_cp_support(AutoConfig.for_model("olmoe"), 2)
 
 
 def _launch_args(**fields):

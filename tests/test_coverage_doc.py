@@ -49,19 +49,19 @@ def test_readme_counts_are_the_registry_today(generated):
 
 
 def test_the_table_and_the_runs_answer_on_each_default_config_agree(generated):
-    """Every TP / PP / EP cell against ``hf_dist.support.model_refusals`` (what the trainer, the loader, the planner
+    """Every TP / PP / EP / CP cell against ``hf_dist.support.model_refusals`` (what the trainer, the loader, the planner
     and ``hf-dist config`` ask) on the type's default config at degree 2: "yes" without a default-config note is
     exactly a layout the run accepts."""
     from transformers import AutoConfig
 
     coverage = _coverage_module()
     disagree = []
-    for model_type, tp, pp, ep, note in coverage.coverage_rows():
+    for model_type, tp, pp, ep, cp, note in coverage.coverage_rows():
         try:
             AutoConfig.for_model(model_type)
         except Exception:  # noqa: BLE001 - no default config: nothing for the run to answer
             continue
-        for parallelism, cell in (("tp", tp), ("pp", pp), ("ep", ep)):
+        for parallelism, cell in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp)):
             table_runs = cell == "yes" and f"{parallelism.upper()}: its default config is refused" not in note
             run_runs = coverage.default_refusal(model_type, parallelism) is None
             if table_runs != run_runs:

@@ -59,10 +59,10 @@ def test_ep_x_pp_runs_the_model_types_its_records_prove_and_refuses_the_others_b
     layout = Layout(strategy="fsdp_full_shard", num_gpus=4, pp=2, ep=2)
     for name in EP_PP_CASES:
         assert ep_refusal(moe_config(name), 2, pp=2) is None and model_refusals(moe_config(name), layout) == []
-    unproven = moe_config("deepseek_v3")  # EP and PP each proven, their product not
+    unproven = moe_config("olmoe")  # EP proven, its product with PP not
     assert ep_refusal(unproven, 2) is None
-    with pytest.raises(ValueError, match=r"ep_size=2 with pp_size=2 is refused: model_type='deepseek_v3' has no "
-                                         r"EP x PP parity case.*proven for mixtral, qwen3_moe"):
+    with pytest.raises(ValueError, match=r"ep_size=2 with pp_size=2 is refused: model_type='olmoe' has no "
+                                         r"EP x PP parity case.*proven for deepseek_v3, gpt_oss, mixtral, qwen3_moe"):
         check_ep_support(unproven, 2, 2)
     assert any("no EP x PP parity case" in reason for reason in model_refusals(unproven, layout))
 

@@ -1,14 +1,17 @@
 """Mixture-of-experts models under context parallelism through ``DistTrainer``, against one process.
 
-Tiny qwen3_moe (top-3 of 4 experts, ``norm_topk_prob=True``) and mixtral (top-1), router aux loss on at 0.1, a
-sliding window of 64 tokens, loaded from disk as users load theirs, train 3 AdamW steps (accumulation 2) on rows of
-2,048 tokens whose halves draw on different tokens, with right padding (``attention_mask`` zeros, labels -100) and a
-block of ignored labels in the first cp rank's slice:
+Tiny qwen3_moe (top-3 of 4 experts, ``norm_topk_prob=True``), mixtral (top-1) and gpt_oss (top-2, attention sinks,
+eager attention), router aux loss on at 0.1, a sliding window of 64 tokens, and deepseek_v3 (MLA with values wider
+than queries and keys, grouped routing with a score-correction bias, a shared expert, a dense first layer; no aux loss
+in its code), loaded from disk as users load theirs, train 3 AdamW steps (accumulation 2) on rows of 2,048 tokens
+whose halves draw on different tokens, with right padding (``attention_mask`` zeros, labels -100) and a block of
+ignored labels in the first cp rank's slice:
 
-- ``cp_size=2`` on 2 gloo ranks (qwen3_moe with the cp ranks averaging gradients and the model's own loss, mixtral x
-  FSDP2 with activation checkpointing, which recomputes the split forward in backward, and the chunked loss);
+- ``cp_size=2`` on 2 gloo ranks (qwen3_moe with the cp ranks averaging gradients and the model's own loss, mixtral
+  and gpt_oss x FSDP2, mixtral with activation checkpointing, which recomputes the split forward in backward, and the
+  chunked loss);
 - ``ep_size=2 x cp_size=2`` on 4 gloo ranks: the 2 data-parallel ranks hold 2 of the 4 experts each, the 2 cp ranks
-  of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp.
+  of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp (``EP_CP_RUNS``).
 
 Each equals a one-process ``DistTrainer`` on the same micro-batches within 1e-5 on the losses and on every parameter
 (routers, norms, experts). The API without the Trainer (``parallelize`` + ``token_weighted_loss``, cp=2) gives the
@@ -39,7 +42,8 @@ micro-batch's (with tokens drawn from the whole vocabulary the halves' aux gradi
 STEPS = 3
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"version": 2})
 CP_RUNS = {"qwen3_moe": dict(chunked_loss=False, dist_logging=True),
-           "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True)}
+           "mixtral": dict(fsdp2=True, fsdp2_activation_checkpointing=True),
+           "gpt_oss": dict(fsdp2=True), "deepseek_v3": {}}
 """2 ranks, ``cp_size=2``: the extra arguments per model type (the model's own loss, which the pooled aux is added
 to, and the chunked loss, which adds the returned aux itself, are both run; ``--dist_logging``'s expert load)."""
 EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
@@ -48,6 +52,21 @@ LOCAL_EXPERTS = {"fsdp2": 1, "ddp": 2}
 CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=4)
 EP_CP_BATCH = dict(max_steps=STEPS, per_device_train_batch_size=2, global_batch_size=8)
 """The same micro-batches of 2 rows: one process accumulates 2 (CP) or 4 (dp=2 x cp=2) of them per step."""
+EP_CP_RUNS = {"qwen3_moe": (EP_CP_BATCH, ("fsdp2", "ddp")), "mixtral": (EP_CP_BATCH, ("fsdp2", "ddp")),
+              "gpt_oss": (CP_BATCH, ("fsdp2",)), "deepseek_v3": (CP_BATCH, ("ddp",))}
+"""4 ranks, ``ep_size=2 x cp_size=2``: the batch and layouts per model type. gpt-oss and deepseek_v3 add their
+attention (sinks cut to each rank's heads; MLA's wider values) to what the first two prove in both layouts with
+accumulation: one layout each, one micro-batch per rank per step, so one reference serves their CP and EP x CP runs."""
+
+
+LONG = {"qwen3_moe": dict(sliding_window=WINDOW, use_sliding_window=True, norm_topk_prob=True),
+        "mixtral": dict(sliding_window=WINDOW),
+        "gpt_oss": dict(sliding_window=WINDOW),  # its sliding layer first, then a full one (ep_cases)
+        "deepseek_v3": dict(v_head_dim=16)}  # MLA: values 16 wide, queries and keys 8 (nope 4 + rope 4)
+"""The long-sequence config values per model type, beyond ``ep_cases``' tiny config (a window where the type has
+one)."""
+ATTENTION = {"gpt_oss": "eager"}
+"""The attention implementation per type (``sdpa`` otherwise): gpt-oss's sinks have no SDPA path in transformers."""
 
 
 def _model(name: str, aux: float = AUX):
@@ -56,10 +75,10 @@ def _model(name: str, aux: float = AUX):
     from hf_dist.models.tiny import build_tiny_model
 
     config = moe_config(name, aux=aux)
-    config.vocab_size, config.max_position_embeddings, config.sliding_window = VOCAB, 2 * SEQ, WINDOW
-    if name == "qwen3_moe":
-        config.use_sliding_window, config.norm_topk_prob = True, True
-    return as_loaded(build_tiny_model(config, seed=0), attn_implementation="sdpa")
+    config.vocab_size, config.max_position_embeddings = VOCAB, 2 * SEQ
+    for key, value in LONG[name].items():
+        setattr(config, key, value)
+    return as_loaded(build_tiny_model(config, seed=0), attn_implementation=ATTENTION.get(name, "sdpa"))
 
 
 def _dataset():
@@ -134,10 +153,11 @@ def _expert_load(trainer) -> list[dict[str, float]]:
 
 def _four_ranks(rank, world, root):
     out = {}
-    for name in CASES:
-        for flavour, layout in EP_CP_FLAVOURS.items():
+    for name, (batch, flavours) in EP_CP_RUNS.items():
+        for flavour in flavours:
             losses, params, trainer = train_tiny(f"{root}/ep_cp_{name}_{flavour}", model=_model(name),
-                                                 dataset=_dataset(), cp_size=2, ep_size=2, **EP_CP_BATCH, **layout)
+                                                 dataset=_dataset(), cp_size=2, ep_size=2, **batch,
+                                                 **EP_CP_FLAVOURS[flavour])
             out[(name, flavour)] = (losses, params if rank == 0 else None, _local_experts(trainer),
                                     (trainer.dims.dp, trainer.dims.cp, trainer.dims.ep))
     return out
@@ -153,7 +173,7 @@ def references(root):
     """One process, per model type and accumulation: ``(losses, params)``."""
     return {(name, batch["global_batch_size"]): train_tiny(f"{root}/one_{name}_{batch['global_batch_size']}",
                                                            model=_model(name), dataset=_dataset(), **batch)[:2]
-            for name in CASES for batch in (CP_BATCH, EP_CP_BATCH)}
+            for name in CASES for batch in {b["global_batch_size"]: b for b in (CP_BATCH, EP_CP_RUNS[name][0])}.values()}
 
 
 @pytest.fixture(scope="module")
@@ -195,13 +215,12 @@ def test_expert_load_under_cp_counts_every_token_once(cp_runs, root):
         assert result["qwen3_moe"][3] == expected
 
 
-@pytest.mark.parametrize("flavour", sorted(EP_CP_FLAVOURS))
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(("name", "flavour"), [(n, f) for n, (_, flavours) in EP_CP_RUNS.items() for f in flavours])
 def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
     for result in ep_cp_runs:
         _, _, local, sizes = result[(name, flavour)]
         assert sizes == (2, 2, 2) and local == {LOCAL_EXPERTS[flavour]}  # dp, cp, ep
-    _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_BATCH["global_batch_size"])])
+    _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_RUNS[name][0]["global_batch_size"])])
 
 
 def test_token_weighted_loss_weighs_the_aux_once(cp_runs):

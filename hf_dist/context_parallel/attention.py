@@ -66,11 +66,12 @@ class ContextParallelState:
     """What the hooks and the attention function of one model need: the cp group, rank and size, the model's own
     attention implementation, and whether a training step's split is active."""
 
-    def __init__(self, group, inner: str) -> None:
+    def __init__(self, group, inner: str, head_params: tuple[str, ...] = ()) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.inner = inner
+        self.head_params = head_params
         self.active = False
 
     @contextlib.contextmanager
@@ -116,9 +117,35 @@ def context_parallel_attention(module: nn.Module, query, key, value, attention_m
     group = state.group
     # (B, H, S/cp, D) -> (B, H/cp, S, D): heads scattered, sequence gathered
     query, key, value = (all_to_all(_compute_dtype(t), 1, 2, group) for t in (query, key, value))
+    if state.head_params:
+        module, kwargs = _rank_heads(module, kwargs, state)
     output, _ = inner(module, query, key, value, attention_mask, **kwargs)
     # (B, S, H/cp, D) -> (B, S/cp, H, D); per-head weights of a subset of heads are not returned
     return all_to_all(output, 1, 2, group), None
+
+
+class _HeadSlice:
+    """An attention module as its attention function sees it on one cp rank: the per-head parameters cut to the heads
+    the all-to-all handed this rank, every other attribute the module's own."""
+
+    def __init__(self, module: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        self.__dict__.update(params, _module=module)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_module"], name)
+
+
+def _rank_heads(module: nn.Module, kwargs: dict, state: ContextParallelState) -> tuple[_HeadSlice, dict]:
+    """The module and keyword arguments with each per-head parameter (the registry's ``attention_head_params``,
+    gpt-oss's sinks, also passed as ``s_aux``) cut to this rank's heads: rank ``r`` receives the ``r``-th chunk of the
+    heads (``_all_to_all`` sends chunk ``j`` to rank ``j``). The slice is differentiable: each rank's gradient fills its
+    heads' rows, and the gradient sum over the cp ranks fills them all, as for the projections' gradients."""
+    params = {}
+    for name in state.head_params:
+        full = getattr(module, name)
+        params[name] = part = full.chunk(state.size, dim=0)[state.rank]
+        kwargs = {key: part if value is full else value for key, value in kwargs.items()}
+    return _HeadSlice(module, params), kwargs
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -180,6 +207,7 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     stored on the model (``context_parallel_state``).
     """
     from hf_dist.context_parallel.router import PooledRouterLoss
+    from hf_dist.families import family_of
     from hf_dist.models.peft_utils import unwrap_peft
     from hf_dist.models.router import load_balancing_fn
 
@@ -188,7 +216,8 @@ def apply_context_parallel(model: nn.Module, group, layers: list[nn.Module]) -> 
     config = unwrap_peft(model).config
     # a model loaded with a context-parallel attention name (TRL builds a DPO reference with its policy's) has the
     # name only, not the split: wrap the implementation the name wraps
-    state = ContextParallelState(group, (config._attn_implementation or "eager").removeprefix(CP_PREFIX))
+    state = ContextParallelState(group, (config._attn_implementation or "eager").removeprefix(CP_PREFIX),
+                                 family_of(config).attention_head_params)
     config._attn_implementation = register(state.inner)
     for module in model.modules():
         if type(module).__name__.endswith("Attention"):

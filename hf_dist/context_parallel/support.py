@@ -4,9 +4,9 @@ Used by ``DistTrainer`` (``check_cp_support``), ``hf_dist.support.model_refusals
 ``docs/coverage.md`` (``cp_support_table``):
 
 - the model type's registry record proves CP (``hf_dist.families``; ``CP_MODEL_TYPES`` is that view: its decoder layers take
-  ``position_embeddings`` from the model, its attention goes through transformers' attention registry, and no
-  attention function reads a per-head parameter -- gpt-oss's sinks are one per head, and a rank holding a subset of
-  heads would read the wrong ones);
+  ``position_embeddings`` from the model, its attention goes through transformers' attention registry, and any
+  per-head parameter its attention function reads -- gpt-oss's sinks -- is named in the record
+  (``attention_head_params``), so a rank attending over a subset of the heads reads their values);
 - ``num_attention_heads`` and ``num_key_value_heads`` divide by ``tp_size x cp_size`` (TP leaves each rank
   ``heads / tp``, the all-to-all hands each rank ``heads / (tp x cp)``). Ring attention (torch's ``context_parallel``), which needs no divisibility, is not run by hf_dist:
   on CPU/gloo it cannot run at all (it intercepts SDPA's flash / memory-efficient / cuDNN kernels only).

@@ -55,6 +55,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> list[nn.Modul
     plan = _expand(ep_plan(target.config), [n for n, _ in target.named_modules()],
                    [n for n, _ in target.named_parameters()])
     modules = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
+    if not modules and getattr(target, "partial_model", False):
+        return []  # a pipeline stage of dense layers only: its peers' stages hold the experts
     if not modules:
         raise ValueError(f"the expert-parallel plan of {type(target).__name__} matched no module (plan: "
                          f"{ep_plan(target.config)}); this model cannot run with ep_size={dims.ep}")

@@ -108,6 +108,10 @@ class Family:
     tp_sequence_parallel: bool = False
     """The sequence- and vocab-parallel overlays (written for ``model.embed_tokens`` / ``input_layernorm`` /
     ``post_attention_layernorm`` / ``self_attn`` / ``mlp`` / ``model.norm``) fit this type's module names."""
+    attention_head_params: tuple[str, ...] = ()
+    """Parameters of the attention module holding one value per attention head that its attention function reads
+    (gpt-oss's ``sinks``): under CP's all-to-all a rank attends over a subset of the heads and is handed their slice
+    (``hf_dist.context_parallel.attention``)."""
     parity_fields: ParityFields = field(default_factory=lambda: PARITY_FIELDS)
     """The config fields the type's parity cases set away from their defaults (``PARITY_FIELDS``, or the type's own
     groups; ``tests/parity.py`` ``default_fields`` checks every case against them)."""

@@ -216,6 +216,9 @@ def _view(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
 class CausalLMStage(nn.Module):
     """The modules of one pipeline stage, with HF names, and a forward through the model's own code."""
 
+    partial_model = True
+    """A stage holds some of the model's layers: a plan may match none of them (DeepSeek-V3's dense first layers hold
+    no experts: ``hf_dist.expert_parallel.apply_expert_parallel`` shards nothing on such a stage)."""
     eval_router_stats = False
     """Set by ``PipelinedCausalLM.forward_only``: collect router statistics outside training too (eval loss)."""
     head = None
