@@ -193,15 +193,18 @@ class Layout:
 
     def _check_ep_tp(self) -> None:
         """EP x TP runs as tests/test_ep_tp.py proves it: attention split by TP, each TP rank's experts whole and split
-        by EP, FSDP2 FULL_SHARD or DDP over the data-parallel ranks, no PP, CP, sequence or vocabulary parallelism."""
+        by EP, FSDP2 FULL_SHARD or DDP over the data-parallel ranks; no PP, CP, sequence or vocabulary parallelism, no
+        LoRA."""
         refused = {"pp_size": self.pp > 1, "cp_size": self.cp > 1, "tp_sequence_parallel": self.sequence_parallel,
-                   "tp_vocab_parallel": self.vocab_parallel, "strategy": self.strategy not in ("fsdp_full_shard", "ddp")}
+                   "tp_vocab_parallel": self.vocab_parallel, "lora_rank": self.lora_rank > 0,
+                   "strategy": self.strategy not in ("fsdp_full_shard", "ddp")}
         for name, on in refused.items():
             if on:
-                value = {"pp_size": self.pp, "cp_size": self.cp, "strategy": repr(self.strategy)}.get(name, True)
+                value = {"pp_size": self.pp, "cp_size": self.cp, "lora_rank": self.lora_rank,
+                         "strategy": repr(self.strategy)}.get(name, True)
                 raise ValueError(f"ep_size={self.ep} with tp_size={self.tp} and {name}={value}: a parity test covers EP x "
-                                 f"TP with FSDP2 FULL_SHARD or DDP, without pp_size, cp_size, tp_sequence_parallel or "
-                                 f"tp_vocab_parallel; drop {name} (or use fsdp_full_shard), or set ep_size=1")
+                                 f"TP with FSDP2 FULL_SHARD or DDP only, without pp_size, cp_size, tp_sequence_parallel, "
+                                 f"tp_vocab_parallel or LoRA; drop {name} (or use fsdp_full_shard), or set ep_size=1")
 
     def _check_model_parallel(self) -> None:
         if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):

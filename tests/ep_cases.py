@@ -195,10 +195,18 @@ _WRAPPERS: dict[str, tuple[str, dict]] = {
 type the run sees is the wrapper's)."""
 
 
-def moe_config(name: str, *, aux: float = AUX):
-    """The tiny config of case ``name`` (router aux loss on with coefficient ``aux`` where the type has one)."""
+_WINDOWS: dict[str, dict] = {"qwen3_moe": dict(use_sliding_window=True, sliding_window=8), "mixtral": dict(sliding_window=8)}
+"""A sliding window of 8 < ``SEQ`` for the cases above that leave it at the default (``moe_config(window=True)``)."""
+
+
+def moe_config(name: str, *, aux: float = AUX, window: bool = False):
+    """The tiny config of case ``name`` (router aux loss on with coefficient ``aux`` where the type has one; ``window``:
+    the sliding window of ``_WINDOWS`` too)."""
     from transformers import AutoConfig
 
+    if window and name in _WINDOWS:
+        return AutoConfig.for_model(name, **{**_COMMON, **_SPECS[name], **_WINDOWS[name]}, output_router_logits=True,
+                                    router_aux_loss_coef=aux)
     if name in _WRAPPERS:
         text, extra = _WRAPPERS[name]
         return AutoConfig.for_model(name, text_config=moe_config(text, aux=aux).to_dict(), **extra)
