@@ -91,8 +91,9 @@ class Layout:
     """Pipeline-parallel degree (``--pp_size``)."""
     ep: int = 1
     """Expert-parallel degree (``--ep_size``): MoE experts split over this many of a stage's ``dp x tp`` ranks, tokens
-    sent to their experts' ranks (a TP group's shared tokens sliced over its ranks first); experts are sharded (FSDP2) or replicated (DDP) over the ``efsdp = dp x cp x tp / ep``
-    ranks that hold the same ones (a cp group's ranks hold the same experts)."""
+    sent to their experts' ranks (a TP group's shared tokens sliced over its ranks first); experts are sharded (FSDP2)
+    or replicated (DDP) over the ``efsdp = dp x cp x tp / ep`` ranks that hold the same ones (a cp group's ranks hold
+    the same experts)."""
     cp: int = 1
     """Context-parallel degree (``--cp_size``): ranks that split each sequence (all-to-all attention,
     ``hf_dist.context_parallel``). They read the same batch; parameters shard and gradients average over
@@ -159,8 +160,8 @@ class Layout:
         """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP on a stage's data-parallel ranks
         (tests/test_expert_parallel.py), and inside pipeline stages with FULL_SHARD or DDP, each stage's experts over its
         own data-parallel ranks (tests/test_ep_pp.py), and with CP (FULL_SHARD or DDP, experts over the data-parallel
-        ranks while each sequence is split, tests/test_moe_cp.py), and beside TP (``_check_ep_tp``, tests/test_ep_tp.py):
-        the layouts a parity test holds against one process.
+        ranks while each sequence is split, tests/test_moe_cp.py), and beside TP (``_check_ep_tp``,
+        tests/test_ep_tp.py): the layouts a parity test holds against one process.
         Everything else is refused here; which model types run EP x PP and EP x CP is the registry's
         (``hf_dist.expert_parallel.support``)."""
         if self.ep == 1:
@@ -202,9 +203,10 @@ class Layout:
             if on:
                 value = {"pp_size": self.pp, "cp_size": self.cp, "lora_rank": self.lora_rank,
                          "strategy": repr(self.strategy)}.get(name, True)
-                raise ValueError(f"ep_size={self.ep} with tp_size={self.tp} and {name}={value}: a parity test covers EP x "
-                                 f"TP with FSDP2 FULL_SHARD or DDP only, without pp_size, cp_size, tp_sequence_parallel, "
-                                 f"tp_vocab_parallel or LoRA; drop {name} (or use fsdp_full_shard), or set ep_size=1")
+                raise ValueError(f"ep_size={self.ep} with tp_size={self.tp} and {name}={value}: a parity test covers "
+                                 f"EP x TP with FSDP2 FULL_SHARD or DDP only, without pp_size, cp_size, "
+                                 f"tp_sequence_parallel, tp_vocab_parallel or LoRA; drop {name} (or use "
+                                 f"fsdp_full_shard), or set ep_size=1")
 
     def _check_model_parallel(self) -> None:
         if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):

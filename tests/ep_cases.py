@@ -195,7 +195,8 @@ _WRAPPERS: dict[str, tuple[str, dict]] = {
 type the run sees is the wrapper's)."""
 
 
-_WINDOWS: dict[str, dict] = {"qwen3_moe": dict(use_sliding_window=True, sliding_window=8), "mixtral": dict(sliding_window=8)}
+_WINDOWS: dict[str, dict] = {"qwen3_moe": dict(use_sliding_window=True, sliding_window=8),
+                             "mixtral": dict(sliding_window=8)}
 """A sliding window of 8 < ``SEQ`` for the cases above that leave it at the default (``moe_config(window=True)``)."""
 
 

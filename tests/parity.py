@@ -32,7 +32,8 @@ from hf_dist.families import family, num_experts, text_config
 from hf_dist.models.reference import reference_step, split_rows
 
 __all__ = [
-    "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES", "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES",
+    "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
     "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
     "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]

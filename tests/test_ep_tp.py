@@ -10,13 +10,15 @@ expert per rank, tokens crossing the data-parallel ranks).
 Tiny qwen3_moe, mixtral, gpt_oss (router aux loss on at 0.1, non-default top-k, a sliding window of 8 tokens) and
 deepseek_v3 (grouped routing, shared expert, first layer dense), loaded from disk as users load theirs, train 3 AdamW
 steps with clipping active; the losses, gradient norms and every parameter (routers, experts, norms) equal a
-one-process ``DistTrainer`` on the same global batch within 1e-5. Were a token's expert gradient counted on both TP
-ranks, the experts' gradients would double: the clipped norm would differ. One run saves at step 2 (the Trainer's
-default ``save_strategy``) and resumes from there exactly. Without the aux term the routers end farther from the run's
-than the tolerance (qwen3_moe).
+one-process ``DistTrainer`` on the same global batch within 1e-5. Were each TP rank to send the tokens its group
+shares (no slicing), the losses would still agree but the gradient norms would not: a run without the slicing checks
+that the comparison sees it. One run saves at step 2 (the Trainer's default ``save_strategy``) and resumes from there
+exactly. Without the aux term the routers end farther from the run's than the tolerance (qwen3_moe).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -61,6 +63,23 @@ def _placements(trainer) -> dict[str, set]:
     return {"experts": layout("experts.gate_up_proj"), "q_proj": layout("self_attn.q_proj.weight")}
 
 
+@contextlib.contextmanager
+def _unsliced(world: int):
+    """transformers' dispatch handed a 1-rank group for the ranks that share the batch: each TP rank sends all its
+    tokens, so the experts run every token once per TP rank (what the slicing prevents)."""
+    import transformers.distributed.expert_parallel as ep_module
+    from torch.distributed.device_mesh import init_device_mesh
+
+    alone = init_device_mesh("cpu", (world, 1), mesh_dim_names=("all", "alone"))["alone"]
+    apply = ep_module.apply_expert_parallelism
+    ep_module.apply_expert_parallelism = lambda model, ep_mesh, tp_mesh, *args, **kwargs: apply(
+        model, ep_mesh, alone, *args, **kwargs)
+    try:
+        yield
+    finally:
+        ep_module.apply_expert_parallelism = apply
+
+
 def _four_ranks(rank, world, root):
     out = {}
     for (name, flavour, ep), layout in RUNS.items():
@@ -69,6 +88,10 @@ def _four_ranks(rank, world, root):
                                              ep_size=ep, **BATCH, **layout, **saves)
         dims = (trainer.dims.dp, trainer.dims.tp, trainer.dims.ep)
         out[(name, flavour, ep)] = (losses, _norms(trainer), params if rank == 0 else None, _placements(trainer), dims)
+    with _unsliced(world):
+        losses, _, trainer = train_tiny(f"{root}/unsliced", model=_model("qwen3_moe"), tp_size=2, ep_size=2, **BATCH,
+                                        **FSDP2)
+    out["unsliced"] = (losses, _norms(trainer))
     name, flavour, ep = RESUMED
     losses, params, _ = train_tiny(f"{root}/resumed", model=_model(name), tp_size=2, ep_size=ep, **BATCH,
                                    **RUNS[RESUMED], resume=f"{root}/{name}_{flavour}_ep{ep}/checkpoint-{SAVE_AT}")
@@ -125,6 +148,15 @@ def test_a_checkpoint_resumes_exactly(runs):
     torch.testing.assert_close(runs[0]["resumed"][1], runs[0][RESUMED][2], atol=1e-6, rtol=0)
 
 
+def test_without_the_token_slicing_the_norms_tell(runs, references):
+    """Were the TP ranks to send the tokens they share each (no slicing before the exchange), every expert output is
+    still right, so the losses agree within the tolerance; the experts' gradients count each token once per TP rank,
+    and the gradient norms are off by far more than the 1e-5 the comparison allows."""
+    losses, norms = runs[0]["unsliced"]
+    torch.testing.assert_close(losses, references["qwen3_moe"]["losses"], atol=1e-5, rtol=0)
+    assert abs(norms[0] / references["qwen3_moe"]["norms"][0] - 1) > 1e-4
+
+
 def test_dropping_the_aux_loss_fails_the_comparison(runs, tmp_path):
     """The aux term (coefficient 0.1) moves the routers by far more than the parity tolerance."""
     _, no_aux, _ = train_tiny(str(tmp_path / "no_aux"), model=_model("qwen3_moe", aux=0.0), **BATCH)
@@ -153,6 +185,17 @@ def test_layout_runs_ep_x_tp_only_as_proven():
         Layout(strategy="ddp", num_gpus=8, tp=2, ep=2, cp=2)
     with pytest.raises(ValueError, match=r"ep_size=3 does not divide the 4 ranks \(dp 2 x tp_size 2"):
         Layout(strategy="ddp", num_gpus=4, tp=2, ep=3)
+
+
+def test_the_trl_trainers_refuse_ep_x_tp():
+    from types import SimpleNamespace
+
+    from hf_dist.strategy import Layout
+    from hf_dist.trl_support import dpo_layout_refusal, grpo_layout_refusal
+
+    layout = Layout(strategy="ddp", num_gpus=4, tp=2, ep=2)
+    assert "ep_size=2 with tp_size=2 in DistGRPOConfig" in grpo_layout_refusal(layout, SimpleNamespace())
+    assert dpo_layout_refusal(layout).startswith("ep_size=2 in DistDPOConfig")  # DPO refuses EP of any kind
 
 
 def test_a_type_without_its_ep_tp_case_is_refused_by_name():

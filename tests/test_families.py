@@ -1,9 +1,9 @@
 """The model-family registry is the one source of what runs (pure: configs only, no process group).
 
-- Generated over every causal-LM model type of the installed transformers x each cell of the registry (tp=2,
-  pp=2, ep=2, cp=2, ep=2 x pp=2, ep=2 x cp=2 and ep=2 x tp=2): a cell the run accepts (``hf_dist.support.model_refusals``, which DistTrainer,
-  ``from_pretrained``, the recipe and the planner ask) is a cell the registry proves; the planner's shape rule gives
-  the same answer as the run for the same config.
+- Generated over every causal-LM model type of the installed transformers x each cell of the registry (tp=2, pp=2,
+  ep=2, cp=2, ep=2 x pp=2, ep=2 x cp=2 and ep=2 x tp=2): a cell the run accepts (``hf_dist.support.model_refusals``,
+  which DistTrainer, ``from_pretrained``, the recipe and the planner ask) is a cell the registry proves; the
+  planner's shape rule gives the same answer as the run for the same config.
 - Every proven cell has its parity case in the test the record names (the CP, TP-MoE, EP and PP lists of cases
   are checked against the registry, so a type cannot be declared proven without a case).
 """

@@ -64,8 +64,8 @@ def ep_refusal(config, ep: int, pp: int = 1, cp: int = 1, tp: int = 1) -> str | 
                 f"with cp_size")
     if tp > 1 and not family(model_type).proves("ep_tp"):
         proven = ", ".join(sorted(proven_types("ep_tp")))
-        return (f"model_type={model_type!r} has no EP x TP parity case in hf_dist (attention split by TP, whole experts "
-                f"split by EP, are proven for {proven}); use tp_size=1 with ep_size, or ep_size=1 with tp_size")
+        return (f"model_type={model_type!r} has no EP x TP parity case in hf_dist (attention split by TP, whole "
+                f"experts split by EP, are proven for {proven}); use tp_size=1 with ep_size, or ep_size=1 with tp_size")
     return None
 
 
@@ -75,7 +75,8 @@ def check_ep_support(config, ep: int, pp: int = 1, cp: int = 1, tp: int = 1) -> 
     if ep == 1:
         return
     if why := ep_refusal(config, ep, pp, cp, tp):
-        with_pp = "".join(f" with {name}_size={size}" for name, size in (("pp", pp), ("cp", cp), ("tp", tp)) if size > 1)
+        with_pp = "".join(f" with {name}_size={size}" for name, size in (("pp", pp), ("cp", cp), ("tp", tp))
+                          if size > 1)
         raise ValueError(f"ep_size={ep}{with_pp} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
 
 
