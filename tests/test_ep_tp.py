@@ -19,6 +19,7 @@ exactly. Without the aux term the routers end farther from the run's than the to
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -80,8 +81,27 @@ def _unsliced(world: int):
         ep_module.apply_expert_parallelism = apply
 
 
-def _four_ranks(rank, world, root):
+LOADED = ("qwen3_moe", "mixtral")
+"""Saved with ``save_pretrained`` (the per-expert keys of their checkpoints) and streamed by ``hf_dist.from_pretrained``
+into EP x TP x FSDP2."""
+
+
+def _stream(root: str, rank: int) -> dict:
+    import hf_dist
+    from hf_dist import DistTrainingArguments
+    from hf_dist.state_dict import full_state_dict
+
     out = {}
+    for name in LOADED:
+        args = DistTrainingArguments(output_dir=f"{root}/load", fsdp2=True, tp_size=2, ep_size=2, report_to=[])
+        model = hf_dist.from_pretrained(f"{root}/saved/{name}", args)
+        state = full_state_dict(model)  # a collective: every rank gathers
+        out[name] = (state if rank == 0 else None, _placements(SimpleNamespace(model=model)), args.layout.streaming_load)
+    return out
+
+
+def _four_ranks(rank, world, root):
+    out = {"streamed": _stream(root, rank)}
     for (name, flavour, ep), layout in RUNS.items():
         saves = dict(save_strategy="steps", save_steps=SAVE_AT) if (name, flavour, ep) == RESUMED else {}
         losses, params, trainer = train_tiny(f"{root}/{name}_{flavour}_ep{ep}", model=_model(name), tp_size=2,
@@ -100,8 +120,17 @@ def _four_ranks(rank, world, root):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def root(tmp_path_factory):
+    from hf_dist.models.tiny import build_tiny_model
+
     root = tmp_path_factory.mktemp("ep_tp")
+    for name in LOADED:
+        build_tiny_model(tiny_config(name, "ep_tp"), seed=1).save_pretrained(root / "saved" / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(root):
     return run_distributed(_four_ranks, 4, str(root), timeout_s=1500)
 
 
@@ -135,6 +164,23 @@ def test_ep_tp_equals_one_process(runs, references, run):
     losses, norms, params, *_ = runs[0][run]
     assert_parity({"losses": losses, "norms": norms, "state": params}, references[name], config=config,
                   what=f"{name} {run}")
+
+
+def test_the_streaming_load_fills_each_ranks_slices(runs, root):
+    """``hf_dist.from_pretrained`` under EP x TP x FSDP2 streams each rank's attention and expert slices (experts from
+    the per-expert keys on disk, assembled by transformers' converter): the gathered model is the one-process load."""
+    from transformers import AutoModelForCausalLM
+
+    for name in LOADED:
+        expected = AutoModelForCausalLM.from_pretrained(str(root / "saved" / name), dtype=torch.float32).state_dict()
+        state, placements, streamed = runs[0]["streamed"][name]
+        assert streamed and all(result["streamed"][name][1] == placements for result in runs)
+        (experts,) = placements["experts"]
+        (q_proj,) = placements["q_proj"]
+        assert any(p.startswith("ep:") for p in experts[0]) and any(p.startswith("tp:") for p in q_proj[0])
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=lambda m: f"{name} {key}: {m}")
 
 
 def test_a_checkpoint_resumes_exactly(runs):
