@@ -144,7 +144,7 @@ def parallelize(
     if dims.tp_enabled:
         model = apply_tensor_parallel(
             model, dims.get_mesh("tp"), plan=tp_plan, sequence_parallel=sequence_parallel,
-            vocab_parallel=vocab_parallel,
+            vocab_parallel=vocab_parallel, split_experts=not dims.ep_enabled,
         )
     if dims.ep_enabled:
         apply_expert_parallel(model, dims)

@@ -90,9 +90,10 @@ class Layout:
     pp: int = 1
     """Pipeline-parallel degree (``--pp_size``)."""
     ep: int = 1
-    """Expert-parallel degree (``--ep_size``): MoE experts split over this many data-parallel ranks, tokens sent to
-    their experts' ranks; experts are sharded (FSDP2) or replicated (DDP) over the ``efsdp = dp x cp x tp / ep``
-    ranks that hold the same ones (a cp group's ranks hold the same experts)."""
+    """Expert-parallel degree (``--ep_size``): MoE experts split over this many of a stage's ``dp x tp`` ranks, tokens
+    sent to their experts' ranks (a TP group's shared tokens sliced over its ranks first); experts are sharded (FSDP2)
+    or replicated (DDP) over the ``efsdp = dp x cp x tp / ep`` ranks that hold the same ones (a cp group's ranks hold
+    the same experts)."""
     cp: int = 1
     """Context-parallel degree (``--cp_size``): ranks that split each sequence (all-to-all attention,
     ``hf_dist.context_parallel``). They read the same batch; parameters shard and gradients average over
@@ -159,7 +160,8 @@ class Layout:
         """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP on a stage's data-parallel ranks
         (tests/test_expert_parallel.py), and inside pipeline stages with FULL_SHARD or DDP, each stage's experts over its
         own data-parallel ranks (tests/test_ep_pp.py), and with CP (FULL_SHARD or DDP, experts over the data-parallel
-        ranks while each sequence is split, tests/test_moe_cp.py): the layouts a parity test holds against one process.
+        ranks while each sequence is split, tests/test_moe_cp.py), and beside TP (``_check_ep_tp``,
+        tests/test_ep_tp.py): the layouts a parity test holds against one process.
         Everything else is refused here; which model types run EP x PP and EP x CP is the registry's
         (``hf_dist.expert_parallel.support``)."""
         if self.ep == 1:
@@ -177,20 +179,34 @@ class Layout:
                              f"covers EP x CP with FSDP2 FULL_SHARD or DDP only; use fsdp_full_shard "
                              f"(reshard_after_forward) or DDP, or ep_size=1")
         if self.tp > 1:
-            raise ValueError(f"ep_size={self.ep} with tp_size={self.tp}: hf_dist does not slice the batch over TP "
-                             f"ranks before the token exchange (no parity test covers TP x EP); use ep_size with "
-                             f"FSDP2 or DDP and tp_size=1, or tp_size alone (routed experts split by TP)")
+            self._check_ep_tp()
         if self.strategy == "fsdp_hybrid_shard":
             raise ValueError(f"ep_size={self.ep} with HYBRID_SHARD: the expert mesh has no replica axis in hf_dist; "
                              f"use FULL_SHARD (dp_replicate=1) with ep_size, or ep_size=1")
         if self.offload != "none":
             raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: expert shards are not offloaded "
                              f"(no parity test covers it); drop the offload or set ep_size=1")
-        if self.ep not in valid_ep_sizes(self.dp, self.tp):  # tp == 1 here (TP x EP is refused above)
+        if self.ep not in valid_ep_sizes(self.dp, self.tp):
             valid = valid_ep_sizes(self.dp, self.tp)
-            raise ValueError(f"ep_size={self.ep} does not divide the {self.dp} data-parallel ranks (world "
-                             f"{self.world_size} / tp_size {self.tp} / pp_size {self.pp}) that experts spread over; "
-                             f"use ep_size in {valid}")
+            raise ValueError(f"ep_size={self.ep} does not divide the {self.dp * self.tp} ranks (dp {self.dp} x tp_size "
+                             f"{self.tp}; world {self.world_size} / pp_size {self.pp}) that experts spread over; use "
+                             f"ep_size in {valid}")
+
+    def _check_ep_tp(self) -> None:
+        """EP x TP runs as tests/test_ep_tp.py proves it: attention split by TP, each TP rank's experts whole and split
+        by EP, FSDP2 FULL_SHARD or DDP over the data-parallel ranks; no PP, CP, sequence or vocabulary parallelism, no
+        LoRA."""
+        refused = {"pp_size": self.pp > 1, "cp_size": self.cp > 1, "tp_sequence_parallel": self.sequence_parallel,
+                   "tp_vocab_parallel": self.vocab_parallel, "lora_rank": self.lora_rank > 0,
+                   "strategy": self.strategy not in ("fsdp_full_shard", "ddp")}
+        for name, on in refused.items():
+            if on:
+                value = {"pp_size": self.pp, "cp_size": self.cp, "lora_rank": self.lora_rank,
+                         "strategy": repr(self.strategy)}.get(name, True)
+                raise ValueError(f"ep_size={self.ep} with tp_size={self.tp} and {name}={value}: a parity test covers "
+                                 f"EP x TP with FSDP2 FULL_SHARD or DDP only, without pp_size, cp_size, "
+                                 f"tp_sequence_parallel, tp_vocab_parallel or LoRA; drop {name} (or use "
+                                 f"fsdp_full_shard), or set ep_size=1")
 
     def _check_model_parallel(self) -> None:
         if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):

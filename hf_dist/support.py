@@ -6,8 +6,8 @@ model-family registry (``hf_dist.families``) for what is proven:
 
 - pp: ``pipeline_parallel.support.check_pipeline_support`` (and no more stages than layers);
 - tp: ``tensor_parallel.checks.check_tp_sizes`` (support, then the sizes its plan shards);
-- ep: ``expert_parallel.support.check_ep_support`` (inside pipeline stages and with CP too: the ``ep_pp`` and
-  ``ep_cp`` records);
+- ep: ``expert_parallel.support.check_ep_support`` (inside pipeline stages, with CP and with TP too: the ``ep_pp``,
+  ``ep_cp`` and ``ep_tp`` records);
 - cp: ``context_parallel.support.check_cp_support`` (heads divide tp x cp);
 - tp or ep with MoE experts: the experts implementation the config names (``PROVEN_EXPERTS_IMPLEMENTATIONS``).
 
@@ -40,7 +40,7 @@ def model_refusals(config, layout) -> list[str]:
     if layout.tp > 1:
         checks.append(lambda: check_tp_sizes(config, layout.tp, vocab_parallel=getattr(layout, "vocab_parallel", False)))
     if layout.ep > 1:
-        checks.append(lambda: check_ep_support(config, layout.ep, layout.pp, layout.cp))
+        checks.append(lambda: check_ep_support(config, layout.ep, layout.pp, layout.cp, layout.tp))
     if layout.cp > 1:
         checks.append(lambda: check_cp_support(config, layout.cp, layout.tp))
     if layout.tp > 1 or layout.ep > 1:

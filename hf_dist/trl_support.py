@@ -34,7 +34,10 @@ def trl_layout_refusal(layout: Layout, args, *, config: str, model_parallel: Map
         if sizes[name] > 1 and name in model_parallel:
             return (f"{name}={sizes[name]} in {config}: {model_parallel[name]}, and {trainer} has no parity test for "
                     f"it yet; {_FIX}")
-    if layout.ep > 1 and layout.ep != layout.dp:  # TP x EP: refused by Layout itself
+    if layout.ep > 1 and layout.tp > 1:
+        return (f"ep_size={layout.ep} with tp_size={layout.tp} in {config}: {trainer} has no parity test for EP x TP "
+                f"yet (DistTrainer has: tests/test_ep_tp.py); use ep_size or tp_size alone")
+    if layout.ep > 1 and layout.ep != layout.dp:
         return (f"ep_size={layout.ep} over {layout.dp} data-parallel ranks in {config}: {trainer} runs experts spread "
                 f"over every data-parallel rank (ep_size = dp) and has no parity test for ranks that hold the same "
                 f"experts yet; use ep_size={layout.dp}, or drop ep_size")

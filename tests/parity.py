@@ -32,7 +32,8 @@ from hf_dist.families import family, num_experts, text_config
 from hf_dist.models.reference import reference_step, split_rows
 
 __all__ = [
-    "CP_CASES", "EP_PP_CASES", "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES",
+    "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
     "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
     "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
@@ -47,6 +48,10 @@ EP_PP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 """EP x PP through the DistTrainer (``tests/test_ep_pp.py``; configs ``ep_cases``)."""
 MOE_CP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 """MoE under CP and EP x CP, at 2,048 tokens (``tests/test_moe_cp.py``; its own long-sequence configs)."""
+EP_TP_CASES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+"""EP x TP through the DistTrainer (``tests/test_ep_tp.py``; configs ``ep_cases`` with a sliding window, aux
+coefficient ``EP_TP_AUX``)."""
+EP_TP_AUX = 0.1
 
 
 LEFT_AT_DEFAULT: dict[tuple[str, str], tuple[str, ...]] = {}
@@ -80,6 +85,8 @@ def cases(parallelism: str) -> dict[str, tuple[str, ...]]:
         return {"tests/test_ep_pp.py": EP_PP_CASES}
     if parallelism == "ep_cp":
         return {"tests/test_moe_cp.py": MOE_CP_CASES}
+    if parallelism == "ep_tp":
+        return {"tests/test_ep_tp.py": EP_TP_CASES}
     raise ValueError(f"no parity cases for parallelism {parallelism!r}")
 
 
@@ -102,7 +109,8 @@ def tiny_config(case: str, parallelism: str | None = None):
     """The tiny config of ``case`` with non-default values (a model type, or a ``type:variant`` of a case table).
 
     Routed-expert types (the registry's ``moe`` kind, and hybrids proven for EP) take ``ep_cases``' router values
-    (aux loss on, non-default top-k) for EP and TP, ``pp_sweep_cases.MOE`` (4 layers, 2 per stage) for PP; other
+    (aux loss on, non-default top-k) for EP and TP (for EP x TP with coefficient ``EP_TP_AUX`` and a sliding window
+    where the case table leaves it at the default), ``pp_sweep_cases.MOE`` (4 layers, 2 per stage) for PP; other
     types the PP sweep's values for PP and the TP sweep's otherwise (CP's long-sequence configs are
     ``test_context_parallel``'s own); ``type:variant`` cases come from the table that names them. A MoE type with no
     row in its table raises (``KeyError``): a claimed cell without a case fails ``tests/test_families.py``.
@@ -118,6 +126,8 @@ def tiny_config(case: str, parallelism: str | None = None):
         if case in pp.NAMED:
             return pp.named_config(case)
         return pp.moe_config(case) if record.kind == "moe" else pp.non_default_config(case)
+    if parallelism == "ep_tp":
+        return moe_config(case, aux=EP_TP_AUX)
     if record.kind == "moe" or (parallelism in ("ep", "ep_pp") and record.proves("ep")):
         return moe_config(case)
     return tp.sweep_config(case)

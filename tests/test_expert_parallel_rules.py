@@ -23,8 +23,8 @@ def test_layout_ep_maps_to_an_expert_factorisation_of_the_data_parallel_ranks(st
 
 
 def test_ep_must_divide_the_ranks_experts_spread_over():
-    with pytest.raises(ValueError, match=r"ep_size=3 does not divide the 8 data-parallel"
-                                         r" ranks.*in \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"ep_size=3 does not divide the 8 ranks \(dp 8 x tp_size 1"
+                                         r".*in \[1, 2, 4, 8\]"):
         Layout(strategy="fsdp_full_shard", num_gpus=8, ep=3)
     with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 ranks"):
         ParallelDims(world_size=4, dp_shard=-1, ep=3)
@@ -33,7 +33,7 @@ def test_ep_must_divide_the_ranks_experts_spread_over():
 
 @pytest.mark.parametrize(("fields", "fix"), [
     (dict(strategy="zero3"), "use FSDP2"), (dict(strategy="fsdp_shard_grad_op", pp=2), "use fsdp_full_shard"),
-    (dict(strategy="ddp", tp=2), "tp_size=1"), (dict(strategy="fsdp_hybrid_shard", dp_replicate=2), "FULL_SHARD"),
+    (dict(strategy="ddp", tp=2, sequence_parallel=True), "drop tp_sequence_parallel"), (dict(strategy="fsdp_hybrid_shard", dp_replicate=2), "FULL_SHARD"),
     (dict(strategy="fsdp_full_shard", offload="cpu"), "drop the offload"),
 ])
 def test_products_without_a_parity_test_are_refused_with_the_fix(fields, fix):

@@ -1,9 +1,9 @@
 """The model-family registry is the one source of what runs (pure: configs only, no process group).
 
-- Generated over every causal-LM model type of the installed transformers x each cell of the registry (tp=2,
-  pp=2, ep=2, cp=2, ep=2 x pp=2 and ep=2 x cp=2): a cell the run accepts (``hf_dist.support.model_refusals``, which DistTrainer,
-  ``from_pretrained``, the recipe and the planner ask) is a cell the registry proves; the planner's shape rule gives
-  the same answer as the run for the same config.
+- Generated over every causal-LM model type of the installed transformers x each cell of the registry (tp=2, pp=2,
+  ep=2, cp=2, ep=2 x pp=2, ep=2 x cp=2 and ep=2 x tp=2): a cell the run accepts (``hf_dist.support.model_refusals``,
+  which DistTrainer, ``from_pretrained``, the recipe and the planner ask) is a cell the registry proves; the
+  planner's shape rule gives the same answer as the run for the same config.
 - Every proven cell has its parity case in the test the record names (the CP, TP-MoE, EP and PP lists of cases
   are checked against the registry, so a type cannot be declared proven without a case).
 """
@@ -20,7 +20,7 @@ from hf_dist.families import FAMILIES, PARALLELISMS, Family, family, proven_type
 from hf_dist.support import model_refusals
 
 SIZES = {"tp": dict(tp=2), "pp": dict(pp=2), "ep": dict(ep=2), "cp": dict(cp=2), "ep_pp": dict(ep=2, pp=2),
-         "ep_cp": dict(ep=2, cp=2)}
+         "ep_cp": dict(ep=2, cp=2), "ep_tp": dict(ep=2, tp=2)}
 """The sizes of each registry cell (``PARALLELISMS``): one parallelism, or a product of two."""
 
 
@@ -62,7 +62,8 @@ def test_the_run_accepts_proven_types_on_their_defaults_or_says_why(parallelism)
     """A proven type is refused on its default config only for a size or field reason (or a MoE variant of a type
     proven dense), never as an unproven type."""
     unproven = ("has no PP parity case", "no TP parity test in hf_dist for", "but no EP parity case",
-                "has no context-parallel parity test", "has no EP x PP parity case", "has no EP x CP parity case")
+                "has no context-parallel parity test", "has no EP x PP parity case", "has no EP x CP parity case",
+                "has no EP x TP parity case")
     for model_type in sorted(proven_types(parallelism)):
         config = _default_config(model_type)
         for reason in model_refusals(config, _layout(parallelism)):
@@ -109,7 +110,7 @@ def test_every_parity_case_sets_the_fields_the_registry_says_matter():
     from parity import LEFT_AT_DEFAULT, cases, default_fields, tiny_config
 
     found = {}
-    for parallelism in ("tp", "pp", "ep", "ep_pp"):  # cp: test_context_parallel's long-sequence configs
+    for parallelism in ("tp", "pp", "ep", "ep_pp", "ep_tp"):  # cp: test_context_parallel's long-sequence configs
         for names in cases(parallelism).values():
             for case in names:
                 missing = default_fields(tiny_config(case, parallelism))

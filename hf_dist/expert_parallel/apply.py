@@ -51,7 +51,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> list[nn.Modul
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     target = unwrap_peft(model)
-    check_ep_support(target.config, dims.ep, dims.pp, dims.cp)
+    check_ep_support(target.config, dims.ep, dims.pp, dims.cp, dims.tp)
     plan = _expand(ep_plan(target.config), [n for n, _ in target.named_modules()],
                    [n for n, _ in target.named_parameters()])
     modules = [name for name, style in plan.items() if style == "ep_dispatch_experts"]

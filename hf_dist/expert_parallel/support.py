@@ -24,10 +24,11 @@ EP_PARITY_TESTED = tuple(sorted(proven_types("ep")))
 the two the same)."""
 
 
-def ep_refusal(config, ep: int, pp: int = 1, cp: int = 1) -> str | None:
-    """Why ``config``'s model cannot run with ``ep_size=ep`` (inside ``pp`` pipeline stages, or with ``cp``
-    context-parallel ranks) in hf_dist, or None when it can. EP x PP and EP x CP need their own records (``ep_pp``,
-    ``ep_cp``): the factors' proofs do not make their product's."""
+def ep_refusal(config, ep: int, pp: int = 1, cp: int = 1, tp: int = 1) -> str | None:
+    """Why ``config``'s model cannot run with ``ep_size=ep`` (inside ``pp`` pipeline stages, with ``cp``
+    context-parallel ranks, or beside ``tp`` tensor-parallel ranks) in hf_dist, or None when it can. EP x PP, EP x CP
+    and EP x TP need their own records (``ep_pp``, ``ep_cp``, ``ep_tp``): the factors' proofs do not make their
+    product's."""
     model_type = getattr(config, "model_type", None)
     config = text_config(config)
     experts = num_experts(config)
@@ -61,16 +62,21 @@ def ep_refusal(config, ep: int, pp: int = 1, cp: int = 1) -> str | None:
         return (f"model_type={model_type!r} has no EP x CP parity case in hf_dist (experts over the data-parallel ranks "
                 f"while each sequence is split are proven for {proven}); use cp_size=1 with ep_size, or ep_size=1 "
                 f"with cp_size")
+    if tp > 1 and not family(model_type).proves("ep_tp"):
+        proven = ", ".join(sorted(proven_types("ep_tp")))
+        return (f"model_type={model_type!r} has no EP x TP parity case in hf_dist (attention split by TP, whole "
+                f"experts split by EP, are proven for {proven}); use tp_size=1 with ep_size, or ep_size=1 with tp_size")
     return None
 
 
-def check_ep_support(config, ep: int, pp: int = 1, cp: int = 1) -> None:
+def check_ep_support(config, ep: int, pp: int = 1, cp: int = 1, tp: int = 1) -> None:
     """Raise ``ValueError`` naming the model, the rule and the fix when ``ep_size=ep`` (with ``pp_size=pp``,
-    ``cp_size=cp``) cannot run on it."""
+    ``cp_size=cp``, ``tp_size=tp``) cannot run on it."""
     if ep == 1:
         return
-    if why := ep_refusal(config, ep, pp, cp):
-        with_pp = (f" with pp_size={pp}" if pp > 1 else "") + (f" with cp_size={cp}" if cp > 1 else "")
+    if why := ep_refusal(config, ep, pp, cp, tp):
+        with_pp = "".join(f" with {name}_size={size}" for name, size in (("pp", pp), ("cp", cp), ("tp", tp))
+                          if size > 1)
         raise ValueError(f"ep_size={ep}{with_pp} is refused: {why}; set ep_size=1 (FSDP2 or DDP alone train it)")
 
 

@@ -21,16 +21,18 @@ Kind = Literal["dense", "moe", "hybrid", "classic", "unknown"]
 short-conv or state-space layers beside attention; classic: the older types transformers ships no plans for (hf_dist
 writes them); unknown: a type hf_dist has no record for (nothing proven)."""
 
-Parallelism = Literal["tp", "pp", "ep", "cp", "ep_pp", "ep_cp"]
+Parallelism = Literal["tp", "pp", "ep", "cp", "ep_pp", "ep_cp", "ep_tp"]
 TpPlanSource = Literal["model", "hf_dist"]
 """model: transformers' ``base_model_tp_plan`` (and the head's ``_tp_plan``) with hf_dist's overlays; hf_dist:
 hf_dist's own plan (the record's ``tp_classic`` or ``tp_base_plan``, from ``tp_plans.py``), used even when the
 installed transformers ships a plan for the type."""
-PARALLELISMS: tuple[Parallelism, ...] = ("tp", "pp", "ep", "cp", "ep_pp", "ep_cp")
+PARALLELISMS: tuple[Parallelism, ...] = ("tp", "pp", "ep", "cp", "ep_pp", "ep_cp", "ep_tp")
 """The cells a record may prove or refuse: each parallelism, and the products whose composition needs its own parity
 test beyond both factors' (``ep_pp``: experts sharded over each pipeline stage's data-parallel ranks, the router
 statistics passed between stages; ``ep_cp``: experts over the data-parallel ranks while each sequence is split over
-the cp ranks, the router statistics pooled over them)."""
+the cp ranks, the router statistics pooled over them; ``ep_tp``: attention and dense MLPs split by TP while the experts
+stay whole on each TP rank and are split by EP, the TP group's shared tokens sliced over its ranks before the
+exchange)."""
 
 
 ParityFields = Mapping[str, tuple[str | tuple[str, ...], ...]]

@@ -36,14 +36,15 @@ EP_TESTS = "tests/test_expert_parallel.py"
 CP_TESTS = "tests/test_context_parallel.py"
 EP_PP_TESTS = "tests/test_ep_pp.py"
 MOE_CP_TESTS = "tests/test_moe_cp.py"
+EP_TP_TESTS = "tests/test_ep_tp.py"
 _MOE_CP_NOTE = ("all-to-all; router aux loss from statistics pooled over the cp ranks; with ep_size too (experts over "
                 "the data-parallel ranks, FSDP2 FULL_SHARD or DDP)")
 
 
 def _row(kind: str, tp_plan: str = "model"):
-    def make(model_type: str, *, tp=None, pp=None, ep=None, cp=None, ep_pp=None, ep_cp=None, refused=None,
-             notes=None, tp_plan: str = tp_plan, **facts) -> Family:
-        cells = (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("ep_pp", ep_pp), ("ep_cp", ep_cp))
+    def make(model_type: str, *, tp=None, pp=None, ep=None, cp=None, ep_pp=None, ep_cp=None, ep_tp=None,
+             refused=None, notes=None, tp_plan: str = tp_plan, **facts) -> Family:
+        cells = (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("ep_pp", ep_pp), ("ep_cp", ep_cp), ("ep_tp", ep_tp))
         proven = {name: test for name, test in cells if test}
         return Family(model_type=model_type, kind=kind, proven=proven, refused=refused or {}, notes=notes or {},
                       tp_plan=tp_plan, **facts)
@@ -96,7 +97,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("cohere_compass_text", tp=TP_SWEEP),
     _dense("cwm", tp=TP_SWEEP, pp=PP_SWEEP),
     _moe("deepseek_v2", ep=EP_TESTS),
-    _moe("deepseek_v3", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
+    _moe("deepseek_v3", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, ep_tp=EP_TP_TESTS, cp=MOE_CP_TESTS,
+         ep_cp=MOE_CP_TESTS,
          notes=dict(cp="all-to-all (MLA's per-head keys and values exchanged as they are, values wider than keys); no "
                        "router aux loss in its code (routing per token); with ep_size too (experts over the "
                        "data-parallel ranks, FSDP2 FULL_SHARD or DDP)")),
@@ -130,7 +132,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _classic("gpt_bigcode", tp=TP_SWEEP, pp=PP_SWEEP, tp_classic=GPT_BIGCODE_TP, pp_modules=_GPT2_PP),
     _dense("gpt_neox", tp=TP_SWEEP, pp=PP_SWEEP),
     _moe("gpt_oss", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
-         tp_plan="hf_dist", tp_base_plan=GPT_OSS_BASE_TP, attention_head_params=("sinks",),
+         ep_tp=EP_TP_TESTS, tp_plan="hf_dist", tp_base_plan=GPT_OSS_BASE_TP, attention_head_params=("sinks",),
          planner=PlannerShape(output_bias=True, sinks=True, router_bias=True, expert_bias=True),
          notes=dict(tp="hf_dist's plan (moe.py): attention sinks split by head, experts by intermediate dimension",
                     cp=f"{_MOE_CP_NOTE}; attention sinks cut to each rank's heads (eager attention)")),
@@ -176,7 +178,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _dense("mistral", tp=TP_SWEEP, pp=PP_SWEEP, cp=CP_TESTS, **_GQA, planner=PlannerShape(),
            notes=dict(cp="all-to-all (sliding window from the model's mask)")),
     _moe("mixtral", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
-         planner=PlannerShape(), notes=dict(cp=_MOE_CP_NOTE)),
+         ep_tp=EP_TP_TESTS, planner=PlannerShape(), notes=dict(cp=_MOE_CP_NOTE)),
     _classic("mpt", tp=TP_SWEEP, pp=PP_SWEEP, tp_classic=MPT_TP, pp_modules=(("wte", "blocks", "norm_f"), _HEAD)),
     _dense("nanochat", tp=TP_SWEEP),
     _classic("nemotron", tp=TP_SWEEP, pp=PP_SWEEP, tp_plan="model",  # transformers ships its TP plan
@@ -202,6 +204,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _hybrid("qwen3_5_text", tp=TP_SWEEP, pp=PP_SWEEP, tp_overlay=GATED_DELTANET_TP,
             tp_overlay_sizes={n: n for n in ("linear_num_key_heads", "linear_num_value_heads")}),
     _moe("qwen3_moe", tp=TP_MOE, pp=PP_MOE, ep=EP_TESTS, ep_pp=EP_PP_TESTS, cp=MOE_CP_TESTS, ep_cp=MOE_CP_TESTS,
+         ep_tp=EP_TP_TESTS,
          planner=PlannerShape(qk_norm=True, output_bias=True),
          notes=dict(cp=_MOE_CP_NOTE)),
     _hybrid("qwen3_next", ep=EP_TESTS, pp=PP_SWEEP, refused=dict(tp='Gated DeltaNet with q/k/v/z fused per key head (in_proj_qkvz) has no TP overlay yet')),

@@ -24,7 +24,8 @@ from hf_dist.tensor_parallel.hybrid import layer_kind_patterns
 from hf_dist.tensor_parallel.lora import expand_plan_for_lora
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_dist.tensor_parallel.match import match_plan
-from hf_dist.tensor_parallel.plans import HEAD_PATTERNS, moe_dense_patterns, plan_names, resolve_styles
+from hf_dist.tensor_parallel.plans import (HEAD_PATTERNS, moe_dense_patterns, plan_names, resolve_styles,
+                                          whole_experts)
 
 TP_INFO_ATTR = "_hf_dist_tp"
 
@@ -88,6 +89,7 @@ def apply_tensor_parallel(
     plan: dict[str, ParallelStyle] | None = None,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
+    split_experts: bool = True,
 ) -> nn.Module:
     """Shard ``model`` (an HF ``*ForCausalLM``, optionally inside a ``PeftModel``) over ``tp_mesh`` in place.
 
@@ -99,6 +101,8 @@ def apply_tensor_parallel(
         sequence_parallel: run the norms on sequence shards (activations between layers are sequence-sharded).
         vocab_parallel: shard the embedding and lm_head on the vocabulary; the model then returns vocab-sharded
             logits and computes its loss with ``VocabParallelCausalLMLoss``.
+        split_experts: split the routed experts along their intermediate dimension (``moe.py``); False keeps them
+            whole on every TP rank, for expert parallelism to shard (``hf_dist.parallelize`` with ``ep > 1``).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be 1-D (ParallelDims.get_mesh('tp')), got a {tp_mesh.ndim}-D mesh")
@@ -113,7 +117,7 @@ def apply_tensor_parallel(
             return model
         names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
         optional = optional | layer_kind_patterns(config, names) | moe_dense_patterns(names)
-        plan = resolve_styles(names, config)
+        plan = resolve_styles(names if split_experts else whole_experts(names), config)
     elif sequence_parallel or vocab_parallel:
         raise ValueError(
             "sequence_parallel/vocab_parallel choose entries of hf_dist's family plans; with plan= given, "

@@ -156,6 +156,12 @@ def moe_dense_patterns(names: dict[str, str]) -> frozenset[str]:
     return frozenset(p for p, s in names.items() if s != "experts_tp" and any(p.startswith(f"{q}.") for q in parents))
 
 
+def whole_experts(names: dict[str, str]) -> dict[str, str]:
+    """``names`` without the routed experts' entry: under expert parallelism each TP rank keeps its experts whole
+    (the ``ep`` ranks split them; transformers' dispatch slices the TP group's shared tokens before the exchange)."""
+    return {p: s for p, s in names.items() if s != "experts_tp"}
+
+
 def _head(plan: dict[str, str], config, tp: int | None) -> dict[str, str]:
     """Keep the head's column split only where it is exact and cheap to undo (see module docstring)."""
     vocab = getattr(config, "vocab_size", None)
