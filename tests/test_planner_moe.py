@@ -158,6 +158,20 @@ def test_plan_cli_writes_the_ep_layout(tmp_path, capsys):
     assert "--ep_size 2" in (out / "launch.sh").read_text()
 
 
+def test_expert_parallelism_is_offered_beside_tp_pp_and_cp_and_sized():
+    """EP x TP, EP x PP and EP x CP are candidates (the layouts the registry proves for qwen3_moe), each with its own
+    memory: on 4 x 8 GPUs at 32k tokens a 235B MoE fits with LoRA under EP x CP, and EP over each pipeline stage
+    holds fewer bytes than the stage without EP."""
+    plan = choose_layout(PlanRequest(model=model_spec("qwen3-235b-a22b"), gpu=gpu_spec("h100-80gb"), num_gpus=8,
+                                     num_nodes=4, seq_len=32768, global_batch=32, lora=True))
+    by_name = {c.name: c for c in plan.candidates}
+    for name in ("fsdp_full_shard+tp2+ep4", "fsdp_full_shard+pp4+ep8", "fsdp_full_shard+ep8+cp2+lora16"):
+        assert by_name[name].memory is not None, by_name[name].reason
+    assert by_name["fsdp_full_shard+ep8+cp2+lora16"].fits
+    assert by_name["fsdp_full_shard+pp4+ep8"].memory.total < by_name["fsdp_full_shard+pp4"].memory.total
+    assert plan.chosen is not None
+
+
 def test_one_hf_qwen3_moe_layer_saves_the_planned_bytes():
     """transformers' own Qwen3-MoE layer (its experts forward, bf16 as FSDP2 computes it) against ``_layer``."""
     from hf_dist.planner.measure import SavedTensorBytes

@@ -20,11 +20,13 @@ before DeepSpeed) decides it. The table, least communication first:
      activations do not fit a GPU whatever the sharding
 Within a tier FSDP comes before DeepSpeed (native, and the case study's choice). For a MoE model
 (``ModelSpec.is_moe``) expert parallelism comes first in tiers 0 and 2, the largest ``ep`` (8, 4, 2, inside a node)
-first: EP x DDP all-reduces expert gradients over ``efsdp = dp / ep`` ranks only, and EP x FSDP2 (FULL_SHARD)
+first (and beside TP, PP and CP in tiers 5, 6 and 8): EP x DDP all-reduces expert gradients over
+``efsdp = dp / ep`` ranks only, and EP x FSDP2 (FULL_SHARD)
 gathers and reduce-scatters only the dense parameters and the experts over ``efsdp`` (none at ``ep = dp``) while the
 tokens travel (dispatch and combine all-to-alls of ``N·k·h``, timed), where layouts without EP move every expert's
 weights or gradients once per step or more. Only layouts ``hf_dist.strategy.Layout`` accepts are offered (EP with
-FSDP2 FULL_SHARD or DDP). With ``lora=True`` every layout is also tried with LoRA adapters on a frozen base, and
+FSDP2 FULL_SHARD or DDP; EP x TP without sequence parallelism); a model type the registry has not proven for a
+product (``ep_tp``, ``ep_pp``, ``ep_cp``) shows the run's refusal as its rule. With ``lora=True`` every layout is also tried with LoRA adapters on a frozen base, and
 LoRA layouts are preferred when one fits.
 
 A layout fits when its ``MemoryBreakdown.fit_bytes`` (in use: reserved plus context and NCCL, plus the largest
@@ -232,10 +234,13 @@ def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     if nodes > 1:
         out.append((3, "fsdp_hybrid_shard", {}))
     out += [(4, "fsdp_full_shard", {}), (4, "zero3", {})]
-    out += [(5, "fsdp_full_shard", {"tp": tp, "sequence_parallel": True}) for tp in (2, 4, 8)
-            if tp <= per_node and per_node % tp == 0]
+    tps = [tp for tp in (2, 4, 8) if tp <= per_node and per_node % tp == 0]
+    # EP x TP: experts whole on each TP rank (no sequence parallelism), the ep ranks inside a node
+    out += [(5, "fsdp_full_shard", {"tp": tp, "ep": ep}) for tp in tps for ep in eps if ep * tp <= per_node]
+    out += [(5, "fsdp_full_shard", {"tp": tp, "sequence_parallel": True}) for tp in tps]
     pps = ([nodes] if nodes > 1 else []) + [p for p in (2, 4, 8) if p != nodes]
     for pp in pps:
+        out += [(6, "fsdp_full_shard", {"pp": pp, "ep": ep}) for ep in eps]  # each stage's experts over its dp ranks
         out.append((6, "fsdp_full_shard", {"pp": pp}))
         if per_node > 1:  # pipeline stages apply TP without sequence parallelism
             out.append((6, "fsdp_full_shard", {"pp": pp, "tp": per_node}))
@@ -246,7 +251,9 @@ def _tiers(req: PlanRequest) -> list[tuple[int, str, dict]]:
     while cp <= req.world_size:
         cps.append(cp)
         cp *= 2
-    out += [(8, "fsdp_full_shard", {"cp": cp}) for cp in cps]
+    for cp in cps:
+        out += [(8, "fsdp_full_shard", {"cp": cp, "ep": ep}) for ep in eps]
+        out.append((8, "fsdp_full_shard", {"cp": cp}))
     return out
 
 
