@@ -4,7 +4,7 @@ The model (4 experts, top-2, ``norm_topk_prob`` on, router aux loss on at 0.1 --
 is saved and loaded as users do; SFTTrainer tokenizes a plain-text dataset of varying lengths itself. On 2 gloo
 ranks, in one spawn: EP=2 x FSDP2, EP=2 x DDP, and LoRA (attention and, through PEFT's ``target_parameters``, the
 stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2 saved at step 2 and resumed. On 4 ranks,
-EP=2 inside each of 2 pipeline stages. Each equals a one-process ``DistSFTTrainer`` on the same global batch and
+in one spawn: EP=2 inside each of 2 pipeline stages, and EP=2 beside TP=2. Each equals a one-process ``DistSFTTrainer`` on the same global batch and
 micro-batches (per-step losses, evaluation loss -- aux term included, as the model's own loss has it -- and every
 trained weight, routers, norms and experts included, within 1e-5).
 """
@@ -104,7 +104,8 @@ def _run(tokenizer_dir: Path, out: str, *, lora: bool, save_steps: int | None = 
     trainer.train(resume_from_checkpoint=resume)
     eval_loss = trainer.evaluate()["eval_loss"]
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log] + [eval_loss]
-    return {"losses": losses, "trained": _trained(trainer, lora), "ep": trainer.dims.ep}
+    return {"losses": losses, "trained": _trained(trainer, lora), "ep": trainer.dims.ep, "tp": trainer.dims.tp,
+            "pp": trainer.dims.pp}
 
 
 def _rank_runs(rank, world_size, tokenizer_dir, root):
@@ -119,10 +120,14 @@ def _rank_runs(rank, world_size, tokenizer_dir, root):
     return results
 
 
-def _pipeline_runs(rank, world_size, tokenizer_dir):
-    """EP=2 inside each of 2 pipeline stages (4 ranks: pp 2 x dp 2): the evaluation loss keeps the aux term."""
-    with tempfile.TemporaryDirectory() as out:
-        return _run(tokenizer_dir, out, lora=False, pp_size=2, pp_schedule="gpipe", **LAYOUTS["ep_fsdp2"][0])
+def _four_rank_runs(rank, world_size, tokenizer_dir):
+    """On 4 ranks: EP=2 inside each of 2 pipeline stages (pp 2 x dp 2: the evaluation loss keeps the aux term), and
+    EP=2 beside TP=2 (tp 2 x dp 2: attention split by TP, experts whole on each TP rank and split by EP)."""
+    results = {}
+    for name, extra in (("ep_pp", {"pp_size": 2, "pp_schedule": "gpipe"}), ("ep_tp", {"tp_size": 2})):
+        with tempfile.TemporaryDirectory() as out:
+            results[name] = _run(tokenizer_dir, out, lora=False, **extra, **LAYOUTS["ep_fsdp2"][0])
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +170,19 @@ def test_sft_on_a_moe_equals_one_process(references, distributed, name):
             torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
 
 
-def test_sft_on_a_moe_under_ep_x_pp_equals_one_process(references, tokenizer_dir):
+@pytest.fixture(scope="module")
+def four_ranks(tokenizer_dir):
+    return run_distributed(_four_rank_runs, 4, tokenizer_dir)
+
+
+@pytest.mark.parametrize("name", ["ep_pp", "ep_tp"])
+def test_sft_on_a_moe_under_ep_x_pp_and_ep_x_tp_equals_one_process(references, four_ranks, name):
     reference = references[False]
-    results = run_distributed(_pipeline_runs, 4, tokenizer_dir)
-    for result in results:
-        assert result["ep"] == 2
-        torch.testing.assert_close(result["losses"], reference["losses"], rtol=0, atol=1e-5)
-    trained = results[0]["trained"]  # gathered from every stage on rank 0
+    for result in four_ranks:
+        sizes = (result[name]["ep"], result[name]["tp"], result[name]["pp"])
+        assert sizes == ((2, 1, 2) if name == "ep_pp" else (2, 2, 1))  # the layout really ran
+        torch.testing.assert_close(result[name]["losses"], reference["losses"], rtol=0, atol=1e-5, msg=name)
+    trained = four_ranks[0][name]["trained"]  # gathered whole (under PP: from every stage, on rank 0)
     assert sorted(trained) == sorted(reference["trained"])
     for key, value in reference["trained"].items():
-        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=key)
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
