@@ -183,6 +183,16 @@ def test_reference_runs_learn(references):
     assert min(references["grpo_tp_sampled"][0]["reward_std"]) > 0
 
 
+def _same_figures_and_state(facts: dict, state: dict, ref_facts: dict, ref_state: dict) -> None:
+    """Every logged training figure, every evaluation figure (timings aside) and every weight equal one process's."""
+    _same_logs(facts["logs"], ref_facts["logs"])
+    eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
+    assert len(eval_names) > 5
+    for key in eval_names:
+        torch.testing.assert_close(facts["evaluation"][key], ref_facts["evaluation"][key], rtol=0, atol=1e-5, msg=key)
+    _same_state(state, ref_state)
+
+
 @pytest.mark.parametrize("name", list(DPO))
 def test_dpo_tp2_and_cp2_match_one_process(references, distributed, name):
     """Every logged training and evaluation figure and every weight; the reference (full fine-tune) is laid out like
@@ -192,13 +202,7 @@ def test_dpo_tp2_and_cp2_match_one_process(references, distributed, name):
     for rank_results in distributed:
         _, state, facts = rank_results[name]
         assert facts["layout"] == (2, 1)  # (processes, dp_shard)
-        _same_logs(facts["logs"], ref_facts["logs"])
-        eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
-        assert len(eval_names) > 5
-        for key in eval_names:
-            torch.testing.assert_close(facts["evaluation"][key], ref_facts["evaluation"][key], rtol=0, atol=1e-5,
-                                       msg=key)
-        _same_state(state, ref_state)
+        _same_figures_and_state(facts, state, ref_facts, ref_state)
         assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
         split = set(facts["watched"])
         if "cp_size" in fields:  # training forwards (the policy's, the reference's) on half of each sequence
@@ -229,13 +233,7 @@ def test_dpo_pp2_matches_one_process(references, distributed, name):
         _, state, facts = rank_results[name]
         strategy = "fsdp_full_shard" if fields.get("fsdp2") else "ddp"
         assert facts["layout"] == (2, 1) and facts["pipeline"] == (rank, 2, rank == 1, strategy)
-        _same_logs(facts["logs"], ref_facts["logs"])
-        eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
-        assert len(eval_names) > 5
-        for key in eval_names:
-            torch.testing.assert_close(facts["evaluation"][key], ref_facts["evaluation"][key], rtol=0, atol=1e-5,
-                                       msg=key)
-        _same_state(state, ref_state)
+        _same_figures_and_state(facts, state, ref_facts, ref_state)
         assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
         assert facts["policy_numel"] < 0.8 * whole  # this rank's stage only
         if lora:
