@@ -19,7 +19,7 @@ from hf_dist.pipeline_parallel import (
     theoretical_utilisation,
 )
 from hf_dist.pipeline_parallel import schedules as schedules_module
-from hf_dist.pipeline_parallel.stage_module import count_loss_tokens
+from hf_dist.pipeline_parallel.token_loss import count_loss_tokens
 from pp_harness import padded_batch, tiny_model
 
 

@@ -9,7 +9,7 @@ pipeline's micro-batches, which are the Trainer's) has the loss the Trainer and 
 
 with ``aux(m)`` the model's own load-balancing loss of its forward on ``m`` (``router_aux_loss_scope=
 "micro_batch"``, as the MoE models define it): ``hf_dist.trainer.router_loss`` weighs the Trainer's micro steps
-so, ``pipeline_parallel.stage_module.TokenWeightedLoss`` the pipeline's. The language-model part is the whole
+so, ``pipeline_parallel.token_loss.TokenWeightedLoss`` the pipeline's. The language-model part is the whole
 batch's token mean whatever the split; the aux part is not (a product of two means over the tokens one forward
 sees), so the reference splits as the run does: one forward over the whole batch is a different loss.
 

@@ -21,7 +21,8 @@ from hf_dist.pipeline_parallel.schedules import (
     theoretical_utilisation,
 )
 from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
-from hf_dist.pipeline_parallel.stage_module import CausalLMStage, TokenWeightedLoss, stage_units
+from hf_dist.pipeline_parallel.stage_module import CausalLMStage, stage_units
+from hf_dist.pipeline_parallel.token_loss import TokenWeightedLoss
 
 __all__ = [
     "SCHEDULES",

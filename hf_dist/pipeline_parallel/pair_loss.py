@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM, pad_to_bucket
 from hf_dist.pipeline_parallel.rng import pipeline_random_stream
 from hf_dist.pipeline_parallel.schedules import check_microbatches
-from hf_dist.pipeline_parallel.stage_module import IGNORE_INDEX
+from hf_dist.loss.causal_lm import IGNORE_INDEX
 
 ROW_FIGURES = ("tokens", "entropy", "mean_logits", "top1")
 """Per-row figures the head returns beside the log-probabilities: scored tokens, and the sums over them of the

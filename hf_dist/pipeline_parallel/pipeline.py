@@ -29,6 +29,7 @@ from torch import nn
 
 from hf_dist.data_parallel import DEFAULT_BUCKET_MB, all_reduce_in_buckets, plan_buckets
 from hf_dist.expert_parallel import expert_params
+from hf_dist.loss.causal_lm import IGNORE_INDEX
 from hf_dist.loss.policy import dims_refusal
 from hf_dist.models.router import aux_from_stats, aux_loss_coef
 from hf_dist.parallel_dims import ParallelDims
@@ -36,15 +37,8 @@ from hf_dist.pipeline_parallel.rng import pipeline_random_stream
 from hf_dist.pipeline_parallel.schedules import PipelineConfig, build_schedule, check_microbatches
 from hf_dist.pipeline_parallel.splitter import StagePlan, plan_stages
 from hf_dist.pipeline_parallel.tied import TiedEmbeddingSync, is_tied
-from hf_dist.pipeline_parallel.stage_module import (
-    IGNORE_INDEX,
-    CausalLMStage,
-    TokenWeightedLoss,
-    causal_lm_of,
-    count_loss_tokens,
-    stage_fqns,
-    stage_units,
-)
+from hf_dist.pipeline_parallel.stage_module import CausalLMStage, causal_lm_of, stage_fqns, stage_units
+from hf_dist.pipeline_parallel.token_loss import TokenWeightedLoss, count_loss_tokens
 
 
 def _release_unowned(model: nn.Module, plan: StagePlan, owned: set[str]) -> None:
