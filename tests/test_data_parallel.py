@@ -3,9 +3,9 @@
 Pure: how parameters are split into buckets. Two gloo ranks (one spawn), against one process:
 - gradient accumulation 4 with ``no_sync`` on the first three micro steps: ``all_reduce`` is called exactly once
   per bucket per optimizer step (none on the deferred micro steps), each started during the backward as its
-  gradients were ready, and the gradients and trained weights equal
-  one process on the whole batch; some parameters are TP DTensors (on a tp axis of size 1) sharing buckets with
-  plain ones;
+  gradients were ready, and the losses, first-step gradients and trained weights equal one process on the whole
+  batch (the harness's ``reference_run`` and ``assert_parity``, ``tests/parity.py``); some parameters are TP
+  DTensors (on a tp axis of size 1) sharing buckets with plain ones;
 - accelerate's ``Accelerator.no_sync`` (what the HF Trainer calls on deferred micro steps) reaches the model's;
 - a parameter unused on one rank gets the average (zeros from that rank); one unused everywhere keeps no gradient.
 """
@@ -22,9 +22,11 @@ from torch import nn
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
+from parity import Recipe, assert_parity, reference_run
 from pp_harness import padded_batch, tiny_model
 
 ACCUMULATION, MICRO, STEPS, CAP_MB = 4, 2, 2, 0.25
+ADAMW = Recipe(lr=1e-3)  # AdamW, its default weight decay
 
 
 def test_buckets_split_by_dtype_and_cap_in_the_given_order():
@@ -56,18 +58,9 @@ def _micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": rows, "labels": rows} for rows in ids.split(MICRO)]
 
 
-def _reference() -> tuple[list[dict], dict]:
-    model = tiny_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    grads = []
-    for step in range(STEPS):
-        batches = _micro_batches(step)
-        for batch in batches:
-            (model(**batch).loss / len(batches)).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+def _reference() -> dict:
+    """One process on the whole batch: the harness's reference (``parity.reference_run``), first-step gradients kept."""
+    return reference_run(tiny_model(), [_micro_batches(step) for step in range(STEPS)], ADAMW, grads=True)
 
 
 def _replicated_model():
@@ -89,23 +82,30 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _accumulation_case(rank: int) -> dict:
     model = _replicated_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    calls, grads, overlapped = [], [], []
+    optimizer = ADAMW.optimizer_for(model.parameters())
+    calls, losses, overlapped, grads = [], [], [], None
     for step in range(STEPS):
         mine = _micro_batches(step)[rank * ACCUMULATION : (rank + 1) * ACCUMULATION]
+        loss = torch.zeros(())
         for i, batch in enumerate(mine):
             sync = i == ACCUMULATION - 1
             with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as counted:
                 with contextlib.nullcontext() if sync else model.no_sync():
-                    (model(**batch).loss / ACCUMULATION).backward()
+                    micro = model(**batch).loss / ACCUMULATION  # equal-length rows: the token-weighted mean
+                    micro.backward()
+            loss += micro.detach()
             calls.append(counted.call_count)
-        grads.append({n: _local(p.grad).clone() for n, p in model.named_parameters()})
+        dist.all_reduce(loss)  # this rank's share of the step's loss, averaged over the 2 ranks
+        losses.append(float(loss) / 2)
+        if step == 0:
+            grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
         overlapped.append(model.gradient_reducer.overlapped)
         optimizer.step()
         optimizer.zero_grad()
     return {
-        "calls": calls, "buckets": len(model.gradient_reducer.buckets), "grads": grads, "overlapped": overlapped,
-        "params": {n: _local(p).detach().clone() for n, p in model.named_parameters()},
+        "calls": calls, "buckets": len(model.gradient_reducer.buckets), "overlapped": overlapped,
+        "run": {"losses": losses, "grads": grads,
+                "state": {n: _local(p).detach().clone() for n, p in model.state_dict().items()}},
         "dtensor_params": sum(hasattr(p, "full_tensor") for p in model.parameters()),
     }
 
@@ -151,21 +151,16 @@ def per_rank():
 
 
 def test_one_all_reduce_per_bucket_per_optimizer_step_and_gradients_of_one_process(per_rank):
-    ref_grads, ref_params = _reference()
+    reference = _reference()
     for rank, result in enumerate(r["accumulation"] for r in per_rank):
         buckets = result["buckets"]
-        assert 1 < buckets < len(ref_params)  # several buckets, fewer than parameters
+        assert 1 < buckets < len(reference["grads"])  # several buckets, fewer than parameters
         assert result["dtensor_params"] == 2
         assert result["calls"] == [0] * (ACCUMULATION - 1) + [buckets] + [0] * (ACCUMULATION - 1) + [buckets]
         # every bucket started from the hooks as it filled, before the backward ended (the last one at its end)
         assert result["overlapped"] == [buckets] * STEPS
-        for step, grads in enumerate(result["grads"]):
-            assert grads.keys() == ref_grads[step].keys()
-            for name, grad in grads.items():
-                assert_close(grad, ref_grads[step][name], atol=1e-6, rtol=1e-5,
-                             msg=lambda m: f"rank {rank} step {step} {name}: {m}")
-        for name, value in result["params"].items():
-            assert_close(value, ref_params[name], atol=1e-5, rtol=0, msg=lambda m: f"rank {rank} {name}: {m}")
+        # losses, the first step's gradients and every weight after the steps equal one process's
+        assert_parity(result["run"], reference, atol=1e-5, state_atol=1e-5, what=f"rank {rank}")
 
 
 def test_accelerate_no_sync_defers_the_reduction(per_rank):
