@@ -75,10 +75,10 @@ def write_models(folder: str, router_aux_loss_coef: float = MOE["router_aux_loss
     return dirs
 
 
-def _dataset(rows: int):
+def _dataset(rows: int, seq: int = SEQ):
     from datasets import Dataset
 
-    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0)).tolist()
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
@@ -133,8 +133,9 @@ def _max_over_ranks(value: float) -> float:
     return float(t)
 
 
-def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int, warmup: int = WARMUP) -> dict:
-    """One fresh run of ``side``: step times (the slowest rank's), load and final peak RSS (the worst rank's)."""
+def timed_train(make_trainer, steps: int, warmup: int = WARMUP) -> dict:
+    """Build a trainer with ``make_trainer(output_dir, max_steps, callbacks)`` and train it ``warmup + steps`` optimizer
+    steps: the measured steps' times (each the slowest rank's), load and final peak RSS (the worst rank's), losses."""
     from transformers import TrainerCallback, logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -148,13 +149,19 @@ def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps:
             times.append(time.perf_counter() - self.start)
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = _trainer(side, pair, model_dir, out, warmup + steps, world, [Timer()])
+        trainer = make_trainer(out, warmup + steps, [Timer()])
         load = _max_over_ranks(peak_rss_mib())
         trainer.train()
     slowest = [_max_over_ranks(t) for t in times[warmup:]]
     peak = _max_over_ranks(peak_rss_mib())
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
+
+
+def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int, warmup: int = WARMUP) -> dict:
+    """One fresh run of ``side``: step times (the slowest rank's), load and final peak RSS (the worst rank's)."""
+    return timed_train(lambda out, max_steps, callbacks: _trainer(side, pair, model_dir, out, max_steps, world,
+                                                                  callbacks), steps, warmup)
 
 
 def _alone(side: str, pair: str, model_dir: str, steps: int) -> dict:
