@@ -1,6 +1,7 @@
 """Coverage table: for every causal-LM model type of the installed transformers, whether hf_dist runs it with
 tensor parallelism, pipeline parallelism, (MoE types) expert parallelism and context parallelism, and why not where
-it does not; then how context parallelism runs on the types it runs (``hf_dist.context_parallel.support``, the check
+it does not; then expert parallelism combined with TP, PP and CP (each product its own registry cell); then how
+context parallelism runs on the types it runs (``hf_dist.context_parallel.support``, the check
 DistTrainer makes with ``cp_size > 1``).
 
 The statuses are the support decisions themselves (``hf_dist.tensor_parallel.support``,
@@ -56,14 +57,16 @@ def _short(reason: str) -> str:
 
 
 def default_refusal(model_type: str, parallelism: str) -> str | None:
-    """What a run says of ``model_type``'s default config with ``parallelism`` at 2 and the others at 1: the first
-    reason of ``hf_dist.support.model_refusals`` (the entry point the trainer, the loader, the planner and
-    ``hf-dist config`` ask); ``None`` when it runs, or when the default config cannot be built."""
+    """What a run says of ``model_type``'s default config with ``parallelism`` at 2 (a product such as ``ep_tp``:
+    each factor at 2) and the others at 1: the first reason of ``hf_dist.support.model_refusals`` (the entry point
+    the trainer, the loader, the planner and ``hf-dist config`` ask); ``None`` when it runs, or when the default
+    config cannot be built."""
     from transformers import AutoConfig
 
     from hf_dist.support import model_refusals
 
-    degrees = {p: 2 if p == parallelism else 1 for p in ("tp", "pp", "ep", "cp")}
+    factors = parallelism.split("_")
+    degrees = {p: 2 if p in factors else 1 for p in ("tp", "pp", "ep", "cp")}
     layout = SimpleNamespace(**degrees, vocab_parallel=False)
     try:
         reasons = model_refusals(AutoConfig.for_model(model_type), layout)
@@ -167,6 +170,57 @@ def render_context_parallel() -> str:
             + cp_support_table() + "\n")
 
 
+PRODUCTS = ("ep_tp", "ep_pp", "ep_cp")
+"""Expert parallelism combined with another parallelism: a cell of its own in the registry (a product is proven by
+its own parity test, not by its factors')."""
+
+
+def product_rows(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """``(model type, EP x TP, EP x PP, EP x CP, note)`` for every MoE type EP runs (``rows``: ``coverage_rows()``): "yes" where its record proves the
+    product, else "no" with the run's reason for the default config (each factor at 2)."""
+    from hf_dist.families import family
+
+    out = []
+    for model_type, tp, pp, ep, cp, _note in rows:
+        if ep != "yes":
+            continue
+        cells, notes = [], []
+        for product, factor in zip(PRODUCTS, (tp, pp, cp)):
+            if family(model_type).proves(product):
+                cells.append("yes")
+                continue
+            cells.append("no")
+            name = product.upper().replace("_", " x ")
+            if factor != "yes":
+                notes.append(f"{name}: {product[3:].upper()} alone is refused")
+            elif (why := default_refusal(model_type, product)) is not None:
+                notes.append(f"{name}: {_short(why.split(';')[0])}")
+        out.append((model_type, *cells, "; ".join(notes)))
+    return out
+
+
+def render_products(rows: list[tuple[str, ...]]) -> str:
+    """The section for expert parallelism combined with TP, PP and CP."""
+    counts = ", ".join(f"{p.upper().replace('_', ' x ')}: {sum(r[i + 1] == 'yes' for r in rows)}"
+                       for i, p in enumerate(PRODUCTS))
+    shown = [row for row in rows if "yes" in row[1:-1] or row[-1].count("alone is refused") < len(PRODUCTS)]
+    rest = sorted(row[0] for row in rows if row not in shown)
+    lines = ["", "## Expert parallelism combined with TP, PP and CP", "",
+             f"Of the {len(rows)} MoE types EP runs, each product at degree 2 x 2 ({counts}). A product needs its own "
+             "parity test: \"no\" gives the run's reason for the default config (the registry's cells `ep_tp`, "
+             "`ep_pp`, `ep_cp`; `tests/test_coverage_doc.py` checks every cell against the run). Not in the table, "
+             f"every product refused because TP, PP and CP alone are refused (table above): {', '.join(rest)}.", "",
+             "| model type | EP x TP | EP x PP | EP x CP | note |", "|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(row[:-1])} | {row[-1].replace('|', '/')} |" for row in shown]
+    return "\n".join(lines) + "\n"
+
+
+def render_all() -> str:
+    """Everything ``docs/coverage.md`` holds below its title."""
+    rows = coverage_rows()
+    return render(rows) + render_products(product_rows(rows)) + render_context_parallel()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", help="also write the table to this markdown file")
@@ -176,14 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    table = render(coverage_rows())
-    sys.stdout.write(table + render_context_parallel())
+    body = render_all()
+    sys.stdout.write(body)
     if args.write:
         header = "# Model coverage: tensor, pipeline, expert and context parallelism per model type\n\n"
         with open(args.write, "w") as handle:
-            handle.write(header + table + render_context_parallel())
+            handle.write(header + body)
     if args.readme:
-        write_between_markers(args.readme, table.splitlines()[0] + "\n")
+        write_between_markers(args.readme, body.splitlines()[0] + "\n")
 
 
 START, END = "<!-- coverage table: start -->", "<!-- coverage table: end -->"

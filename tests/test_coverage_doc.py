@@ -33,7 +33,7 @@ def generated() -> str:
     if f"transformers {transformers.__version__} " not in doc:
         pytest.skip(f"docs/coverage.md was generated for another transformers than {transformers.__version__}")
     coverage = _coverage_module()
-    return coverage.render(coverage.coverage_rows()) + coverage.render_context_parallel()
+    return coverage.render_all()
 
 
 def test_coverage_doc_is_the_registry_today(generated):
@@ -66,4 +66,20 @@ def test_the_table_and_the_runs_answer_on_each_default_config_agree(generated):
             run_runs = coverage.default_refusal(model_type, parallelism) is None
             if table_runs != run_runs:
                 disagree.append((model_type, parallelism, cell, coverage.default_refusal(model_type, parallelism)))
+    assert disagree == []
+
+
+def test_each_product_cell_and_the_runs_answer_agree(generated):
+    """Every EP x TP / EP x PP / EP x CP cell against ``model_refusals`` with both factors at 2 on the type's default
+    config: "yes" is exactly a product the run accepts, and the table holds every type EP runs."""
+    coverage = _coverage_module()
+    rows = coverage.coverage_rows()
+    products = coverage.product_rows(rows)
+    assert {row[0] for row in products} == {row[0] for row in rows if row[3] == "yes"}
+    disagree = []
+    for model_type, *cells, _note in products:
+        for product, cell in zip(coverage.PRODUCTS, cells):
+            run_runs = coverage.default_refusal(model_type, product) is None
+            if (cell == "yes") != run_runs:
+                disagree.append((model_type, product, cell, coverage.default_refusal(model_type, product)))
     assert disagree == []
