@@ -102,6 +102,10 @@ class ParallelDims:
             )
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise ValueError(f"ep={self.ep!r} must be a positive integer (1: no expert parallelism)")
+        if self.ep > 1 and self.expert_replicas > 1 and (self.dp_shard * self.tp) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: under HSDP each replica group "
+                             f"holds every expert, so its ep ranks lie inside one group of {self.dp_shard} shards; use "
+                             f"ep in {valid_ep_sizes(self.dp_shard, self.tp)}")
         if self.ep not in valid_ep_sizes(self.dp, self.tp):
             spread, valid = self.dp * self.tp, valid_ep_sizes(self.dp, self.tp)
             raise ValueError(f"ep={self.ep} does not divide the {spread} ranks of a stage that experts spread over "
@@ -121,6 +125,18 @@ class ParallelDims:
     def efsdp(self) -> int:
         """Ranks that hold the same experts (transformers' ``efsdp_size``): ``dp x cp x tp / ep``."""
         return self.dp * self.cp * self.tp // self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Replica groups the experts are replicated over: ``dp_replicate`` under HSDP (``dp_shard > 1`` too: each
+        replica group holds every expert, split over its ``ep`` ranks and sharded over the rest), else 1."""
+        return self.dp_replicate if self.dp_replicate > 1 and self.dp_shard > 1 else 1
+
+    def expert_fsdp_mesh(self):
+        """The mesh FSDP2 shards the experts over: ``efsdp``, or ``(efsdp_replicate, efsdp_shard)`` under HSDP."""
+        if self.expert_replicas > 1:
+            return self._expert_mesh["efsdp_replicate", "efsdp_shard"]
+        return self.get_mesh("efsdp")
 
     @property
     def ep_enabled(self) -> bool:
@@ -216,7 +232,12 @@ class ParallelDims:
         else:  # without CP the same ranks: one group each
             self._flat_meshes["dp_shard_cp"] = mesh["dp_shard"]
             self._flat_meshes["dp_cp"] = self._flat_meshes["dp"]
-        if self.ep > 1:
+        if self.ep > 1 and self.expert_replicas > 1:  # HSDP: the efsdp axis split into replicas x shards
+            ranks = self.expert_ranks().reshape(self.pp, self.expert_replicas, -1, self.ep)
+            expert = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "efsdp_replicate", "efsdp_shard", "ep"))
+            self._flat_meshes["efsdp"] = expert["efsdp_replicate", "efsdp_shard"]._flatten(mesh_dim_name="efsdp")
+            self._expert_mesh = expert
+        elif self.ep > 1:
             self._expert_mesh = DeviceMesh(device_type, self.expert_ranks(), mesh_dim_names=_EXPERT_FACTORS)
         self._mesh = mesh
         return mesh
@@ -232,10 +253,10 @@ class ParallelDims:
         ``dp``, ``dp_shard_cp``, ``dp_cp``; with ``ep > 1`` also ``ep`` and ``efsdp``, from the expert mesh)."""
         if self._mesh is None:
             raise RuntimeError("call build_mesh() before get_mesh()")
-        if name in ("ep", "efsdp"):
+        if name in ("ep", "efsdp", "efsdp_replicate", "efsdp_shard"):
             if self._expert_mesh is None:
                 raise ValueError(f"mesh axis {name!r} exists only with ep > 1 (this layout has ep={self.ep})")
-            return self._expert_mesh[name]
+            return self._flat_meshes["efsdp"] if name == "efsdp" and self.expert_replicas > 1 else self._expert_mesh[name]
         if name not in (*_FACTORS, *_FLATTENED):
             raise ValueError(f"unknown mesh axis {name!r}; axes are {', '.join((*_FACTORS, *_FLATTENED))}")
         if name in _FLATTENED:

@@ -269,15 +269,20 @@ def _keep_class_name(model: nn.Module) -> None:
 
 def _shard_experts(experts: nn.Module, dims: ParallelDims, request: FsdpRequest, kwargs: dict,
                    grad_reduction: str) -> None:
-    """FSDP2 of one experts module over the ``efsdp`` ranks, its gradient summed there and divided by ``dp x cp``
+    """FSDP2 of one experts module over the ``efsdp`` ranks (HSDP: sharded inside each replica group, reduced across),
+    its gradient summed there and divided by ``dp x cp``
     (``grad_reduction="mean"``) or left summed (``"sum"``: a pipeline's loss is divided by the global batch's tokens
     already). Either way the token exchange has brought every ``ep`` peer's share into the sum."""
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(experts, reshard_after_forward=request.reshard_after_forward, **(kwargs | {"mesh": dims.get_mesh(
-        "efsdp")}))
+    fully_shard(experts, reshard_after_forward=request.reshard_after_forward,
+                **(kwargs | {"mesh": dims.expert_fsdp_mesh()}))
     experts.set_gradient_divide_factor(float(dims.dp_cp) if grad_reduction == "mean" else 1.0)
-    if dims.efsdp > 1:  # a divisor other than the group's size is PREMUL_SUM, which gloo lacks: sum, divide locally
+    # A divisor other than the group's size is PREMUL_SUM, which gloo lacks: sum, divide locally. Not with a 1-rank
+    # shard group (HSDP, ep = the replica group): torch 2.13's FSDP2 then divides in its copy in place of the
+    # reduce-scatter and again after the all-reduce (the gradient divided by the factor squared); without the forced
+    # sum it divides once and all-reduces with SUM.
+    if dims.efsdp // dims.expert_replicas > 1:
         experts.set_force_sum_reduction_for_comms(True)
 
 

@@ -180,12 +180,14 @@ class Layout:
                              f"(reshard_after_forward) or DDP, or ep_size=1")
         if self.tp > 1:
             self._check_ep_tp()
-        if self.strategy == "fsdp_hybrid_shard":
-            raise ValueError(f"ep_size={self.ep} with HYBRID_SHARD: the expert mesh has no replica axis in hf_dist; "
-                             f"use FULL_SHARD (dp_replicate=1) with ep_size, or ep_size=1")
+        if self.strategy == "fsdp_hybrid_shard" and (self.dp // self.replicas) % self.ep:
+            raise ValueError(f"ep_size={self.ep} with HYBRID_SHARD (dp_replicate={self.replicas}): each replica group "
+                             f"holds every expert, so ep_size must divide its {self.dp // self.replicas} ranks; use "
+                             f"ep_size in {valid_ep_sizes(self.dp // self.replicas, 1)}, or FULL_SHARD")
         if self.offload != "none":
-            raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: expert shards are not offloaded "
-                             f"(no parity test covers it); drop the offload or set ep_size=1")
+            raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: no parity test covers offloaded expert "
+                             f"shards (FSDP2's CPU offload needs a GPU to run at all, so a CPU test cannot prove it); "
+                             f"drop the offload or set ep_size=1")
         if self.ep not in valid_ep_sizes(self.dp, self.tp):
             valid = valid_ep_sizes(self.dp, self.tp)
             raise ValueError(f"ep_size={self.ep} does not divide the {self.dp * self.tp} ranks (dp {self.dp} x tp_size "

@@ -33,12 +33,24 @@ def test_ep_must_divide_the_ranks_experts_spread_over():
 
 @pytest.mark.parametrize(("fields", "fix"), [
     (dict(strategy="zero3"), "use FSDP2"), (dict(strategy="fsdp_shard_grad_op", pp=2), "use fsdp_full_shard"),
-    (dict(strategy="ddp", tp=2, sequence_parallel=True), "drop tp_sequence_parallel"), (dict(strategy="fsdp_hybrid_shard", dp_replicate=2), "FULL_SHARD"),
+    (dict(strategy="ddp", tp=2, sequence_parallel=True), "drop tp_sequence_parallel"),
     (dict(strategy="fsdp_full_shard", offload="cpu"), "drop the offload"),
 ])
 def test_products_without_a_parity_test_are_refused_with_the_fix(fields, fix):
     with pytest.raises(ValueError, match=f"ep_size=2.*{fix}"):
         Layout(num_gpus=8, ep=2, **fields)
+
+
+def test_under_hsdp_the_ep_ranks_lie_inside_one_replica_group():
+    """Each replica group holds every expert (``tests/test_ep_hsdp.py``): ep must divide the group, not only dp."""
+    layout = Layout(strategy="fsdp_hybrid_shard", num_gpus=8, dp_replicate=2, ep=4)
+    assert (layout.dims.dp_replicate, layout.dims.dp_shard, layout.dims.efsdp, layout.dims.expert_replicas) == (
+        2, 4, 2, 2)
+    with pytest.raises(ValueError, match=r"ep_size=8 with HYBRID_SHARD \(dp_replicate=2\).*divide its 4 ranks.*"
+                                         r"ep_size in \[1, 2, 4\]"):
+        Layout(strategy="fsdp_hybrid_shard", num_gpus=8, dp_replicate=2, ep=8)
+    with pytest.raises(ValueError, match=r"ep=8 does not divide dp_shard=4: under HSDP"):
+        ParallelDims(world_size=8, dp_replicate=2, dp_shard=4, ep=8)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp_full_shard", "ddp"])

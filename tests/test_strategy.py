@@ -179,7 +179,7 @@ _REFUSED = [  # (Layout fields, the same request as training arguments)
     (dict(strategy="fsdp_shard_grad_op", ep=2, pp=2),
      dict(fsdp2=True, fsdp2_reshard_after_forward=False, ep_size=2, pp_size=2)),
     (dict(strategy="ddp", ep=2, tp=2, vocab_parallel=True), dict(ep_size=2, tp_size=2, tp_vocab_parallel=True)),
-    (dict(strategy="fsdp_hybrid_shard", ep=2, dp_replicate=2), dict(fsdp2=True, fsdp2_dp_replicate=2, ep_size=2)),
+    (dict(strategy="fsdp_hybrid_shard", ep=8, dp_replicate=2), dict(fsdp2=True, fsdp2_dp_replicate=2, ep_size=8)),
     (dict(strategy="fsdp_full_shard", ep=2, offload="cpu"), dict(fsdp2=True, fsdp2_cpu_offload=True, ep_size=2)),
     (dict(strategy="fsdp_full_shard", ep=3), dict(fsdp2=True, ep_size=3)),
 ]
