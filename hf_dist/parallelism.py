@@ -206,6 +206,10 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
     )
+    if request.cpu_offload and not torch.accelerator.is_available():
+        raise ValueError("fsdp2_cpu_offload=True (fsdp offload_params) on a machine without a GPU: FSDP2's CPU offload "
+                         "copies each shard to the accelerator for compute and fails without one; drop the offload "
+                         "(the parameters are in CPU memory already)")
     offload = CPUOffloadPolicy() if request.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=fsdp_mesh(dims), mp_policy=mp_policy, offload_policy=offload)
     whole_model = units is None  # not a pipeline stage, whose root holds what its stage has of the edges

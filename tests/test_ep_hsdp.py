@@ -53,6 +53,10 @@ def _four_ranks(rank, world, root):
     losses, params, _ = train_tiny(f"{root}/resumed", model=_model(), **BATCH, **HSDP,
                                    resume=f"{root}/hsdp/checkpoint-{SAVE_AT}")
     out["resumed"] = (losses, params if rank == 0 else None)
+    try:  # FSDP2's CPU offload on a machine without a GPU: a ValueError naming the fix, not torch's RuntimeError
+        train_tiny(f"{root}/offload", max_steps=1, fsdp="full_shard offload", fsdp_config={"version": 2})
+    except ValueError as error:
+        out["offload"] = str(error)
     return out
 
 
@@ -103,3 +107,9 @@ def test_a_checkpoint_resumes_exactly(runs):
         assert len(losses) == STEPS
         torch.testing.assert_close(losses[-1], result["run"][0][-1], atol=1e-6, rtol=0)
     torch.testing.assert_close(runs[0]["resumed"][1], runs[0]["run"][2], atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the offload runs where there is a GPU")
+def test_cpu_offload_without_a_gpu_is_refused_by_name(runs):
+    for result in runs:
+        assert "fsdp2_cpu_offload=True" in result.get("offload", "") and "drop the offload" in result["offload"]
