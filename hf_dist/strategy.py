@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hf_dist.parallel_dims import ParallelDims, valid_ep_sizes
+from hf_dist.ep_rules import check_expert_parallel
+from hf_dist.parallel_dims import ParallelDims
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"]
 STRATEGIES: tuple[str, ...] = (
@@ -136,7 +137,7 @@ class Layout:
         check_tp_options(tp=self.tp, pp=self.pp, sequence_parallel=self.sequence_parallel,
                          vocab_parallel=self.vocab_parallel)
         self._check_data_parallel()
-        self._check_expert_parallel()
+        check_expert_parallel(self)
 
     @staticmethod
     def check_one_engine(*, deepspeed: bool, fsdp: bool) -> None:
@@ -155,60 +156,6 @@ class Layout:
                                  f"=False: hf_dist's HSDP reshards after forward; drop one of them")
             return "fsdp_hybrid_shard"
         return "fsdp_full_shard" if reshard_after_forward else "fsdp_shard_grad_op"
-
-    def _check_expert_parallel(self) -> None:
-        """EP runs with FSDP2 FULL_SHARD / SHARD_GRAD_OP or DDP on a stage's data-parallel ranks
-        (tests/test_expert_parallel.py), and inside pipeline stages with FULL_SHARD or DDP, each stage's experts over its
-        own data-parallel ranks (tests/test_ep_pp.py), and with CP (FULL_SHARD or DDP, experts over the data-parallel
-        ranks while each sequence is split, tests/test_moe_cp.py), and beside TP (``_check_ep_tp``,
-        tests/test_ep_tp.py): the layouts a parity test holds against one process.
-        Everything else is refused here; which model types run EP x PP and EP x CP is the registry's
-        (``hf_dist.expert_parallel.support``)."""
-        if self.ep == 1:
-            return
-        if self.is_deepspeed:
-            raise ValueError(f"ep_size={self.ep} with DeepSpeed {self.strategy}: ZeRO partitions every parameter "
-                             f"itself, experts included, and has no expert-parallel token dispatch in hf_dist; use "
-                             f"FSDP2 (accelerate_configs/fsdp.yaml) or DDP with ep_size, or drop ep_size")
-        if self.pp > 1 and self.strategy not in ("fsdp_full_shard", "ddp"):
-            raise ValueError(f"ep_size={self.ep} with pp_size={self.pp} and strategy={self.strategy!r}: a parity test "
-                             f"covers EP x PP with FSDP2 FULL_SHARD or DDP on each stage's data-parallel ranks only; "
-                             f"use fsdp_full_shard (reshard_after_forward) or DDP, or ep_size=1")
-        if self.cp > 1 and self.strategy not in ("fsdp_full_shard", "ddp"):
-            raise ValueError(f"ep_size={self.ep} with cp_size={self.cp} and strategy={self.strategy!r}: a parity test "
-                             f"covers EP x CP with FSDP2 FULL_SHARD or DDP only; use fsdp_full_shard "
-                             f"(reshard_after_forward) or DDP, or ep_size=1")
-        if self.tp > 1:
-            self._check_ep_tp()
-        if self.strategy == "fsdp_hybrid_shard" and (self.dp // self.replicas) % self.ep:
-            raise ValueError(f"ep_size={self.ep} with HYBRID_SHARD (dp_replicate={self.replicas}): each replica group "
-                             f"holds every expert, so ep_size must divide its {self.dp // self.replicas} ranks; use "
-                             f"ep_size in {valid_ep_sizes(self.dp // self.replicas, 1)}, or FULL_SHARD")
-        if self.offload != "none":
-            raise ValueError(f"ep_size={self.ep} with offload={self.offload!r}: no parity test covers offloaded expert "
-                             f"shards (FSDP2's CPU offload needs a GPU to run at all, so a CPU test cannot prove it); "
-                             f"drop the offload or set ep_size=1")
-        if self.ep not in valid_ep_sizes(self.dp, self.tp):
-            valid = valid_ep_sizes(self.dp, self.tp)
-            raise ValueError(f"ep_size={self.ep} does not divide the {self.dp * self.tp} ranks (dp {self.dp} x tp_size "
-                             f"{self.tp}; world {self.world_size} / pp_size {self.pp}) that experts spread over; use "
-                             f"ep_size in {valid}")
-
-    def _check_ep_tp(self) -> None:
-        """EP x TP runs as tests/test_ep_tp.py proves it: attention split by TP, each TP rank's experts whole and split
-        by EP, FSDP2 FULL_SHARD or DDP over the data-parallel ranks; no PP, CP, sequence or vocabulary parallelism, no
-        LoRA."""
-        refused = {"pp_size": self.pp > 1, "cp_size": self.cp > 1, "tp_sequence_parallel": self.sequence_parallel,
-                   "tp_vocab_parallel": self.vocab_parallel, "lora_rank": self.lora_rank > 0,
-                   "strategy": self.strategy not in ("fsdp_full_shard", "ddp")}
-        for name, on in refused.items():
-            if on:
-                value = {"pp_size": self.pp, "cp_size": self.cp, "lora_rank": self.lora_rank,
-                         "strategy": repr(self.strategy)}.get(name, True)
-                raise ValueError(f"ep_size={self.ep} with tp_size={self.tp} and {name}={value}: a parity test covers "
-                                 f"EP x TP with FSDP2 FULL_SHARD or DDP only, without pp_size, cp_size, "
-                                 f"tp_sequence_parallel, tp_vocab_parallel or LoRA; drop {name} (or use "
-                                 f"fsdp_full_shard), or set ep_size=1")
 
     def _check_model_parallel(self) -> None:
         if self.strategy in ZERO_STRATEGIES and (self.tp > 1 or self.pp > 1):
