@@ -42,8 +42,9 @@ EXPECTED = {
     # the embedding (65,536 B) is a unit of its own, gathered in forward and again in backward; the root (head, norm)
     # and the last block stay gathered from forward to backward: 6 gathers; each unit's gradients reduce-scattered once
     "fsdp2": {("all_gather", "float32"): (6, 935_680), ("reduce_scatter", "float32"): (4, GRADS)},
-    # 4 forward + 11 backward activation all-reduces of 2 x 32 x 64 fp32; the logits gathered for the loss
-    "tp": {("all_reduce", "float32"): (15, 15 * 16_384), ("all_gather", "float32"): (1, 65_536)},
+    # 4 forward + 5 backward activation all-reduces of 2 x 32 x 64 fp32 (per block one for attention's input, one
+    # for the MLP's; one for the head's input); the logits gathered for the loss
+    "tp": {("all_reduce", "float32"): (9, 9 * 16_384), ("all_gather", "float32"): (1, 65_536)},
     # sequence parallel: per block the attention and MLP inputs gathered and their outputs reduce-scattered, the
     # mirror in backward (2 x 32 x 64 fp32 each), + the head's input gathered (forward) and scattered (backward), the
     # whole embedding's input gradient gathered, the logits gathered; the 5 norms' partial gradients in one bucket

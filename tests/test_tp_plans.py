@@ -28,7 +28,10 @@ def test_gqa_and_mqa_kv_heads_split_or_replicated():
     names = plan_names(config, tp=4, sequence_parallel=True)
     assert names["model.layers.*.self_attn.k_proj"] == "replicated_kv"
     assert names["model.layers.*.self_attn"] == "gather_sequence_kwarg+local_head_counts"
-    assert "model.layers.*.self_attn" not in plan_names(config, tp=2)
+    # without sequence parallelism the attention input enters as a replicated DTensor (one backward all-reduce)
+    assert plan_names(config, tp=2)["model.layers.*.self_attn"] == "replicated_input_kwarg"
+    assert plan_names(config, tp=4)["model.layers.*.self_attn"] == "replicated_input_kwarg+local_head_counts"
+    assert "model.layers.*.self_attn" not in plan_names(config, tp=2, lora=True)
 
 
 def test_fused_families_refuse_fewer_kv_heads_than_ranks():
@@ -131,10 +134,12 @@ def test_the_models_own_plan_is_used(arch):
     expected = {f"{prefix}.{k}": v for k, v in type(config).base_model_tp_plan.items()
                 if v != "embedding_rowwise"}  # transformers 5.24's embedding entry: kept whole without vocab TP
     expected["lm_head"] = "colwise_gather_output"  # the head's own plan: untied, vocab 512 divides by 2
+    if arch != "gpt_neox":  # hf_dist's overlay: the replicated input of attention and MLP enters as a DTensor
+        expected |= {"model.layers.*.self_attn": "replicated_input_kwarg", "model.layers.*.mlp": "replicated_input"}
     assert names == expected
     styles = resolve_styles(names, config)
     assert all(isinstance(style, (ColwiseParallel, RowwiseParallel)) for name, style in styles.items()
-               if not name.endswith("_norm"))
+               if not name.endswith("_norm") and name not in ("model.layers.*.self_attn", "model.layers.*.mlp"))
 
 
 def test_head_kept_whole_when_tied_or_uneven():

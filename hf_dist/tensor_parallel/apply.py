@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from hf_dist.models.peft_utils import unwrap_peft
 from hf_dist.tensor_parallel.checks import check_tp_sizes
 from hf_dist.tensor_parallel.hybrid import layer_kind_patterns
-from hf_dist.tensor_parallel.lora import expand_plan_for_lora
+from hf_dist.tensor_parallel.lora import expand_plan_for_lora, has_lora_layers
 from hf_dist.tensor_parallel.loss import VocabParallelCausalLMLoss
 from hf_dist.tensor_parallel.match import match_plan
 from hf_dist.tensor_parallel.plans import (HEAD_PATTERNS, moe_dense_patterns, plan_names, resolve_styles,
@@ -115,7 +115,8 @@ def apply_tensor_parallel(
         check_tp_sizes(config, tp, vocab_parallel=vocab_parallel)
         if tp == 1:
             return model
-        names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp)
+        names = plan_names(config, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel, tp=tp,
+                           lora=has_lora_layers(target))
         optional = optional | layer_kind_patterns(config, names) | moe_dense_patterns(names)
         plan = resolve_styles(names if split_experts else whole_experts(names), config)
     elif sequence_parallel or vocab_parallel:

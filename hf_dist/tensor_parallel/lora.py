@@ -26,6 +26,11 @@ def _is_lora_layer(module: nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
 
 
+def has_lora_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds a PEFT LoRA layer."""
+    return any(_is_lora_layer(module) for module in model.modules())
+
+
 def _lora_entries(pattern: str, module: nn.Module, style: ParallelStyle) -> dict[str, ParallelStyle]:
     entries = {f"{pattern}.base_layer": style}
     if isinstance(style, (Conv1DColwise, Conv1DRowwise, Conv1DFusedSlice)):

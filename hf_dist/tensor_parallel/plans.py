@@ -94,6 +94,15 @@ SEQUENCE_PARALLEL_OVERLAY = {
 }
 _SP_OUTPUT_OVERRIDES = {"rowwise": "rowwise_to_sequence_shards"}
 
+# Without sequence parallelism: the replicated input of attention and MLP enters them as a DTensor, for the same
+# reason -- the partial input gradients of q, k, v (gate, up) add up locally and leave in one all-reduce per module
+# (Megatron's count: 2 per block in backward), not one per projection (5 per block). Not with LoRA: its whole
+# ``lora_A`` takes the same input as a plain tensor.
+REPLICATED_INPUT_OVERLAY = {
+    "model.layers.*.self_attn": "replicated_input_kwarg",
+    "model.layers.*.mlp": "replicated_input",
+}
+
 # Fewer KV heads than TP ranks (MQA, narrow GQA): k/v projections replicated, one KV head kept per rank.
 # A leading "+" adds the style to what the plan already has for that module (sequence gathering, say).
 REPLICATED_KV_OVERLAY = {
@@ -221,10 +230,12 @@ def _replicates_kv(config, tp: int | None) -> bool:
 
 
 def plan_names(
-    config, *, sequence_parallel: bool = False, vocab_parallel: bool = False, tp: int | None = None
+    config, *, sequence_parallel: bool = False, vocab_parallel: bool = False, tp: int | None = None,
+    lora: bool = False,
 ) -> dict[str, str]:
-    """The full plan as names: the model's plan, then the sequence-, vocab- and (``tp`` > KV heads) KV
-    overlays. Two names on one module are joined with ``+`` and applied in that order."""
+    """The full plan as names: the model's plan, then the sequence- (or, without it and ``lora``, the
+    replicated-input), vocab- and (``tp`` > KV heads) KV overlays. Two names on one module are joined with ``+`` and
+    applied in that order."""
     plan = base_plan(config, tp, vocab_parallel=vocab_parallel)
     if (sequence_parallel or vocab_parallel) and not family_of(config).tp_sequence_parallel:
         raise ValueError(
@@ -239,6 +250,9 @@ def plan_names(
             joins = style.startswith("gather_sequence") and pattern in plan
             plan[pattern] = f"{style}+{plan[pattern]}" if joins else style
         plan["lm_head"] = "lm_head_from_sequence_shards"
+    elif family_of(config).tp_sequence_parallel and not lora:
+        for pattern, style in REPLICATED_INPUT_OVERLAY.items():
+            plan[pattern] = f"{style}+{plan[pattern]}" if pattern in plan else style
     if vocab_parallel:
         plan["model.embed_tokens"] = "vocab_embedding_to_sequence_shards" if sequence_parallel else "vocab_embedding"
         plan["lm_head"] = "vocab_lm_head_from_sequence_shards" if sequence_parallel else "vocab_lm_head"
@@ -306,6 +320,14 @@ STYLE_BUILDERS = {
     "rowwise_to_sequence_shards": lambda config: RowwiseParallel(output_layouts=_SEQ, use_local_output=False),
     "embedding_to_sequence_shards": lambda config: PrepareModuleOutput(
         output_layouts=Replicate(), desired_output_layouts=_SEQ, use_local_output=False
+    ),
+    "replicated_input": lambda config: PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+    ),
+    "replicated_input_kwarg": lambda config: PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Replicate()},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=False,
     ),
     "gather_sequence": lambda config: PrepareModuleInput(
         input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),), use_local_output=False
