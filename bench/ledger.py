@@ -30,8 +30,8 @@ EXPLAINED: dict[tuple[str, str, bool, str], str] = {
     ("fsdp2", "all_gather", False, "float32"): "below 1: the root stays gathered from forward to backward and the "
         "last block is not resharded after forward (hf_dist's prefetch): 4 gathers, not 6",
     ("ep_fsdp2", "all_gather", False, "float32"): "below 1: as FSDP2, root and last block kept gathered",
-    ("tp", "all_reduce", False, "float32"): "backward: q, k, v and gate, up are separate Colwise modules, each "
-        "all-reduces its input gradient (5 per block; Megatron fuses them: 2), + 1 for the lm_head input",
+    ("tp", "all_reduce", False, "float32"): "+1 beyond Megatron's per-block count: the lm_head's input gradient "
+        "(a column-parallel head with gathered logits)",
     ("tp", "all_gather", False, "float32"): "the logits gathered over the vocabulary shards for the loss "
         "(tp_vocab_parallel=False; vocab-parallel loss avoids it)",
     ("tp_sp", "all_gather", False, "float32"): "+3 at the ends, beyond Megatron's per-block count: the head's "
