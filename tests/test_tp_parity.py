@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from parity import TP_SGD, assert_parity, default_fields, layout_run, masked_batches, reference_run, tiny_config
-from parity import tiny_model
+from parity import TP_SGD, assert_parity, default_fields, layout_run, masked_batches, reference_run, slice_rows
+from parity import tiny_config, tiny_model
 from tp_sweep_cases import SEQ
 
 STEPS = 5
@@ -80,7 +80,6 @@ def gather_vocab(logits: torch.Tensor, tp_mesh) -> torch.Tensor:
 def run_case(layout: dict) -> dict:
     """One case on this rank: the layout's logits on the first batch (before training) and its ``layout_run``."""
     from hf_dist import ParallelDims, parallelize
-    from parity import slice_rows
 
     world = dist.get_world_size()
     dims = ParallelDims(world_size=world, tp=2, dp_shard=world // 2)

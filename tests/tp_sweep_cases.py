@@ -4,7 +4,9 @@
 2 KV heads, head_dim 8 so that heads x head_dim != hidden, 2 layers, vocab 256) and, wherever the config
 has the field, a value other than its default for every knob read outside the decoder layers or inside
 attention (biases, rotary, scaling, soft-capping, multipliers, windows, qk-norms, tied embeddings). Dropout
-is zero everywhere (the comparison is exact). Shared by ``test_tp_sweep.py`` and ``bench/coverage.py``.
+is zero everywhere (the comparison is exact). Read through ``parity.tiny_config`` by the TP parity tests
+(``test_tp_sweep.py``, ``test_tp_parity.py``, ``test_tp_lora.py``, ``test_tp_trainer.py``, ``test_parallelize.py``)
+and by ``bench/coverage.py``.
 """
 
 from __future__ import annotations
