@@ -10,6 +10,9 @@
 - ``reference_run(model, steps)``: the one-process reference trainer. Each step is a list of micro-batches run by
   ``hf_dist.models.reference.reference_step``, the reference the before-launch layout canary uses, so the tests
   and the canary define "one process" (the MoE router aux loss per micro-batch included) the same way.
+- ``layout_run(model, steps)``: its counterpart on the ranks of a model a layout parallelised outside a Trainer
+  (dense models: each step one global batch, sliced by data-parallel rank, the loss over the whole batch's tokens);
+  returns what ``reference_run`` returns, gathered whole (``full_grads``, ``full_state_dict``).
 - ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
   the same keys on both sides, router and expert weights named so a comparison that skipped them fails.
 - ``matrix()``: the (model type, parallelism) cells the harness has cases for, generated from the case lists
@@ -29,13 +32,13 @@ import torch
 from torch.testing import assert_close
 
 from hf_dist.families import family, num_experts, text_config
-from hf_dist.models.reference import reference_step, split_rows
+from hf_dist.models.reference import IGNORE_INDEX, reference_step, split_rows
 
 __all__ = [
     "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES",
     "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
-    "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
-    "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
+    "TP_MOE_CASES", "TP_SGD", "assert_parity", "case_type", "cases", "default_fields", "full_grads", "layout_run",
+    "masked_batches", "matrix", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
 
 # -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
@@ -190,6 +193,9 @@ MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
 PP_ADAMW = Recipe(lr=1e-3)
 """The PP sweeps: AdamW (its default weight decay), no clipping."""
+TP_SGD = Recipe(lr=0.1, optimizer="sgd", max_norm=0.5)
+"""The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
+``max_norm``)."""
 
 
 def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -227,6 +233,50 @@ def reference_run(model, steps: Sequence[Sequence[Mapping[str, torch.Tensor]]], 
         optimizer.step()
         optimizer.zero_grad()
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient whole and in HF layout (fused parts de-interleaved), by name; a collective where
+    gradients are DTensors, so every rank of the model's meshes calls it."""
+    from hf_dist.state_dict import fused_keys, hf_layout
+
+    fused = fused_keys(model)
+    return {n: hf_layout(n, p.grad, fused).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recipe, *, dp_rank: int = 0, dp: int = 1,
+               dp_group=None, grads: bool = False) -> dict:
+    """``reference_run`` on one rank of a model a layout parallelised (``hf_dist.parallelize``,
+    ``apply_tensor_parallel``; every rank calls it). Each step is one global batch: this rank runs data-parallel rank
+    ``dp_rank``'s consecutive rows (``slice_rows``), its loss summed over their label tokens over the whole batch's
+    and scaled by ``dp`` (the layout averages gradients over the dp ranks), so the dp ranks' losses add up to the
+    reference's and their gradient is its. The norm clipped is the HF Trainer's (``Trainer._mixed_mesh_grad_norm``:
+    every mesh and plain tensor). Returns ``reference_run``'s keys, gradients and state whole (collectives); the
+    losses summed over ``dp_group``. Dense models (no router aux term per micro-batch)."""
+    import torch.distributed as dist
+    from transformers import Trainer
+
+    from hf_dist.state_dict import full_state_dict
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = recipe.optimizer_for(params)
+    out: dict = {"losses": [], "norms": []}
+    for index, batch in enumerate(steps):
+        tokens = max(int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()), 1)
+        loss = model(**slice_rows(batch, dp_rank, dp), num_items_in_batch=tokens).loss
+        (loss * dp).backward()
+        value = loss.detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(value, group=dp_group)
+        out["losses"].append(float(value))
+        if grads and index == 0:
+            out["grads"] = full_grads(model)
+        if recipe.max_norm is not None:
+            out["norms"].append(float(Trainer._mixed_mesh_grad_norm(None, model, recipe.max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    out["state"] = full_state_dict(model)
     return out
 
 

@@ -9,17 +9,27 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hf_dist.tensor_parallel import check_tp_sizes, plan_names, supported_families, valid_tp_sizes
 from hf_dist.tensor_parallel.plans import resolve_styles
 from hf_dist.tensor_parallel.styles import FusedColwiseParallel, deinterleave_parts, interleave_parts
-from test_tp_parity import tiny_config
+from parity import tiny_config as harness_config
+from parity import tiny_model
+
+
+def tiny_config(case: str, **changes):
+    """The parity harness's TP config of ``case`` (``tp_sweep_cases``: 4 heads of 8, 2 KV heads, hidden 64, MLP 96,
+    vocab 256, tied head where the type's default is untied) with ``changes`` set on it."""
+    config = harness_config(case, "tp")
+    for field, value in changes.items():
+        setattr(config, field, value)
+    return config
 
 
 def test_kv_heads_that_fit_neither_way_name_value_and_valid_sizes():
-    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)
+    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
     with pytest.raises(ValueError, match=r"num_key_value_heads=3 neither divides nor is divided by tp=2.*\{1, 3, 6\}"):
         check_tp_sizes(config, 2)
 
 
 def test_gqa_and_mqa_kv_heads_split_or_replicated():
-    config = tiny_config("llama")  # 4 heads, 2 kv heads
+    config = tiny_config("llama", intermediate_size=128)  # 4 heads, 2 kv heads
     check_tp_sizes(config, 2)  # one KV head per rank
     check_tp_sizes(config, 4)  # KV heads replicated: each rank keeps the one its query heads use
     check_tp_sizes(tiny_config("llama", num_key_value_heads=1), 4)  # MQA
@@ -124,17 +134,18 @@ def test_sizes_come_from_what_the_plan_shards():
     assert valid_tp_sizes(config) == [1, 2, 4]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt_neox"])
-def test_the_models_own_plan_is_used(arch):
+@pytest.mark.parametrize("case", ["llama", "llama:untied", "mistral", "qwen2", "qwen3", "gpt_neox"])
+def test_the_models_own_plan_is_used(case):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config = tiny_config(arch)
+    config = tiny_config(case)
     names = plan_names(config, tp=2)
     prefix = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].base_model_prefix
     expected = {f"{prefix}.{k}": v for k, v in type(config).base_model_tp_plan.items()
                 if v != "embedding_rowwise"}  # transformers 5.24's embedding entry: kept whole without vocab TP
-    expected["lm_head"] = "colwise_gather_output"  # the head's own plan: untied, vocab 512 divides by 2
-    if arch != "gpt_neox":  # hf_dist's overlay: the replicated input of attention and MLP enters as a DTensor
+    if not config.tie_word_embeddings:
+        expected["lm_head"] = "colwise_gather_output"  # the head's own plan: untied, vocab 256 divides by 2
+    if case != "gpt_neox":  # hf_dist's overlay: the replicated input of attention and MLP enters as a DTensor
         expected |= {"model.layers.*.self_attn": "replicated_input_kwarg", "model.layers.*.mlp": "replicated_input"}
     assert names == expected
     styles = resolve_styles(names, config)
@@ -144,7 +155,15 @@ def test_the_models_own_plan_is_used(arch):
 
 def test_head_kept_whole_when_tied_or_uneven():
     assert "lm_head" not in plan_names(tiny_config("qwen2", tie_word_embeddings=True), tp=2)
-    assert "lm_head" not in plan_names(tiny_config("llama", vocab_size=511), tp=2)
+    assert "lm_head" not in plan_names(tiny_config("llama:untied", vocab_size=511), tp=2)
+    assert "lm_head" in plan_names(tiny_config("llama:untied"), tp=2)
+
+
+@pytest.mark.parametrize(("case", "head"), [("llama", "whole_lm_head_from_sequence_shards"),
+                                             ("llama:untied", "lm_head_from_sequence_shards")])
+def test_sequence_parallelism_splits_the_head_only_where_the_plan_does(case, head):
+    """A tied head kept whole takes the gathered sequence: split by columns it was untied from the whole embedding."""
+    assert plan_names(tiny_config(case), tp=2, sequence_parallel=True)["lm_head"] == head
 
 
 def test_supported_families_are_the_tested_types():
@@ -170,9 +189,8 @@ class _FakeMesh:
 
 def test_apply_checks_sizes_before_touching_the_model():
     from hf_dist.tensor_parallel import apply_tensor_parallel
-    from test_tp_parity import build
 
-    model = build("llama")  # 4 heads, 2 kv heads
+    model = tiny_model(tiny_config("llama"))  # 4 heads, 2 kv heads
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
         apply_tensor_parallel(model, _FakeMesh(3))
@@ -182,10 +200,10 @@ def test_apply_checks_sizes_before_touching_the_model():
 
 
 def test_fused_overlay_shards_phi3_parts_instead_of_gathering():
-    config = tiny_config("phi3")  # 4 heads x 16, 2 kv heads, intermediate 128
+    config = tiny_config("phi3")  # 4 heads x 16, 2 kv heads, intermediate 96
     styles = resolve_styles(plan_names(config), config)
     assert styles["model.layers.*.self_attn.qkv_proj"].parts == (64, 32, 32)
-    assert styles["model.layers.*.mlp.gate_up_proj"].parts == (128, 128)
+    assert styles["model.layers.*.mlp.gate_up_proj"].parts == (96, 96)
     assert isinstance(styles["model.layers.*.mlp.gate_up_proj"], FusedColwiseParallel)
 
 

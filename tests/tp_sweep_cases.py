@@ -4,7 +4,9 @@
 2 KV heads, head_dim 8 so that heads x head_dim != hidden, 2 layers, vocab 256) and, wherever the config
 has the field, a value other than its default for every knob read outside the decoder layers or inside
 attention (biases, rotary, scaling, soft-capping, multipliers, windows, qk-norms, tied embeddings). Dropout
-is zero everywhere (the comparison is exact). Shared by ``test_tp_sweep.py`` and ``bench/coverage.py``.
+is zero everywhere (the comparison is exact). Read through ``parity.tiny_config`` by the TP parity tests
+(``test_tp_sweep.py``, ``test_tp_parity.py``, ``test_tp_lora.py``, ``test_tp_trainer.py``, ``test_parallelize.py``)
+and by ``bench/coverage.py``.
 """
 
 from __future__ import annotations
@@ -72,10 +74,21 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "stablelm:qk_layernorm": ("stablelm", {"qk_layernorm": True}),
     "persimmon:no_qk_layernorm": ("persimmon", {"qk_layernorm": False}),
     "codegen": ("codegen", {}),
+    # what the generic values leave out (every type above ties its head where its default does not): an untied head
+    # (split by columns, or by vocab), and one KV head for all query heads (each TP rank keeps a copy of it)
+    "llama:untied": ("llama", {"tie_word_embeddings": False}),
+    "llama:mqa": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": False}),
+    "qwen2:mqa": ("qwen2", {"num_key_value_heads": 1, "use_sliding_window": True, "max_window_layers": 1}),
+    "qwen3:mqa": ("qwen3", {"num_key_value_heads": 1, "use_sliding_window": True, "max_window_layers": 1,
+                            "tie_word_embeddings": False}),
 }
-"""Named cases ``type:variant``: other layouts of one model type, supported (in ``TP_VARIANTS``) or refused."""
+"""Named cases ``type:variant``: other layouts of one model type, supported (in ``TP_VARIANTS`` or
+``TP_LAYOUT_VARIANTS``) or refused."""
 TP_VARIANTS = ("falcon:mha", "persimmon:no_qk_layernorm")
-"""Variants that TP must run equal to one process; the others must be refused before launch."""
+"""Variants that TP must run equal to one process in the sweep."""
+TP_LAYOUT_VARIANTS = ("llama:untied", "llama:mqa", "qwen2:mqa", "qwen3:mqa")
+"""Variants ``tests/test_tp_parity.py`` runs under sequence, vocab and data parallelism beside TP. Every other
+variant must be refused before launch."""
 
 
 def _has(config, field: str) -> bool:

@@ -14,33 +14,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from parity import tiny_config
+from parity import full_grads, tiny_config
 from tp_sweep_cases import SEQ
 
 STEPS = 3
 LR = 0.1
 BATCH = 2
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient whole and in HF layout (collective for DTensor gradients)."""
-    from torch.distributed.tensor import DTensor
-
-    from hf_dist.state_dict import fused_keys
-    from hf_dist.tensor_parallel.styles import deinterleave_parts
-
-    fused = fused_keys(model)
-    out = {}
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if grad is None:
-            continue
-        if isinstance(grad, DTensor):
-            grad = grad.full_tensor()
-        if name in fused:
-            grad = deinterleave_parts(grad, *fused[name])
-        out[name] = grad.detach().clone()
-    return out
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -72,10 +72,12 @@ def as_loaded(model, **load_kwargs):
 
 
 def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None,
-               trainer_kwargs: dict | None = None, resume: str | None = None, dataset=None, **overrides):
+               trainer_kwargs: dict | None = None, resume: str | None = None, dataset=None, before_train=None,
+               **overrides):
     """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
     DistTrainingArguments, ``trainer_kwargs`` to DistTrainer; ``model`` (built the same on every rank) replaces the
-    tiny Llama; ``resume``: the checkpoint ``train`` resumes from; ``dataset`` replaces ``token_dataset()``."""
+    tiny Llama; ``resume``: the checkpoint ``train`` resumes from; ``dataset`` replaces ``token_dataset()``;
+    ``before_train(trainer)`` runs before ``train`` (an evaluation before the optimizer exists, say)."""
     from hf_dist import DistTrainer, DistTrainingArguments
     from hf_dist.models import build_tiny_model
 
@@ -101,6 +103,8 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
                                            **(model_kwargs or {})))
     trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=dataset if dataset is not None else token_dataset(),
                           **(trainer_kwargs or {}))
+    if before_train is not None:
+        before_train(trainer)
     trainer.train(resume_from_checkpoint=resume)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return losses, full_parameters(trainer), trainer

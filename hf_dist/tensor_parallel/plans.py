@@ -249,7 +249,9 @@ def plan_names(
             # counts: replacing them left its attention computing every head on half the q/k/v columns)
             joins = style.startswith("gather_sequence") and pattern in plan
             plan[pattern] = f"{style}+{plan[pattern]}" if joins else style
-        plan["lm_head"] = "lm_head_from_sequence_shards"
+        # the head's column split where ``_head`` kept it; a whole head (tied, or a vocabulary tp does not divide)
+        # takes the gathered sequence. Splitting a tied head here once untied it from the whole embedding.
+        plan["lm_head"] = "lm_head_from_sequence_shards" if "lm_head" in plan else "whole_lm_head_from_sequence_shards"
     elif family_of(config).tp_sequence_parallel and not lora:
         for pattern, style in REPLICATED_INPUT_OVERLAY.items():
             plan[pattern] = f"{style}+{plan[pattern]}" if pattern in plan else style
@@ -339,6 +341,9 @@ STYLE_BUILDERS = {
     ),
     "lm_head_from_sequence_shards": lambda config: ColwiseParallel(
         input_layouts=_SEQ, output_layouts=Replicate(), use_local_output=True
+    ),
+    "whole_lm_head_from_sequence_shards": lambda config: PrepareModuleInput(
+        input_layouts=(_SEQ,), desired_input_layouts=(Replicate(),), use_local_output=True
     ),
     "vocab_embedding": lambda config: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     "vocab_embedding_to_sequence_shards": lambda config: RowwiseParallel(
