@@ -42,12 +42,6 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
                                     vocab_parallel=self.tp_vocab_parallel, config="DistSFTConfig")
         if why is not None:
             raise ValueError(why)
-        if self.cp_size > 1:  # TRL's loss and metrics take whole-sequence labels against its own logits
-            raise ValueError(
-                f"cp_size={self.cp_size} in DistSFTConfig: TRL's SFT loss and token-accuracy metrics compare the "
-                f"whole sequence's labels with the logits, which context parallelism splits over the cp ranks, and "
-                f"DistSFTTrainer has no CP parity test yet; use DistTrainer with cp_size (completion-only labels "
-                f"as -100), or drop cp_size")
         default_trl_learning_rate(self, SFTConfig)
         super().__post_init__()
 
