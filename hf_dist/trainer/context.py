@@ -4,8 +4,9 @@ The Trainer calls ``_prepare_context_parallel_inputs(model, inputs)`` at the sta
 runs forward and backward inside the context it returns; ``prepare_inputs`` gives it this rank's slice of the
 shifted labels (``hf_dist.context_parallel.inputs.split_targets``) and the model's ``split()`` (the sequence split
 active for forward, backward and recomputation), the batch first padded to a multiple of cp where it is not one
-(``pad_to_slices``: packed rows have any length; the padding changes no figure). The Trainer's own ``num_items_in_batch`` arithmetic, with
-``get_cp_size`` returning the cp degree, weights each rank's loss by tokens (``hf_dist.context_parallel.inputs``).
+(``pad_to_slices``: packed rows have any length; the padding changes no figure). The Trainer's own
+``num_items_in_batch`` arithmetic, with ``get_cp_size`` returning the cp degree, weights each rank's loss by tokens
+(``hf_dist.context_parallel.inputs``).
 
 Evaluation runs the whole sequence on every cp rank (no split: the predictions are whole, for metrics);
 ``eval_loss_share`` corrects the loss the Trainer's arithmetic then over-counts by cp.
