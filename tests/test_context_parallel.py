@@ -277,6 +277,27 @@ def test_support_refuses_by_name_and_by_heads():
         check_cp_support(AutoConfig.for_model("olmoe"), 2)
 
 
+def test_a_row_of_odd_length_is_padded_to_equal_slices_that_change_nothing():
+    """TRL's padding-free batch of 5 positions (documents of 3 and 2) for cp=2: one position is added; the last
+    document grows by it (``position_ids`` / ``seq_idx`` / ``cu_seq_lens`` continue), its label is ignored. That the
+    router aux leaves it out and the run equals one process: ``tests/test_sft_moe.py``."""
+    from hf_dist.context_parallel.inputs import pad_to_slices
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[-100, 6, 7, -100, 9]]),
+             "position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "cu_seq_lens_q": torch.tensor([0, 3, 5]),
+             "max_length_q": 3, "seq_idx": torch.tensor([[0, 0, 0, 1, 1]])}
+    out, extra = pad_to_slices(batch, 2)
+    assert extra == 1 and out["input_ids"].shape == (1, 6)
+    assert out["labels"].tolist() == [[-100, 6, 7, -100, 9, -100]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2]] and out["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert out["cu_seq_lens_q"].tolist() == [0, 3, 6] and out["max_length_q"] == 3
+    assert pad_to_slices(batch, 5) == (batch, 0)  # divisible: untouched
+    masked = {"input_ids": batch["input_ids"], "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    assert pad_to_slices(masked, 4)[0]["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]
+    with pytest.raises(ValueError, match=r"input 'pixel_mask' of shape \(1, 5\) .* cp_size=2: .*pad_to_multiple_of"):
+        pad_to_slices({**batch, "pixel_mask": torch.ones(1, 5)}, 2)
+
+
 def _launch_args(**fields):
     from types import SimpleNamespace
 

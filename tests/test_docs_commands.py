@@ -17,7 +17,7 @@ import pytest
 from hf_dist.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/commands.md", "examples/harbor/README.md")
+DOCS = ("README.md", "docs/commands.md", "examples/harbor/README.md", "examples/moe/README.md")
 
 
 def _plan_commands(text: str) -> list[tuple[str, str | None]]:

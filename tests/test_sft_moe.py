@@ -4,9 +4,14 @@ The model (4 experts, top-2, ``norm_topk_prob`` on, router aux loss on at 0.1 --
 is saved and loaded as users do; SFTTrainer tokenizes a plain-text dataset of varying lengths itself. On 2 gloo
 ranks, in one spawn: EP=2 x FSDP2, EP=2 x DDP, and LoRA (attention and, through PEFT's ``target_parameters``, the
 stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2 saved at step 2 and resumed. On 4 ranks,
-in one spawn: EP=2 inside each of 2 pipeline stages, and EP=2 beside TP=2. Each equals a one-process ``DistSFTTrainer`` on the same global batch and
-micro-batches (per-step losses, evaluation loss -- aux term included, as the model's own loss has it -- and every
-trained weight, routers, norms and experts included, within 1e-5).
+in one spawn: EP=2 inside each of 2 pipeline stages, EP=2 beside TP=2, and EP=2 x CP=2 on TRL's packed, padding-free
+rows (``packing=True``), saved at step 2 and resumed. Each equals a one-process ``DistSFTTrainer`` on the same global
+batch and micro-batches (per-step losses, evaluation loss -- aux term included, as the model's own loss has it -- and
+every trained weight, routers, norms and experts included, within 1e-5).
+
+Under CP each rank routes half of every packed row; the aux loss is the micro-batch's, from router statistics pooled
+over the cp ranks, and a row of odd length is padded by one position that the aux leaves out (counted, it moves the
+evaluation loss by 3e-3 and a weight by 4e-2 after three steps).
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def _run(tokenizer_dir: Path, out: str, *, lora: bool, save_steps: int | None = 
     eval_loss = trainer.evaluate()["eval_loss"]
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log] + [eval_loss]
     return {"losses": losses, "trained": _trained(trainer, lora), "ep": trainer.dims.ep, "tp": trainer.dims.tp,
-            "pp": trainer.dims.pp}
+            "pp": trainer.dims.pp, "cp": trainer.dims.cp}
 
 
 def _rank_runs(rank, world_size, tokenizer_dir, root):
@@ -120,13 +125,34 @@ def _rank_runs(rank, world_size, tokenizer_dir, root):
     return results
 
 
-def _four_rank_runs(rank, world_size, tokenizer_dir):
-    """On 4 ranks: EP=2 inside each of 2 pipeline stages (pp 2 x dp 2: the evaluation loss keeps the aux term), and
-    EP=2 beside TP=2 (tp 2 x dp 2: attention split by TP, experts whole on each TP rank and split by EP)."""
+EP_CP = LAYOUTS["ep_fsdp2"][0] | {"cp_size": 2, "packing": True}
+"""EP=2 x CP=2 on 4 ranks (ep 2 = dp 2, each sequence split over 2 cp ranks), TRL's packing (padding-free rows)."""
+
+
+def _four_rank_runs(rank, world_size, tokenizer_dir, root):
+    """On 4 ranks: EP=2 inside each of 2 pipeline stages (pp 2 x dp 2: the evaluation loss keeps the aux term), EP=2
+    beside TP=2 (tp 2 x dp 2: attention split by TP, experts whole on each TP rank and split by EP), and EP=2 x CP=2
+    on packed rows, saved at step 2 (the run itself is the uninterrupted one) and resumed from there."""
+    from unittest import mock
+
+    from hf_dist.trainer import context
+
     results = {}
     for name, extra in (("ep_pp", {"pp_size": 2, "pp_schedule": "gpipe"}), ("ep_tp", {"tp_size": 2})):
         with tempfile.TemporaryDirectory() as out:
             results[name] = _run(tokenizer_dir, out, lora=False, **extra, **LAYOUTS["ep_fsdp2"][0])
+    padded, pad = [], context.pad_to_slices  # positions the CP step added per micro-batch
+
+    def recording(inputs, size):
+        out, extra = pad(inputs, size)
+        padded.append(extra)
+        return out, extra
+
+    out = f"{root}/ep_cp"  # the same on every rank: the checkpoint is written together
+    with mock.patch.object(context, "pad_to_slices", recording):
+        results["ep_cp"] = _run(tokenizer_dir, out, lora=False, save_steps=SAVE_AT, **EP_CP)
+    results["ep_cp_resumed"] = _run(tokenizer_dir, out, lora=False, resume=f"{out}/checkpoint-{SAVE_AT}", **EP_CP)
+    results["ep_cp"]["padded"] = padded
     return results
 
 
@@ -144,6 +170,8 @@ def references(tokenizer_dir):
     for lora in (False, True):
         with tempfile.TemporaryDirectory() as out:
             refs[lora] = _run(tokenizer_dir, out, lora=lora)
+    with tempfile.TemporaryDirectory() as out:
+        refs["packed"] = _run(tokenizer_dir, out, lora=False, packing=True)
     return refs
 
 
@@ -171,8 +199,8 @@ def test_sft_on_a_moe_equals_one_process(references, distributed, name):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tokenizer_dir):
-    return run_distributed(_four_rank_runs, 4, tokenizer_dir)
+def four_ranks(tokenizer_dir, tmp_path_factory):
+    return run_distributed(_four_rank_runs, 4, tokenizer_dir, str(tmp_path_factory.mktemp("sft_moe_four")))
 
 
 @pytest.mark.parametrize("name", ["ep_pp", "ep_tp"])
@@ -186,3 +214,16 @@ def test_sft_on_a_moe_under_ep_x_pp_and_ep_x_tp_equals_one_process(references, f
     assert sorted(trained) == sorted(reference["trained"])
     for key, value in reference["trained"].items():
         torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("name", ["ep_cp", "ep_cp_resumed"])
+def test_sft_on_packed_rows_under_ep_x_cp_equals_one_process(references, four_ranks, name):
+    reference = references["packed"]
+    assert len(reference["losses"]) == STEPS + 1
+    assert any(p > 0 for p in four_ranks[0]["ep_cp"]["padded"])  # a packed row of odd length was split
+    for result in four_ranks:
+        assert (result[name]["ep"], result[name]["cp"], result[name]["tp"], result[name]["pp"]) == (2, 2, 1, 1)
+        torch.testing.assert_close(result[name]["losses"], reference["losses"], rtol=0, atol=1e-5, msg=name)
+        assert sorted(result[name]["trained"]) == sorted(reference["trained"])
+        for key, value in reference["trained"].items():
+            torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")

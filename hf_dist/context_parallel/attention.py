@@ -73,15 +73,20 @@ class ContextParallelState:
         self.inner = inner
         self.head_params = head_params
         self.active = False
+        self.padding = 0
+        """Positions at the end of each sequence that ``inputs.pad_to_slices`` added in this split (the router aux
+        loss leaves them out)."""
 
     @contextlib.contextmanager
-    def split(self) -> Iterator[None]:
-        """Run forward (and backward, with its recomputations) on this rank's slice of each sequence."""
-        previous, self.active = self.active, True
+    def split(self, padding: int = 0) -> Iterator[None]:
+        """Run forward (and backward, with its recomputations) on this rank's slice of each sequence; ``padding``:
+        the positions ``inputs.pad_to_slices`` appended to make the sequence divide."""
+        previous = self.active, self.padding
+        self.active, self.padding = True, padding
         try:
             yield
         finally:
-            self.active = previous
+            self.active, self.padding = previous
 
     def local(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's contiguous slice of ``tensor`` along the sequence dim."""

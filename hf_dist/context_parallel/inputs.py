@@ -34,6 +34,52 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
 
 
+_PAD_VALUES = {"input_ids": 0, "inputs_embeds": 0, "labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX,
+               "attention_mask": 0, "token_type_ids": 0}
+"""What ``pad_to_slices`` fills each (batch, sequence, ...) input with; ``position_ids`` and ``seq_idx`` continue."""
+_CONTINUED = {"position_ids": 1, "seq_idx": 0}
+"""Inputs whose padding continues each row's last value, by this step."""
+_VARLEN = {"cu_seq_lens_q": "max_length_q", "cu_seq_lens_k": "max_length_k"}
+"""TRL's padding-free boundaries (flash / varlen kernels) and the longest document they imply."""
+
+
+def pad_to_slices(inputs: dict, size: int) -> tuple[dict, int]:
+    """``inputs`` with each sequence padded at its end to a multiple of ``size`` (every cp rank holds an equal
+    slice), and how many positions were added (0: ``inputs`` itself).
+
+    The added positions change no figure of the real tokens: their labels are ignored, their ``attention_mask`` is 0,
+    their ``position_ids`` continue each row (a packed row's last document grows: the causal mask keeps every real
+    token from seeing them; TRL's padding-free ``cu_seq_lens_*``, ``max_length_*`` and ``seq_idx`` grow with it), and
+    the router aux loss leaves them out (``router.PooledRouterLoss`` reads the count from
+    ``ContextParallelState.split(padding=)``). So a packed row of any length trains as one process trains it unpadded.
+    A per-position input this function does not know is refused by name, before any forward."""
+    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    if ids is None or ids.dim() < 2 or ids.shape[1] % size == 0:
+        return inputs, 0
+    rows, length = ids.shape[:2]
+    extra = -length % size
+    out = dict(inputs)
+    for key, value in inputs.items():
+        if key in _VARLEN:
+            out[key] = torch.cat([value[:-1], value[-1:] + extra])
+            if _VARLEN[key] in inputs:
+                out[_VARLEN[key]] = int(out[key].diff().max())
+            continue
+        per_position = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, length)
+        if key in _CONTINUED and per_position:
+            steps = torch.arange(1, extra + 1, device=value.device, dtype=value.dtype) * _CONTINUED[key]
+            out[key] = torch.cat([value, value[:, -1:] + steps], dim=1)
+        elif key in _PAD_VALUES and per_position and (key != "attention_mask" or value.dim() == 2):
+            widths = [0, 0] * (value.dim() - 2) + [0, extra]  # the sequence dim (1) only
+            out[key] = nn.functional.pad(value, widths, value=_PAD_VALUES[key])
+        elif per_position or key in _PAD_VALUES or key in _CONTINUED:
+            raise ValueError(f"input {key!r} of shape {tuple(value.shape)} under context parallelism, sequence length "
+                             f"{length} not divisible by cp_size={size}: hf_dist pads {', '.join(_PAD_VALUES)}, "
+                             f"{', '.join(_CONTINUED)} (batch, sequence, ...) and {', '.join(_VARLEN)}, not this; pad "
+                             f"the batch to a multiple of {size} in the collator (pad_to_multiple_of)")
+    return out, extra
+
+
 def split_targets(inputs: dict, state: ContextParallelState) -> dict:
     """``inputs`` for one context-parallel rank: whole-sequence model inputs, this rank's slice of the shifted
     labels as ``shift_labels`` (``labels`` stays, the model computes a loss only when it is given)."""

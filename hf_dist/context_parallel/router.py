@@ -5,7 +5,8 @@ and the router probabilities per expert, ``hf_dist.models.router``). Under CP ea
 every sequence, so its own ``load_balancing_loss_func`` would see a slice -- and the whole-sequence
 ``attention_mask`` it is handed does not even match the slice's router logits. Instead, while the split is active,
 the model is asked for no router logits (so it computes no aux of its own), the routers' logits are recorded by
-hooks, summed into ``RouterStats`` with this rank's slice of the mask (the one definition the pipeline stages use),
+hooks, summed into ``RouterStats`` with this rank's slice of the mask (the one definition the pipeline stages use;
+positions the training step padded on to make the sequence divide are masked out too),
 all-reduced over the cp group with autograd, and turned into the model's aux by ``aux_from_stats``. The forward then
 returns what one process returns for the micro-batch: ``aux_loss`` the micro-batch's value and ``loss`` with
 ``router_aux_loss_coef x aux_loss`` added (when labels were given).
@@ -61,6 +62,9 @@ class PooledRouterLoss:
             raise ValueError(f"attention_mask of shape {tuple(mask.shape)} under context parallelism with a router "
                              f"aux loss: the aux loss masks tokens by a (batch, sequence) mask; pass a 2-D "
                              f"attention_mask (or none) or set output_router_logits=False")
+        if mask is None and self.state.padding:  # the positions ``inputs.pad_to_slices`` added count for nothing
+            mask = _unpadded(kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None)),
+                             self.state.padding)
         self.mask = None if mask is None else self.state.local(mask)
         self.recorded = []
         kwargs["output_router_logits"] = False  # the model's own aux would see this rank's slice only
@@ -92,3 +96,10 @@ class PooledRouterLoss:
         for logits in recorded:
             stats.add(logits)
         return aux_from_stats(all_reduce(stats.end(), group=self.state.group), self.experts)
+
+
+def _unpadded(ids: torch.Tensor, padding: int) -> torch.Tensor:
+    """A (batch, sequence) mask of ``ids``'s positions: 1, but 0 on the last ``padding``."""
+    mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device)
+    mask[:, ids.shape[1] - padding:] = 0
+    return mask

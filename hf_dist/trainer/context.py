@@ -3,8 +3,10 @@
 The Trainer calls ``_prepare_context_parallel_inputs(model, inputs)`` at the start of every training step and
 runs forward and backward inside the context it returns; ``prepare_inputs`` gives it this rank's slice of the
 shifted labels (``hf_dist.context_parallel.inputs.split_targets``) and the model's ``split()`` (the sequence split
-active for forward, backward and recomputation). The Trainer's own ``num_items_in_batch`` arithmetic, with
-``get_cp_size`` returning the cp degree, weights each rank's loss by tokens (``hf_dist.context_parallel.inputs``).
+active for forward, backward and recomputation), the batch first padded to a multiple of cp where it is not one
+(``pad_to_slices``: packed rows have any length; the padding changes no figure). The Trainer's own
+``num_items_in_batch`` arithmetic, with ``get_cp_size`` returning the cp degree, weights each rank's loss by tokens
+(``hf_dist.context_parallel.inputs``).
 
 Evaluation runs the whole sequence on every cp rank (no split: the predictions are whole, for metrics);
 ``eval_loss_share`` corrects the loss the Trainer's arithmetic then over-counts by cp.
@@ -14,8 +16,10 @@ Not here: the attention exchange and the hooks (``hf_dist.context_parallel``).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from hf_dist.context_parallel import context_parallel_state, split_targets
+from hf_dist.context_parallel.inputs import pad_to_slices
 
 
 @contextlib.contextmanager
@@ -44,7 +48,8 @@ def prepare_inputs(trainer, model, inputs: dict):
     state = context_parallel_state(trainer.model)
     if state is None or not in_training_step(trainer):
         return contextlib.nullcontext, inputs
-    return state.split, split_targets(inputs, state)
+    inputs, padding = pad_to_slices(inputs, state.size)  # a packed row of any length: equal slices
+    return functools.partial(state.split, padding=padding), split_targets(inputs, state)
 
 
 def eval_loss_share(trainer, loss):

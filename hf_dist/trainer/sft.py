@@ -42,12 +42,6 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
                                     vocab_parallel=self.tp_vocab_parallel, config="DistSFTConfig")
         if why is not None:
             raise ValueError(why)
-        if self.cp_size > 1:  # TRL's loss and metrics take whole-sequence labels against its own logits
-            raise ValueError(
-                f"cp_size={self.cp_size} in DistSFTConfig: TRL's SFT loss and token-accuracy metrics compare the "
-                f"whole sequence's labels with the logits, which context parallelism splits over the cp ranks, and "
-                f"DistSFTTrainer has no CP parity test yet; use DistTrainer with cp_size (completion-only labels "
-                f"as -100), or drop cp_size")
         default_trl_learning_rate(self, SFTConfig)
         super().__post_init__()
 
@@ -68,7 +62,8 @@ def default_output_dir(model, suffix: str = "SFT") -> str:
 
 
 class DistSFTTrainer(SFTTrainer, DistTrainer):
-    """``trl.SFTTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, PP, LoRA) and batch contract."""
+    """``trl.SFTTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, PP, EP, CP, LoRA) and batch contract.
+    Under CP TRL's fused LM head scores each rank's slice of the shifted labels (``hf_dist.trainer.context``)."""
 
     def __init__(self, model, args: TrainingArguments | None = None, *positional, **kwargs):
         if args is None:  # where SFTTrainer would write, not the Trainer's "trainer_output"
