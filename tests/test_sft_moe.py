@@ -52,10 +52,17 @@ def _tokenizer(directory: Path):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def _model(tokenizer):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def _model(tokenizer, dense: bool = False):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
     from trainer_harness import as_loaded
 
+    if dense:  # the same attention, a dense MLP: CP through DistSFTTrainer without a router
+        config = Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+        torch.manual_seed(0)
+        return as_loaded(AutoModelForCausalLM.from_config(config))
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -89,7 +96,7 @@ def _trained(trainer, lora: bool) -> dict[str, torch.Tensor]:
 
 
 def _run(tokenizer_dir: Path, out: str, *, lora: bool, save_steps: int | None = None, resume: str | None = None,
-         **layout):
+         dense: bool = False, **layout):
     from datasets import Dataset
 
     from hf_dist.trainer.sft import DistSFTConfig, DistSFTTrainer
@@ -102,7 +109,7 @@ def _run(tokenizer_dir: Path, out: str, *, lora: bool, save_steps: int | None = 
         max_length=24, max_grad_norm=1.0, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=MICRO,
         use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1, **layout,
     )
-    trainer = DistSFTTrainer(model=_model(tokenizer), args=args,
+    trainer = DistSFTTrainer(model=_model(tokenizer, dense), args=args,
                              train_dataset=Dataset.from_dict({"text": texts(48, 0)}),
                              eval_dataset=Dataset.from_dict({"text": texts(8, 1)}), processing_class=tokenizer,
                              peft_config=_lora_config() if lora else None)
@@ -153,6 +160,9 @@ def _four_rank_runs(rank, world_size, tokenizer_dir, root):
         results["ep_cp"] = _run(tokenizer_dir, out, lora=False, save_steps=SAVE_AT, **EP_CP)
     results["ep_cp_resumed"] = _run(tokenizer_dir, out, lora=False, resume=f"{out}/checkpoint-{SAVE_AT}", **EP_CP)
     results["ep_cp"]["padded"] = padded
+    with tempfile.TemporaryDirectory() as out:  # a dense model, CP=2 x dp 2 on packed rows
+        results["dense_cp"] = _run(tokenizer_dir, out, lora=False, dense=True, cp_size=2, packing=True,
+                                   fsdp="full_shard", fsdp_config={"version": 2})
     return results
 
 
@@ -172,6 +182,8 @@ def references(tokenizer_dir):
             refs[lora] = _run(tokenizer_dir, out, lora=lora)
     with tempfile.TemporaryDirectory() as out:
         refs["packed"] = _run(tokenizer_dir, out, lora=False, packing=True)
+    with tempfile.TemporaryDirectory() as out:
+        refs["dense_packed"] = _run(tokenizer_dir, out, lora=False, dense=True, packing=True)
     return refs
 
 
@@ -227,3 +239,16 @@ def test_sft_on_packed_rows_under_ep_x_cp_equals_one_process(references, four_ra
         assert sorted(result[name]["trained"]) == sorted(reference["trained"])
         for key, value in reference["trained"].items():
             torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+def test_sft_on_packed_rows_of_a_dense_model_under_cp_equals_one_process(references, four_ranks):
+    """CP=2 through DistSFTTrainer without a router: the same sequence split, padding and per-rank loss weighting."""
+    reference = references["dense_packed"]
+    assert not any(".mlp.experts." in k for k in reference["trained"])
+    for result in four_ranks:
+        assert (result["dense_cp"]["ep"], result["dense_cp"]["cp"]) == (1, 2)
+        torch.testing.assert_close(result["dense_cp"]["losses"], reference["losses"], rtol=0, atol=1e-5)
+    trained = four_ranks[0]["dense_cp"]["trained"]
+    assert sorted(trained) == sorted(reference["trained"])
+    for key, value in reference["trained"].items():
+        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=key)
