@@ -8,8 +8,9 @@ learning-rate-sized steps) on the same global batch of 4 rows, and measures its 
 matmul's operands and every collective's payload.
 
 Models, loaded from disk as users load theirs (``trainer_harness.as_loaded``): the tiny Llama (hidden 64, 2 layers,
-vocab 256) and, for EP, the tiny Qwen3-MoE of ``ep_cases`` (4 experts, top-3, router aux loss on). ``pure_bf16``
-cases load the model in bf16 (no fp32 copy anywhere); the pipeline needs that, since its stages do not autocast.
+vocab 256) and, for EP, the parity harness's tiny Qwen3-MoE (``parity.tiny_config``: 4 experts, top-3, router aux
+loss on). ``pure_bf16`` cases load the model in bf16 (no fp32 copy anywhere); the pipeline needs that, since its
+stages do not autocast.
 ZeRO runs DeepSpeed's engine with ``ds_configs/zero{2,3}.json`` as ``accelerate launch`` would; its fp32 master is
 made from the module after DeepSpeed casts it to bf16, so its parameters are compared from that start.
 """
@@ -47,11 +48,11 @@ def model(name: str, dtype):
     from hf_dist.models import build_tiny_model
 
     if name == "qwen3_moe":
-        from ep_cases import moe_config
+        from parity import tiny_config, tiny_model
 
-        config = moe_config("qwen3_moe")
+        config = tiny_config("qwen3_moe", "ep")  # the parity harness's EP case
         config.vocab_size = VOCAB
-        built = build_tiny_model(config)
+        built = tiny_model(config)
     else:
         built = build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
     return as_loaded(built.to(dtype))

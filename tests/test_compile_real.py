@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
+
+from parity import Recipe, assert_parity, reference_run
 
 pytestmark = pytest.mark.real_model
 LAYERS, STEPS, SEQ = 2, 2, 16
@@ -31,6 +32,8 @@ def _batch(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _train(model_dir: str, batch: dict[str, torch.Tensor], *, compiled: bool) -> dict:
+    """The parity harness's one-process run (``parity.reference_run``: the model's own loss, AdamW) of the eager
+    or the block-compiled model."""
     from transformers import AutoModelForCausalLM
 
     from hf_dist.compile import CompileRequest, CompileStats, compile_blocks, is_block_compiled
@@ -40,19 +43,9 @@ def _train(model_dir: str, batch: dict[str, torch.Tensor], *, compiled: bool) ->
     model.train()
     if compiled:
         compile_blocks(list(model.model.layers), CompileRequest())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for _ in range(STEPS):
-        loss = model(**batch).loss
-        loss.backward()
-        grads = grads or {k: v.grad.clone() for k, v in model.named_parameters()}  # the first step's
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
+    run = reference_run(model, [[batch]] * STEPS, Recipe(lr=LR), grads=True)
     return {
-        "losses": losses,
-        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
-        "grads": grads,
+        **run,
         "compiled": sum(is_block_compiled(m) for m in model.modules()),
         "stats": CompileStats.now(),
         "vocab": model.config.vocab_size,
@@ -65,9 +58,6 @@ def test_compiled_blocks_equal_eager_on_real_smollm2_layers(demo_model):
     compiled = _train(str(demo_model), batch, compiled=True)
     assert eager["vocab"] == 49152 and eager["compiled"] == 0 and compiled["compiled"] == LAYERS
     assert compiled["stats"].graph_breaks == 0, compiled["stats"].break_reasons
-    assert_close(compiled["losses"], eager["losses"], rtol=0, atol=1e-5)
     assert eager["losses"][1] < eager["losses"][0]  # the steps trained
-    for name, value in eager["grads"].items():
-        assert_close(compiled["grads"][name], value, rtol=1e-5, atol=1e-5, msg=f"first gradient of {name}")
-    for name, value in eager["params"].items():
-        assert_close(compiled["params"][name], value, rtol=0, atol=1e-5, msg=name)
+    assert_parity({**compiled, "state": {}}, {**eager, "state": {}}, state_rtol=1e-5, what="first gradients")
+    assert_parity({**compiled, "grads": {}}, {**eager, "grads": {}}, what="parameters")

@@ -21,7 +21,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing import assert_close
 
 from dist_utils import run_distributed
 from parity import CP_CASES, Recipe, assert_parity, reference_run
@@ -207,36 +206,35 @@ def _eval_loss(trainer) -> float:
 
 
 def _trainer_ranks(rank, world_size, output_dir):
-    from trainer_harness import train_tiny
+    from trainer_harness import trainer_run
 
     out = {}
     for name, extra in TRAINER_CASES.items():
-        losses, params, trainer = train_tiny(f"{output_dir}/{name}", max_steps=STEPS, cp_size=2, **extra)
-        out[name] = {"losses": losses, "params": params, "layout": trainer.args.layout.name,
-                     "dp": trainer.args.batch_contract.dp, "eval_loss": _eval_loss(trainer)}
+        run, trainer = trainer_run(f"{output_dir}/{name}", max_steps=STEPS, cp_size=2, **extra)
+        out[name] = {**run, "layout": trainer.args.layout.name, "dp": trainer.args.batch_contract.dp,
+                     "eval_loss": _eval_loss(trainer)}
     return out
 
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
-    from trainer_harness import train_tiny
+    from trainer_harness import trainer_run
 
     out = tmp_path_factory.mktemp("cp_trainer")
-    losses, params, trainer = train_tiny(str(out / "reference"), max_steps=STEPS)
-    reference = {"losses": losses, "params": params, "eval_loss": _eval_loss(trainer)}
-    return reference, run_distributed(_trainer_ranks, 2, str(out))
+    reference, trainer = trainer_run(str(out / "reference"), max_steps=STEPS)
+    return {**reference, "eval_loss": _eval_loss(trainer)}, run_distributed(_trainer_ranks, 2, str(out))
 
 
 @pytest.mark.parametrize("case", list(TRAINER_CASES))
 def test_dist_trainer_cp_equals_one_process(trainer_runs, case):
+    """Losses, the first step's gradients (the first micro-batch of a ``train()`` call split like every other) and
+    the final parameters, through the harness."""
     reference, results = trainer_runs
     for rank in (0, 1):
         got = results[rank][case]
         assert "cp2" in got["layout"] and got["dp"] == 1  # the cp ranks share one batch
-        assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5)
+        assert_parity(got, reference, rtol=1e-5, state_rtol=1e-5, what=f"rank {rank} {case}")
         assert got["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)  # whole sequences, loss / cp
-        for name, value in reference["params"].items():
-            assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 # -- pure: the rules, before any process group ------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """``hf_dist.from_pretrained`` with ``ep_size=2`` x FSDP2 on 2 gloo ranks: the streaming load fills each rank's
 expert slices from checkpoints in the models' own per-expert key format (``save_pretrained`` output: Mixtral's
 ``block_sparse_moe.experts.N.w1``, Qwen3-MoE's ``mlp.experts.N.gate_proj``), assembled by transformers' converter,
-and the laid-out model equals ``from_pretrained`` in one process."""
+and the laid-out model equals ``from_pretrained`` in one process, every tensor exactly (``parity.assert_parity``,
+router and expert weights required among them). Models: the parity harness's EP cases (``parity.tiny_config``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from dist_utils import run_distributed
+from parity import assert_parity, tiny_config, tiny_model
 
 NAMES = ("mixtral", "qwen3_moe")
 
@@ -29,12 +31,16 @@ def _load(rank, world, root):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from ep_cases import moe_model
-
     root = tmp_path_factory.mktemp("ep_load")
     for name in NAMES:
-        moe_model(name).save_pretrained(root / name)
+        tiny_model(tiny_config(name, "ep")).save_pretrained(root / name)
     return root
+
+
+def _assert_equal(got: dict, expected: dict, name: str, what: str) -> None:
+    """Every tensor (the same keys) exactly equal; a router and an expert weight among them."""
+    assert_parity({"losses": [], "state": got}, {"losses": [], "state": expected}, atol=0,
+                  config=tiny_config(name, "ep"), what=what)
 
 
 def test_streaming_load_gives_each_rank_its_experts(saved):
@@ -49,10 +55,7 @@ def test_streaming_load_gives_each_rank_its_experts(saved):
         for rank, result in enumerate(per_rank):
             got = result[name]
             assert got["local_experts"] == 2 and got["local_rows"] == 2  # 2 of 4 experts; efsdp = 1 keeps them whole
-            assert got["state"].keys() == expected.keys()
-            for key, value in expected.items():
-                torch.testing.assert_close(got["state"][key], value, atol=0, rtol=0,
-                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
+            _assert_equal(got["state"], expected, name, f"{name} rank {rank}")
 
 
 def _load_tp(rank, world, root):
@@ -82,6 +85,4 @@ def test_streaming_load_under_tp_gives_each_rank_its_gate_and_up_slices(saved):
             got = result[name]
             whole = expected["model.layers.0.mlp.experts.gate_up_proj"].shape
             assert got["streamed"] and got["local"] == (whole[0], whole[1] // 2, whole[2])
-            for key, value in expected.items():
-                torch.testing.assert_close(got["state"][key], value, atol=0, rtol=0,
-                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
+            _assert_equal(got["state"], expected, name, f"{name} rank {rank}")

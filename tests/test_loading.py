@@ -4,8 +4,8 @@ Every case builds the reference the ordinary way (transformers' ``from_pretraine
 DistTrainer applies) and the streamed model with ``hf_dist.from_pretrained``, then compares every local shard
 exactly (LoRA adapters included: both paths draw them from the run's seed), the logits, and the logits after one
 AdamW step (1e-6). Models: an untied Llama, a tied-embedding Llama, and Phi-3 (fused ``qkv_proj`` /
-``gate_up_proj``), all tiny, with non-default config values, saved as several safetensors shards. One spawn per
-world size runs all its cases.
+``gate_up_proj``), the parity harness's tiny configs (``parity.tiny_config``: non-default values), saved as several
+safetensors shards. One spawn per world size runs all its cases.
 """
 
 from __future__ import annotations
@@ -15,20 +15,18 @@ import torch
 
 from tests.dist_utils import run_distributed
 
-VOCAB, SEQ, BATCH = 160, 12, 4
+VOCAB, SEQ, BATCH = 128, 12, 4
+"""Token ids are below ``VOCAB``: the smallest vocabulary of the configs here and in ``test_loading_names``."""
 
 
-def tiny_config(arch: str, *, tied: bool = False):
-    import transformers
+def loading_config(arch: str, *, tied: bool = False):
+    """The parity harness's tiny config of ``arch`` (``parity.tiny_config``: the registry's non-default values),
+    its embedding tied or not."""
+    from parity import tiny_config
 
-    common = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied, attn_implementation="sdpa",
-    )
-    if arch == "phi3":
-        return transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
-    return transformers.LlamaConfig(**common)
+    config = tiny_config(arch)
+    config.tie_word_embeddings = tied
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +37,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for name, arch, tied in (("llama", "llama", False), ("tied", "llama", True), ("phi3", "phi3", False)):
         torch.manual_seed(7)
-        model = AutoModelForCausalLM.from_config(tiny_config(arch, tied=tied), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(loading_config(arch, tied=tied), dtype=torch.float32)
         directory = tmp_path_factory.mktemp(name)
         model.save_pretrained(directory, max_shard_size="40KB")
         out[name] = str(directory)

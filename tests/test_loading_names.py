@@ -2,7 +2,8 @@
 
 Checkpoints nobody here wrote in the model's in-memory form: a bare ``LlamaModel`` saved without the ``model.``
 prefix (tied embeddings, so it is a whole causal LM), which must stream like any other; and a Mixtral and a
-Qwen2-MoE, which transformers 5 saves one tensor per expert and assembles while loading: ``hf_dist.from_pretrained``
+Qwen2-MoE (the parity harness's EP cases: router aux loss on, a sliding window, Qwen2-MoE's shared expert and dense
+first layer), which transformers 5 saves one tensor per expert and assembles while loading: ``hf_dist.from_pretrained``
 must stream them too (transformers' converter builds one expert tensor at a time, no fallback warning) and equal
 transformers' ``from_pretrained`` plus the same layout, shard for shard. One 2-rank spawn runs all of them.
 An hrm_text checkpoint, whose fused tensors transformers *splits*, is the one kind left to transformers' loader.
@@ -15,29 +16,9 @@ import logging
 import pytest
 import torch
 
+from parity import tiny_config
 from tests.dist_utils import run_distributed
-from tests.test_loading import BATCH, SEQ, VOCAB, _args, _case, _check, _local_state, _logits, tiny_config
-
-
-def _mixtral_config():
-    import transformers
-
-    return transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=3000.0,
-        router_jitter_noise=0.0, max_position_embeddings=64, attn_implementation="sdpa",
-    )
-
-
-def _qwen2_moe_config():
-    import transformers
-
-    return transformers.Qwen2MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
-        shared_expert_intermediate_size=36, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=5, num_experts_per_tok=3, norm_topk_prob=True, rope_theta=5000.0, max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
+from tests.test_loading import BATCH, SEQ, VOCAB, _args, _case, _check, _local_state, _logits, loading_config
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +26,13 @@ def checkpoints(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(11)
-    tied = AutoModelForCausalLM.from_config(tiny_config("llama", tied=True), dtype=torch.float32)
+    tied = AutoModelForCausalLM.from_config(loading_config("llama", tied=True), dtype=torch.float32)
     bare = tmp_path_factory.mktemp("bare")
     tied.model.save_pretrained(bare)  # keys without the "model." prefix
     mixtral = tmp_path_factory.mktemp("mixtral")
-    AutoModelForCausalLM.from_config(_mixtral_config(), dtype=torch.float32).save_pretrained(mixtral)
+    AutoModelForCausalLM.from_config(tiny_config("mixtral", "ep"), dtype=torch.float32).save_pretrained(mixtral)
     qwen2_moe = tmp_path_factory.mktemp("qwen2_moe")
-    AutoModelForCausalLM.from_config(_qwen2_moe_config(), dtype=torch.float32).save_pretrained(qwen2_moe)
+    AutoModelForCausalLM.from_config(tiny_config("qwen2_moe", "ep"), dtype=torch.float32).save_pretrained(qwen2_moe)
     return {"bare": str(bare), "mixtral": str(mixtral), "qwen2_moe": str(qwen2_moe)}
 
 

@@ -1,12 +1,19 @@
 """A causal LM whose ``loss_type`` is None (GPT-2) trains the token mean of its shifted labels under DistTrainer,
-as it does under PP: the Trainer alone would count one label too many per row."""
+as it does under PP: the Trainer alone would count one label too many per row.
+
+DistTrainer (``trainer_harness.trainer_run``) against the parity harness's reference (``parity.reference_run``,
+the loss over the shifted label tokens of the step) on the micro-batches the Trainer ran: losses, the first step's
+gradients and the parameters after 2 plain SGD steps (AdamW at this learning rate moved two weights 1.2e-5
+apart: its rounding noise, not the loss)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
-from hf_dist import DistTrainer, DistTrainingArguments
+from parity import Recipe, assert_parity, reference_run, tiny_config, tiny_model
+
+STEPS, MICRO, ACCUMULATION, LR = 2, 4, 2, 1e-2
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -24,26 +31,33 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def _model(loss_type):
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = tiny_model(tiny_config("gpt2", "tp"), loaded=True)
     model.loss_type = loss_type
     return model
 
 
-def _losses(trainer_cls, args_cls, model, tmp_path):
-    args = args_cls(str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
-                    learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", seed=0,
-                    disable_tqdm=True, lr_scheduler_type="constant", train_sampling_strategy="sequential")
-    trainer = trainer_cls(model, args, train_dataset=_Rows())
+def _trainer_losses(model, output_dir) -> list[float]:
+    args = TrainingArguments(output_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION,
+                             max_steps=1, learning_rate=LR, logging_steps=1, report_to=[], save_strategy="no",
+                             seed=0, disable_tqdm=True, lr_scheduler_type="constant",
+                             train_sampling_strategy="sequential", use_cpu=True)
+    trainer = Trainer(model, args, train_dataset=_Rows())
     trainer.train()
     return [log["loss"] for log in trainer.state.log_history if "loss" in log and "train_runtime" not in log]
 
 
 def test_gpt2_loss_counts_shifted_labels(tmp_path):
+    from trainer_harness import RecordingCollator, trainer_run
+
     assert _model(None).loss_type is None
-    named = _losses(Trainer, TrainingArguments, _model("ForCausalLM"), tmp_path / "named")
-    plain = _losses(Trainer, TrainingArguments, _model(None), tmp_path / "plain")
-    dist = _losses(DistTrainer, DistTrainingArguments, _model(None), tmp_path / "dist")
+    named = _trainer_losses(_model("ForCausalLM"), tmp_path / "named")
+    plain = _trainer_losses(_model(None), tmp_path / "plain")
     assert abs(plain[0] - named[0]) > 1e-3  # the Trainer alone scales GPT-2's loss by the unshifted count
-    torch.testing.assert_close(dist, named, rtol=1e-5, atol=1e-6)
+    collator = RecordingCollator()
+    run, _ = trainer_run(str(tmp_path / "dist"), model=_model(None), dataset=_Rows(), max_steps=STEPS,
+                         per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION,
+                         learning_rate=LR, optim="sgd", max_grad_norm=0.0, train_sampling_strategy="sequential",
+                         trainer_kwargs={"data_collator": collator})
+    steps = [collator.batches[i * ACCUMULATION:(i + 1) * ACCUMULATION] for i in range(STEPS)]
+    ref = reference_run(_model(None), steps, Recipe(lr=LR, optimizer="sgd"), grads=True)
+    assert_parity(run, ref, what="DistTrainer vs reference, GPT-2 with loss_type None")

@@ -108,3 +108,70 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
     trainer.train(resume_from_checkpoint=resume)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return losses, full_parameters(trainer), trainer
+
+
+# -- the first step of a train() call and of a resumed run ------------------------------------------------------
+
+WRAPPERS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+"""Name parts activation checkpointing, torch.compile and FSDP1 add (the state dict's names have none)."""
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every gradient of ``model`` gathered whole on CPU (collective for DTensors), by state-dict name."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        out[".".join(p for p in name.split(".") if p not in WRAPPERS)] = grad.detach().cpu().clone()
+    return out
+
+
+def first_step_grads():
+    """A callback holding (``.grads``) the gradients the first optimizer step of a ``train()`` call applies (after
+    clipping: what the optimizer reads), gathered whole, and that step's number (``.step``)."""
+    from transformers import TrainerCallback
+
+    class FirstStepGrads(TrainerCallback):
+        grads: dict | None = None
+        step: int | None = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if self.grads is None:
+                self.grads, self.step = full_grads(model), state.global_step + 1
+
+    return FirstStepGrads()
+
+
+def trainer_run(output_dir: str, *, callbacks: list | None = None, **kwargs) -> tuple[dict, object]:
+    """``train_tiny(output_dir, **kwargs)`` (``resume=`` a checkpoint: a resumed run) in ``parity.assert_parity``'s
+    shape: ``losses`` (each logged step of this ``train()`` call), ``grads`` (its first optimizer step's, after
+    clipping) and ``state`` (every parameter at the end); and the trainer. The same call in one process is the
+    reference: a layout's first step and a resumed run's first step are compared with it gradient by gradient.
+    Not under PP (each rank holds its stages' gradients only)."""
+    if kwargs.get("pp_size", 1) > 1:
+        raise ValueError("trainer_run gathers gradients from every rank's whole model; pp_size > 1 holds stages")
+    grads = first_step_grads()
+    trainer_kwargs = dict(kwargs.pop("trainer_kwargs", None) or {})
+    trainer_kwargs["callbacks"] = [grads, *(callbacks or []), *trainer_kwargs.get("callbacks", [])]
+    _, params, trainer = train_tiny(output_dir, trainer_kwargs=trainer_kwargs, **kwargs)
+    assert grads.grads and set(grads.grads) <= set(params), "no first-step gradients, or names not the model's"
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log and log["step"] >= grads.step]
+    return {"losses": losses, "grads": grads.grads, "state": params}, trainer
+
+
+class RecordingCollator:
+    """``transformers.default_data_collator`` keeping every batch it made (``.batches``): the micro-batches a
+    one-process run trained on, for ``parity.reference_run``."""
+
+    def __init__(self):
+        self.batches: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, features):
+        from transformers import default_data_collator
+
+        batch = default_data_collator(features)
+        self.batches.append({k: v.clone() for k, v in batch.items()})
+        return batch
