@@ -35,7 +35,7 @@ from hf_dist.models.reference import reference_step, split_rows
 
 __all__ = [
     "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES",
-    "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "PP_SGD", "Recipe",
     "TP_MOE_CASES", "assert_parity", "case_type", "cases", "default_fields", "masked_batches", "matrix",
     "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
@@ -194,6 +194,9 @@ MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
 PP_ADAMW = Recipe(lr=1e-3)
 """The PP sweeps: AdamW (its default weight decay), no clipping."""
+PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
+"""The PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every step (every case's gradient
+norm stays above ``max_norm``), so the global norm across stages matters and parameters compare gradients."""
 
 
 def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:

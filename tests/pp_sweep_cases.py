@@ -175,6 +175,9 @@ LAYOUTS = {
     # OPT as its checkpoints are laid out: tied, LayerNorm before each block and a final one before project_out,
     # pad id 1 (a padding_idx in the tied embedding), positions from the mask's cumsum; a projection
     # (word_embed_proj_dim 16 != hidden) and an MLP width that is not 4 x hidden
+    # Gemma-2's logits soft-capped hard (0.5: far from its default 30), its attention windowed, untied
+    "gemma2:softcap05": ("gemma2", {"final_logit_softcapping": 0.5, "num_key_value_heads": 2, "sliding_window": 8,
+                                    "tie_word_embeddings": False}),
     "opt:projected": ("opt", {"word_embed_proj_dim": 16, "ffn_dim": 96, "tie_word_embeddings": True,
                               "do_layer_norm_before": True, "pad_token_id": 1}),
 }

@@ -22,14 +22,13 @@ from torch.testing import assert_close
 
 from dist_utils import run_distributed
 from parity import (
-    Recipe, assert_parity, default_fields, masked_batches, pipelined_run, reference_run, tiny_config, tiny_model,
+    PP_SGD, assert_parity, default_fields, masked_batches, pipelined_run, reference_run, tiny_config, tiny_model,
 )
 from pp_sweep_cases import SEQ
 
 SCHEDULE_MICROBATCHES = {"gpipe": 4, "1f1b": 4, "interleaved_1f1b": 8, "interleaved_zb": 8, "zbv": 8}
 ROWS, STEPS = 8, 3
-SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
-"""Plain SGD, clipping active on every step (checked: the global norm across stages matters)."""
+SGD = PP_SGD  # plain SGD, clipping active on every step (checked: the global norm across stages matters)
 MODEL, TIED, FUSED, OPT = "llama:gqa", "llama:gqa_tied", "phi3:fused", "opt:projected"
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
 
