@@ -13,6 +13,8 @@
 - ``layout_run(model, steps)``: its counterpart on the ranks of a model a layout parallelised outside a Trainer
   (dense models: each step one global batch, sliced by data-parallel rank, the loss over the whole batch's tokens);
   returns what ``reference_run`` returns, gathered whole (``full_grads``, ``full_state_dict``).
+- ``pipelined_run(pipe, steps, recipe)``: the same training with a ``PipelinedCausalLM`` (the PP layout side, in the
+  shape ``assert_parity`` reads).
 - ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
   the same keys on both sides, router and expert weights named so a comparison that skipped them fails.
 - ``matrix()``: the (model type, parallelism) cells the harness has cases for, generated from the case lists
@@ -36,9 +38,10 @@ from hf_dist.models.reference import IGNORE_INDEX, reference_step, split_rows
 
 __all__ = [
     "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES",
-    "LEFT_AT_DEFAULT", "MOE_CP_CASES", "MOE_ADAMW", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "Recipe",
+    "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_CP_CASES", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "PP_SGD", "Recipe",
     "TP_MOE_CASES", "TP_SGD", "assert_parity", "case_type", "cases", "default_fields", "full_grads", "layout_run",
-    "masked_batches", "matrix", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
+    "masked_batches", "matrix", "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config",
+    "tiny_model",
 ]
 
 # -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
@@ -128,6 +131,8 @@ def tiny_config(case: str, parallelism: str | None = None):
             return pp.hybrid_config(case)
         if case in pp.NAMED:
             return pp.named_config(case)
+        if case in pp.LAYOUTS:
+            return pp.layout_config(case)
         return pp.moe_config(case) if record.kind == "moe" else pp.non_default_config(case)
     if parallelism == "ep_tp":
         return moe_config(case, aux=EP_TP_AUX)
@@ -196,6 +201,9 @@ PP_ADAMW = Recipe(lr=1e-3)
 TP_SGD = Recipe(lr=0.1, optimizer="sgd", max_norm=0.5)
 """The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
 ``max_norm``)."""
+PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
+"""The PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every step (every case's gradient
+norm stays above ``max_norm``), so the global norm across stages matters and parameters compare gradients."""
 
 
 def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -203,13 +211,15 @@ def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict
     return split_rows(batch, world)[rank]
 
 
-def masked_batches(vocab: int, seq: int, steps: int) -> list[dict[str, torch.Tensor]]:
-    """Fresh rows every step (seeded by the step): 4 right-padded rows of lengths ``seq``, ``seq - 5``, ``seq // 2``,
-    ``seq - 1``, labels ``-100`` on the padding (the micro-batches count different tokens)."""
+def masked_batches(vocab: int, seq: int, steps: int, rows: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Fresh rows every step (seeded by the step): ``rows`` right-padded rows of lengths ``seq``, ``seq - 5``,
+    ``seq // 2``, ``seq - 1``, then the same four 3 shorter for the next four rows and so on (at least 2), labels
+    ``-100`` on the padding (the micro-batches and the data-parallel halves count different tokens)."""
     out = []
+    base = torch.tensor([seq, seq - 5, seq // 2, seq - 1])
+    lengths = (base.repeat((rows + 3) // 4)[:rows] - 3 * (torch.arange(rows) // 4)).clamp(min=2)
     for step in range(steps):
-        ids = torch.randint(0, vocab, (4, seq), generator=torch.Generator().manual_seed(step))
-        lengths = torch.tensor([seq, seq - 5, seq // 2, seq - 1])
+        ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(step))
         mask = (torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)).long()
         out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     return out
@@ -220,14 +230,16 @@ def reference_run(model, steps: Sequence[Sequence[Mapping[str, torch.Tensor]]], 
     """Train ``model`` in this process: each step runs its micro-batches through ``reference_step`` (loss summed
     over their label tokens over the step's, router aux loss per micro-batch), clips, and steps ``recipe``'s
     optimizer. Returns ``losses`` and ``norms`` per step (norms only with clipping), ``state`` (the state dict
-    after the last step) and, with ``grads``, the first step's gradients by parameter name."""
+    after the last step) and, with ``grads``, the first step's gradients by parameter name (a tied weight under each
+    of its names, as the layout canary compares them)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = recipe.optimizer_for(params)
     out: dict = {"losses": [], "norms": []}
     for index, micro_batches in enumerate(steps):
         out["losses"].append(reference_step(model, micro_batches, aux=aux))
         if grads and index == 0:
-            out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            out["grads"] = {n: p.grad.detach().clone()
+                            for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
         if recipe.max_norm is not None:
             out["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, recipe.max_norm)))
         optimizer.step()
@@ -277,6 +289,34 @@ def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recip
         optimizer.step()
         optimizer.zero_grad()
     out["state"] = full_state_dict(model)
+    return out
+
+
+def pipelined_run(pipe, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recipe, *, dp_rank: int = 0,
+                  dp: int = 1, grads: bool = False) -> dict:
+    """``reference_run``'s training with a ``PipelinedCausalLM`` on every rank of its group: each step's global batch,
+    this data-parallel rank's rows (``slice_rows``) through ``pipe.train_step``, clipping over every stage
+    (``pipe.clip_grad_norm_``), ``recipe``'s optimizer. Returns ``losses`` and ``norms`` as this rank sees them,
+    ``state`` (``gather_state_dict``: the whole model on rank 0, None elsewhere) and, with ``grads``, the first step's
+    gradients of this rank's stages, whole and in the model's layout (``hf_dist.state_dict.hf_layout``: collective
+    over the stage's tp / dp ranks), by parameter name."""
+    from hf_dist.pipeline_parallel import gather_state_dict
+    from hf_dist.state_dict import fused_keys, hf_layout
+
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    optimizer = recipe.optimizer_for(params)
+    out: dict = {"losses": [], "norms": []}
+    fused = {key: parts for stage in pipe.modules for key, parts in fused_keys(stage).items()}
+    for index, batch in enumerate(steps):
+        out["losses"].append(float(pipe.train_step(slice_rows(batch, dp_rank, dp))))
+        if grads and index == 0:
+            out["grads"] = {n: hf_layout(n, p.grad, fused).clone() for stage in pipe.modules  # tied: each name
+                            for n, p in stage.named_parameters(remove_duplicate=False) if p.grad is not None}
+        if recipe.max_norm is not None:
+            out["norms"].append(float(pipe.clip_grad_norm_(recipe.max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+    out["state"] = gather_state_dict(pipe)
     return out
 
 

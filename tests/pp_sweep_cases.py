@@ -159,3 +159,38 @@ def moe_config(model_type: str):
     for key, value in MOE[model_type].items():  # tiny_twin must not undo them
         setattr(config, key, value)
     return config
+
+
+# The layout tests' cases (tests/test_pp_parity.py and the other ``test_pp_*`` files: schedules, PP x DP / TP,
+# LoRA, save, eval): what each proves beyond the sweep is named with it. The values are re-applied after
+# ``tiny_twin`` (it must not undo them).
+LAYOUTS = {
+    # grouped-query attention (2 kv heads for 4), untied head (TP x PP refuses tied embeddings), attention bias
+    "llama:gqa": ("llama", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": False}),
+    # the same, tied: the embedding's copy on the last stage (gradients summed between the copies)
+    "llama:gqa_tied": ("llama", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True}),
+    # fused qkv_proj / gate_up_proj (sharded part by part under TP), a window shorter than SEQ, untied
+    "phi3:fused": ("phi3", {"num_key_value_heads": 2, "sliding_window": 8, "intermediate_size": 96,
+                            "tie_word_embeddings": False}),
+    # OPT as its checkpoints are laid out: tied, LayerNorm before each block and a final one before project_out,
+    # pad id 1 (a padding_idx in the tied embedding), positions from the mask's cumsum; a projection
+    # (word_embed_proj_dim 16 != hidden) and an MLP width that is not 4 x hidden
+    # Gemma-2's logits soft-capped hard (0.5: far from its default 30), its attention windowed, untied
+    "gemma2:softcap05": ("gemma2", {"final_logit_softcapping": 0.5, "num_key_value_heads": 2, "sliding_window": 8,
+                                    "tie_word_embeddings": False}),
+    "opt:projected": ("opt", {"word_embed_proj_dim": 16, "ffn_dim": 96, "tie_word_embeddings": True,
+                              "do_layer_norm_before": True, "pad_token_id": 1}),
+}
+
+
+def layout_config(name: str):
+    """The ``LAYOUTS`` case ``name``: its model type made tiny (``tiny_twin``: dropout 0) with its values kept."""
+    from transformers import AutoConfig
+
+    from hf_dist.models.twin import tiny_twin
+
+    model_type, values = LAYOUTS[name]
+    config = tiny_twin(AutoConfig.for_model(model_type, **values))
+    for key, value in values.items():
+        setattr(config, key, value)
+    return config

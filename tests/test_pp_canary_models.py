@@ -1,6 +1,7 @@
 """The layout canary on the model types it refused or crashed on (issue 27, cases 3-5), on 2 gloo ranks, PP=2.
 
-- MoE with the router aux loss (qwen3_moe, mixtral, gpt_oss; ``output_router_logits=True``, coefficient 0.5):
+- MoE with the router aux loss (qwen3_moe, mixtral, gpt_oss: the harness's PP cases, ``parity.tiny_config``, aux on
+  at coefficient 5):
   the pipeline weighs each micro-batch's aux (``coef x mean over micro-batches``, as the model, the Trainer and
   tests/test_pp_moe.py do), so the canary's reference must too (``hf_dist.models.reference``); with the aux over
   the whole batch it refused these correct pipelines. A pipeline weighing ``coef x sum`` (the Trainer's old
@@ -19,25 +20,23 @@ from torch.testing import assert_close
 from dist_utils import run_distributed
 from hf_dist.models.reference import reference_step, split_rows
 from hf_dist.pipeline_parallel.pipeline import PipelinedCausalLM
+from parity import tiny_config
 
-COEF = 0.5
-MOE = {
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
-}
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 DEEPSEEK = {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
             "first_k_dense_replace": 1, "moe_intermediate_size": 16, "num_attention_heads": 4}
 
 
 def user_config(name: str):
-    """The configs of the issue, as a user writes them (the canary shrinks them to its twin)."""
+    """The configs of the issue: the MoE types' PP parity cases (``parity.tiny_config``: aux loss on), the others as
+    a user writes them (the canary shrinks them to its twin)."""
     from transformers import AutoConfig
 
     kind, _, variant = name.partition(":")
     if kind == "moe":
-        return AutoConfig.for_model(variant, hidden_size=64, num_hidden_layers=4, output_router_logits=True,
-                                    router_aux_loss_coef=COEF, **MOE[variant])
+        config = tiny_config(variant, "pp")
+        assert config.output_router_logits and config.router_aux_loss_coef >= 1, variant  # the aux term matters
+        return config
     if kind == "deepseek_v3":
         hidden, layers = {"h64l4": (64, 4), "h32l2": (32, 2)}[variant]
         return AutoConfig.for_model("deepseek_v3", hidden_size=hidden, num_hidden_layers=layers, **DEEPSEEK)

@@ -20,7 +20,18 @@ from hf_dist.pipeline_parallel import (
 )
 from hf_dist.pipeline_parallel import schedules as schedules_module
 from hf_dist.pipeline_parallel.token_loss import count_loss_tokens
-from pp_harness import padded_batch, tiny_model
+from parity import masked_batches, tiny_config, tiny_model
+from pp_sweep_cases import SEQ
+
+
+def _model(case: str = "llama:gqa"):
+    """The harness's PP case (grouped kv heads, attention bias; ``llama:gqa_tied`` tied)."""
+    return tiny_model(tiny_config(case, "pp"))
+
+
+def _rows(rows: int, step: int) -> dict[str, torch.Tensor]:
+    """``rows`` right-padded rows of the harness's batches (step ``step``)."""
+    return masked_batches(tiny_config("llama:gqa", "pp").vocab_size, SEQ, step + 1, rows=rows)[step]
 
 
 def _layers(sizes):
@@ -116,8 +127,8 @@ def test_theoretical_utilisation():
 
 
 def test_stages_in_sequence_equal_the_whole_model_with_padding():
-    model = tiny_model()
-    batch = padded_batch(4, seed=3)
+    model = _model()
+    batch = _rows(4, step=3)
     assert (batch["attention_mask"] == 0).any()  # the mask path is exercised
     with torch.no_grad():
         ref = model(**batch)
@@ -135,7 +146,7 @@ def test_stages_in_sequence_equal_the_whole_model_with_padding():
 
 
 def test_stage_keys_are_hf_keys():
-    model = tiny_model()
+    model = _model()
     layers, embed, head = stage_units(model)
     plan = plan_stages(layers, pp_size=2, embed_size=embed, head_size=head)
     keys = set()
@@ -148,7 +159,7 @@ def test_tied_embeddings_refused_where_one_copy_cannot_be_kept():
     from hf_dist import ParallelDims
     from hf_dist.pipeline_parallel.tied import TiedEmbeddingSync, is_tied
 
-    assert is_tied(tiny_model(tie_word_embeddings=True)) and not is_tied(tiny_model())
+    assert is_tied(_model("llama:gqa_tied")) and not is_tied(_model())
     loop = plan_stages(_layers([1] * 4), pp_size=2)
     with pytest.raises(ValueError, match="tied embeddings with tp=2 and pp=2"):
         TiedEmbeddingSync(ParallelDims(world_size=4, pp=2, tp=2), loop, 0)
@@ -178,8 +189,8 @@ def test_pad_to_bucket_keeps_every_real_token_output():
     """Padded batches (mask, packed position_ids, neither) give the real tokens the same logits and loss."""
     from hf_dist.pipeline_parallel.pipeline import pad_to_bucket
 
-    model = tiny_model().eval()
-    masked = padded_batch(2, seed=5)
+    model = _model().eval()
+    masked = _rows(2, step=5)
     packed = {"input_ids": masked["input_ids"], "labels": masked["input_ids"],
               "position_ids": torch.cat([torch.arange(12), torch.arange(20)]).expand(2, -1)}
     plain = {"input_ids": masked["input_ids"]}

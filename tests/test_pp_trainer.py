@@ -1,4 +1,10 @@
-"""DistTrainer with pp_size=2 on 2 gloo ranks against a single-process HF Trainer: losses, grad norms, eval, save."""
+"""DistTrainer with pp_size=2 on 2 gloo ranks against a single-process HF Trainer: losses, grad norms, eval, save.
+
+The model is the harness's case (``parity.tiny_config("llama:gqa", "pp")``, loaded from disk as users load theirs),
+the rows padded to different lengths (``parity.masked_batches``); both Trainers run plain SGD with clipping active,
+so the saved parameters compare the gradients (``parity.assert_parity``: 1e-5; logged losses to 1e-4, as the
+Trainer rounds them).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,22 @@ import pytest
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from pp_harness import LR, MAX_NORM, PaddedDataset, tiny_model
+from parity import PP_SGD, assert_parity, masked_batches, tiny_config, tiny_model
+from pp_sweep_cases import SEQ
 
+CASE = "llama:gqa"
 STEPS, GLOBAL_BATCH, MICRO = 4, 8, 2
 TRAIN_ROWS = 28  # the 4th step's batch is short (4 rows): the pipeline runs 2 micro-batches instead of 4
+
+
+def _rows(n: int, seed: int) -> list[dict]:
+    """``n`` right-padded rows (``masked_batches``), the same on every rank: token counts differ per micro-batch."""
+    batch = masked_batches(tiny_config(CASE, "pp").vocab_size, SEQ, seed + 1, rows=n)[seed]
+    return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+
+
+def _model():
+    return tiny_model(tiny_config(CASE, "pp"), loaded=True)
 
 
 def _metrics() -> dict:
@@ -22,9 +40,10 @@ def _common_args(output_dir: str) -> dict:
     return dict(
         output_dir=output_dir,
         max_steps=STEPS,
-        learning_rate=LR,
+        learning_rate=PP_SGD.lr,
+        optim="sgd",
         lr_scheduler_type="constant",
-        max_grad_norm=MAX_NORM,
+        max_grad_norm=PP_SGD.max_norm,
         logging_steps=1,
         save_strategy="no",
         eval_strategy="no",
@@ -54,10 +73,10 @@ def _pp_trainer(rank, world_size, output_dir, schedule):
     )
     assert (args.gradient_accumulation_steps, args.pp_microbatches, args.per_device_train_batch_size) == (1, 4, MICRO)
     trainer = DistTrainer(
-        model=tiny_model(),
+        model=_model(),
         args=args,
-        train_dataset=PaddedDataset(TRAIN_ROWS, seed=1),
-        eval_dataset=PaddedDataset(8, seed=2),
+        train_dataset=_rows(TRAIN_ROWS, seed=1),
+        eval_dataset=_rows(8, seed=2),
         **_metrics(),
     )
     assert trainer._train_batch_size == GLOBAL_BATCH  # one data-loader batch = all micro-batches of a step
@@ -72,10 +91,10 @@ def _reference(output_dir: str):
 
     args = TrainingArguments(**_common_args(output_dir), per_device_train_batch_size=GLOBAL_BATCH, use_cpu=True)
     trainer = Trainer(
-        model=tiny_model(),
+        model=_model(),
         args=args,
-        train_dataset=PaddedDataset(TRAIN_ROWS, seed=1),
-        eval_dataset=PaddedDataset(8, seed=2),
+        train_dataset=_rows(TRAIN_ROWS, seed=1),
+        eval_dataset=_rows(8, seed=2),
         **_metrics(),
     )
     trainer.train()
@@ -86,21 +105,18 @@ def _reference(output_dir: str):
 def test_dist_trainer_pp2_matches_single_process_trainer(tmp_path, schedule):
     results = run_distributed(_pp_trainer, 2, str(tmp_path / "pp"), schedule)
     ref_losses, ref_norms, ref_eval, ref_model = _reference(str(tmp_path / "ref"))
-    assert len(ref_losses) == STEPS and min(ref_norms) > MAX_NORM  # clipping active: the global norm matters
-    for losses, norms, metrics in results:  # every rank logs the last stage's loss
-        # the Trainer rounds logged losses to 4 significant digits
-        assert_close(losses, ref_losses, atol=1e-4, rtol=0)
-        assert_close(norms, ref_norms, atol=1e-5, rtol=1e-5)
+    assert len(ref_losses) == STEPS and min(ref_norms) > PP_SGD.max_norm  # clipping active: the global norm matters
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final").state_dict()
+    ref = {"losses": ref_losses, "norms": ref_norms, "state": ref_model.state_dict()}
+    for rank, (losses, norms, metrics) in enumerate(results):  # every rank logs the last stage's loss
+        # the Trainer rounds logged losses to 4 significant digits; the saved parameters to 1e-5
+        assert_parity({"losses": losses, "norms": norms, "state": saved}, ref, atol=1e-4, state_atol=1e-5,
+                      what=f"rank {rank}")
         assert_close(metrics["eval_loss"], ref_eval["eval_loss"], atol=1e-5, rtol=0)
         # perplexity from logits (compute_metrics): the logits reach every rank
         assert_close(metrics["eval_perplexity"], ref_eval["eval_perplexity"], atol=1e-4, rtol=1e-6)
-
-    from transformers import AutoModelForCausalLM
-
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
-    ref_state = ref_model.state_dict()
-    for key, value in saved.state_dict().items():
-        assert_close(value, ref_state[key], atol=1e-4, rtol=0, msg=key)
 
 
 def _fake_args(**values):
@@ -184,7 +200,7 @@ def _bare_pp_rank(rank, world_size, model_dir, output_dir):
     args = DistTrainingArguments(output_dir=output_dir, pp_size=2, max_steps=1, report_to=[], save_strategy="no",
                                  disable_tqdm=True, dataloader_num_workers=0, layout_canary=False)
     model = hf_dist.from_pretrained(model_dir, args)
-    trainer = DistTrainer(model=model, args=args, train_dataset=PaddedDataset(16, seed=1))
+    trainer = DistTrainer(model=model, args=args, train_dataset=_rows(16, seed=1))
     result = trainer.train()
     return (args.per_device_train_batch_size, args.pp_microbatches, args.batch_contract.global_batch_size,
             result.training_loss)
@@ -192,7 +208,7 @@ def _bare_pp_rank(rank, world_size, model_dir, output_dir):
 
 def test_bare_pp_size_2_runs_through_from_pretrained_and_the_trainer(tmp_path):
     model_dir = tmp_path / "model"
-    tiny_model().save_pretrained(model_dir)
+    _model().save_pretrained(model_dir)
     results = run_distributed(_bare_pp_rank, 2, str(model_dir), str(tmp_path / "out"))
     assert [r[:3] for r in results] == [(4, 2, 8)] * 2  # the default micro batch 8 split in 2: global batch 8
     assert results[0][3] == results[1][3] and results[0][3] > 0
