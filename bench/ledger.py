@@ -27,9 +27,18 @@ from ledger_cases import LAYOUTS, STEPS  # noqa: E402
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "zero3": "ZeRO-3", "tp": "TP=2", "tp_sp": "TP=2+SP", "pp": "PP=2",
           "ep_fsdp2": "EP=2 x FSDP2", "cp": "CP=2"}
 EXPLAINED: dict[tuple[str, str, bool, str], str] = {
-    ("fsdp2", "all_gather", False, "float32"): "below 1: the root stays gathered from forward to backward and the "
-        "last block is not resharded after forward (hf_dist's prefetch): 4 gathers, not 6",
-    ("ep_fsdp2", "all_gather", False, "float32"): "below 1: as FSDP2, root and last block kept gathered",
+    ("fsdp2", "all_gather", False, "float32"): "below 1: the head and the root stay gathered from forward to "
+        "backward and the last block is not resharded after forward (hf_dist's prefetch): 7 gathers, not 10, the "
+        "root's (the final norm alone) under 1 KiB",
+    ("fsdp2", "reduce_scatter", False, "float32"): "count: the root's reduce-scatter (the final norm alone) is under "
+        "1 KiB, a small row",
+    ("fsdp2", "all_gather", True, "float32"): "the root's gather: the final norm alone (the head and the untied "
+        "embedding are units of their own)",
+    ("fsdp2", "reduce_scatter", True, "float32"): "the root's reduce-scatter: the final norm's gradient alone",
+    ("ep_fsdp2", "all_gather", True, "float32"): "as FSDP2: the root's gather, the final norm alone",
+    ("ep_fsdp2", "reduce_scatter", True, "float32"): "as FSDP2: the final norm's gradient alone",
+    ("ep_fsdp2", "all_gather", False, "float32"): "below 1: as FSDP2, head, root and last block kept gathered",
+    ("ep_fsdp2", "reduce_scatter", False, "float32"): "count: as FSDP2, the root's (final norm) is a small row",
     ("tp", "all_reduce", False, "float32"): "+1 beyond Megatron's per-block count: the lm_head's input gradient "
         "(a column-parallel head with gathered logits)",
     ("tp", "all_gather", False, "float32"): "the logits gathered over the vocabulary shards for the loss "

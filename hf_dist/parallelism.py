@@ -18,8 +18,8 @@ rank's slice of them) and is divided by ``dp x cp``, as every other gradient is 
 
 The FSDP root -- one decision, made here. During training the root keeps its parameters gathered between forward
 and backward (FSDP2's default: backward needs them first), and the blocks follow the request's
-``reshard_after_forward``. An input embedding not tied to the head is a unit of its own that follows the request too
-(``_shard_embedding``): in the root its whole weight would stay gathered through the step. A forward run without
+``reshard_after_forward``. An input embedding and an lm_head not tied to each other are units of their own
+(``_shard_edges``): in the root their whole weights would stay gathered through the step. A forward run without
 autograd (evaluation, generation) is followed by no backward to reshard, and while gathered the parameters
 registered on a module are the unsharded ones: an optimizer built then (the Trainer builds it in ``train()``, after
 any ``evaluate()``) would hold them and update tensors FSDP throws away. So every FSDP unit reshards at the end of
@@ -73,6 +73,9 @@ class FsdpRequest:
     explicit_prefetch: bool = True
     """Each block all-gathers the next one in forward, the previous one in backward; the last block stays gathered
     after forward (``hf_dist.data_parallel.fsdp_prefetch``). False: FSDP2's implicit prefetch only."""
+    head_unit: bool = True
+    """An untied lm_head is an FSDP unit of its own (``_shard_edges``). False keeps it in the root, gathered through the
+    root's forward: for a loss that reads the head's weight outside any forward of the head (TRL's fused LM head)."""
 
     def as_fields(self) -> dict[str, object]:
         """The ``DistTrainingArguments`` fields that carry this request (the only writer of them)."""
@@ -101,6 +104,7 @@ class FsdpRequest:
             dp_shard=getattr(args, "fsdp2_dp_shard", None),
             source="DistTrainingArguments.fsdp2",
             explicit_prefetch=getattr(args, "fsdp2_explicit_prefetch", True),
+            head_unit=not getattr(args, "reads_lm_head_weight", False),
         )
 
 
@@ -220,7 +224,7 @@ def apply_fsdp(
         reshard = reshard_after_forward(i, len(units), requested=request.reshard_after_forward,
                                         explicit_prefetch=request.explicit_prefetch)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    edges = _shard_embedding(model, request, kwargs) if whole_model else []
+    edges = _shard_edges(model, request, kwargs) if whole_model else []
     fully_shard(model, reshard_after_forward=False, **kwargs)
     if request.explicit_prefetch:
         set_explicit_prefetch(units)
@@ -234,29 +238,40 @@ def apply_fsdp(
     return model
 
 
-def _shard_embedding(model: nn.Module, request: FsdpRequest, kwargs: dict) -> list[nn.Module]:
-    """The input embedding as an FSDP unit of its own (``[embedding]``), where it is not tied to the head.
+def _shard_edges(model: nn.Module, request: FsdpRequest, kwargs: dict) -> list[nn.Module]:
+    """The input embedding and the lm_head as FSDP units of their own, where they are not tied to each other.
 
-    In the root, its whole weight would stay gathered from the start of forward to the end of backward, and its
-    gradient would wait for the root's reduce-scatter together with the head's. As a unit it is freed after forward
-    (``request.reshard_after_forward``), gathered again for its backward and reduced on its own: transformers' own
-    FSDP plan (``free_full_weight``) does the same. The head stays in the root: the chunked loss and TRL's fused LM
-    head read its weight outside its ``forward``, which gathers only the root's parameters. A tied embedding is the
-    head's Parameter, which one unit must own: it stays in the root too.
+    In the root, their whole weights would stay gathered from the start of forward to the end of backward, and their
+    gradients would wait for the root's reduce-scatter. As a unit the embedding is freed after forward
+    (``request.reshard_after_forward``), gathered again for its backward and reduced on its own; the head, the last
+    forward and the first backward, stays gathered between the two (``reshard_after_forward=False``) and is reduced
+    right after its backward. transformers' own FSDP plan frees and reduces them the same way. The chunked loss reads
+    the head's weight outside its ``forward``, so it runs as a registered forward method of the head's unit
+    (``hf_dist.loss.chunked.gather_head_for_loss``). A head that TRL's fused LM head reads directly stays in the root
+    (``request.head_unit``), as does a tied pair: one Parameter, which one unit must own.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from hf_dist.loss.chunked import gather_head_for_loss
 
     base = unwrap_peft(model)
     try:
         embed, head = base.get_input_embeddings(), base.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         return []
-    weight = getattr(embed, "weight", None)
-    if (not isinstance(embed, nn.Module) or isinstance(embed, FSDPModule) or weight is None
-            or weight is getattr(head, "weight", None)):
+    weight, head_weight = getattr(embed, "weight", None), getattr(head, "weight", None)
+    if weight is None or weight is head_weight:
         return []
-    fully_shard(embed, reshard_after_forward=request.reshard_after_forward, **kwargs)
-    return [embed]
+    edges = []
+    if isinstance(embed, nn.Module) and not isinstance(embed, FSDPModule):
+        fully_shard(embed, reshard_after_forward=request.reshard_after_forward, **kwargs)
+        edges.append(embed)
+    if (request.head_unit and isinstance(head, nn.Module) and not isinstance(head, FSDPModule)
+            and isinstance(head_weight, nn.Parameter)):
+        fully_shard(head, reshard_after_forward=False, **kwargs)
+        gather_head_for_loss(head)
+        edges.append(head)
+    return edges
 
 
 def _keep_class_name(model: nn.Module) -> None:

@@ -65,7 +65,7 @@ def _shape(model, args, dims, flops_per_token: float) -> tuple[object, float]:
     micro = args.pp_microbatches if dims.pp_enabled else args.gradient_accumulation_steps
     shape = StepShape(layers=c.num_hidden_layers, hidden=c.hidden_size, q_dim=c.num_attention_heads * head_dim,
                       kv_dim=c.num_key_value_heads * head_dim,
-                      units=c.num_hidden_layers + (1 if c.tie_word_embeddings else 2),  # + root, untied embedding
+                      units=c.num_hidden_layers + (1 if c.tie_word_embeddings else 3),  # + root, untied embedding and head
                       param_bytes=sum(size(p) for p in model.parameters()),
                       expert_param_bytes=experts, tokens_per_micro=args.per_device_train_batch_size * SEQ,
                       micro_batches=micro, top_k=getattr(c, "num_experts_per_tok", 0),

@@ -144,6 +144,42 @@ def test_refuses_bad_shapes_and_chunks():
         linear_cross_entropy(hidden, weight, None, torch.zeros(2, 3, dtype=torch.long), chunk_tokens=0)
 
 
+def _head_unit_grads(rank, world_size):
+    """The chunked loss's loss and gradients with the untied head an FSDP2 unit of its own (one rank: every shard is
+    the whole tensor, so a weight read past FSDP2's gather fails and a missing reduce-scatter leaves a gradient None).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from hf_dist import ParallelDims, parallelize
+    from hf_dist.loss.chunked import HEAD_LOSS_METHOD
+
+    model = _model("llama")
+    dims = ParallelDims(world_size=world_size, dp_shard=world_size)
+    dims.build_mesh("cpu")
+    parallelize(model, dims, fsdp=True)
+    head = model.get_output_embeddings()
+    assert isinstance(head, FSDPModule) and hasattr(head, HEAD_LOSS_METHOD) and model.model.norm.weight.ndim == 1
+    ids, labels = _batch()
+    chunked = ChunkedCausalLMLoss(model, chunk_tokens=5)
+    loss, grads = _loss_and_grads(model, chunked, input_ids=ids, labels=labels)
+    assert chunked.refusal is None and chunked.verified
+    return loss, {name: grad.full_tensor() for name, grad in grads.items()}, head.weight.to_local().shape
+
+
+def test_an_untied_head_as_its_own_fsdp2_unit_gets_the_same_gradients():
+    """The loss runs as the head unit's registered forward method: gathered around it, its gradient reduced after."""
+    model = _model("llama")
+    ids, labels = _batch()
+    ref_loss, ref_grads = _loss_and_grads(model, ChunkedCausalLMLoss(model, chunk_tokens=5), input_ids=ids,
+                                          labels=labels)
+    ((loss, grads, head_shard),) = run_distributed(_head_unit_grads, 1)
+    assert head_shard == (VOCAB, 32)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 STEPS = 3
 
 
@@ -185,9 +221,10 @@ def test_dist_trainer_with_the_chunked_loss_matches_the_models_own_loss():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
     for rank_runs in run_distributed(_two_ranks, 2):
         # the embedding (untied: a unit of its own, as transformers' FSDP plan has it) is freed after forward; of the
-        # two blocks the first prefetches the second in forward and keeps resharding, the last is kept gathered
-        assert rank_runs["fsdp2"][3] == [(0, 0, True), (1, 0, True), (0, 1, False)]
-        assert rank_runs["fsdp2_implicit_prefetch"][3] == [(0, 0, True), (0, 0, True), (0, 0, True)]
+        # two blocks the first prefetches the second in forward and keeps resharding, the last is kept gathered; the
+        # head (untied: a unit too) stays gathered from its forward (the chunked loss) to its backward
+        assert rank_runs["fsdp2"][3] == [(0, 0, True), (1, 0, True), (0, 1, False), (0, 0, False)]
+        assert rank_runs["fsdp2_implicit_prefetch"][3] == [(0, 0, True), (0, 0, True), (0, 0, True), (0, 0, False)]
         for layout, (losses, params, used, _) in rank_runs.items():
             assert used, layout
             torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5, msg=layout)

@@ -128,7 +128,7 @@ def test_two_arguments_in_one_process_both_train_fsdp2():
     for rank_results in run_distributed(_two_trainers_rank, 2):
         *runs, summary = rank_results
         for run in runs:
-            assert run["fsdp_blocks"] == 4  # two decoder layers, the (untied) input embedding, the root
+            assert run["fsdp_blocks"] == 5  # two decoder layers, the (untied) input embedding and head, the root
             assert run["all_dtensor"] and run["local_fraction"] < 0.6  # really sharded over 2 ranks, not DDP
             assert run["num_processes"] == 2 and run["reshard"] is False
         assert runs[0]["losses"] == runs[1]["losses"] == runs[2]["losses"]

@@ -39,9 +39,11 @@ def _data(runs) -> dict[tuple[str, str], tuple[float, float]]:
 
 
 EXPECTED = {
-    # the embedding (65,536 B) is a unit of its own, gathered in forward and again in backward; the root (head, norm)
-    # and the last block stay gathered from forward to backward: 6 gathers; each unit's gradients reduce-scattered once
-    "fsdp2": {("all_gather", "float32"): (6, 935_680), ("reduce_scatter", "float32"): (4, GRADS)},
+    # the embedding (65,536 B) is a unit of its own, gathered in forward and again in backward; the head (65,536 B), a
+    # unit too, and the last block stay gathered from forward to backward: 6 gathers; each unit's gradients
+    # reduce-scattered once. The root now holds the final norm alone (256 B), whose gather and reduce-scatter are
+    # under 1 KiB (the small rows)
+    "fsdp2": {("all_gather", "float32"): (6, 935_680 - 256), ("reduce_scatter", "float32"): (4, GRADS - 256)},
     # 4 forward + 5 backward activation all-reduces of 2 x 32 x 64 fp32 (per block one for attention's input, one
     # for the MLP's; one for the head's input); the logits gathered for the loss
     "tp": {("all_reduce", "float32"): (9, 9 * 16_384), ("all_gather", "float32"): (1, 65_536)},
@@ -53,8 +55,9 @@ EXPECTED = {
     # 2 micro-batches of 2 rows padded to 64 tokens x hidden 64, fp32
     "pp": {("send", "float32"): (2, 2 * 32_768), ("recv", "float32"): (2, 2 * 32_768)},
     # routed tokens (64 x top-3 x hidden 32, fp32) dispatched and combined per layer, forward and backward
-    "ep_fsdp2": {("all_to_all", "float32"): (8, 8 * 24_576), ("all_gather", "float32"): (6, 137_792),
-                 ("reduce_scatter", "float32"): (4, 91_904)},
+    # (the head a unit of its own: the root's final norm, 128 B, moves to the small rows as under fsdp2)
+    "ep_fsdp2": {("all_to_all", "float32"): (8, 8 * 24_576), ("all_gather", "float32"): (6, 137_792 - 128),
+                 ("reduce_scatter", "float32"): (4, 91_904 - 128)},
     # DeepSpeed ZeRO-3 (ds_configs/zero3.json, HF's "auto" sizes for hidden 64): every parameter but the 5 norms
     # gathered once (kept gathered from forward to backward), in 14 calls; their gradients reduce-scattered once,
     # in buckets of hidden^2 = 4,096 elements (k and v together, every other tensor alone)

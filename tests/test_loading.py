@@ -282,3 +282,20 @@ def test_a_model_laid_out_for_other_arguments_is_refused():
     with pytest.raises(ValueError, match="laid out for"):
         laid_out_by_hf_dist(model, ParallelDims(world_size=2, dp_shard=2))
     assert laid_out_by_hf_dist(nn.Linear(2, 2), ParallelDims(world_size=2, dp_shard=2)) is None
+
+
+def test_a_head_laid_out_for_another_trainers_loss_is_refused():
+    """Loaded for DistTrainer (head a unit) but trained by a TRL trainer (fused LM head: head in the root), or back."""
+    from torch import nn
+
+    from hf_dist import ParallelDims
+    from hf_dist.trainer.laid_out import LaidOut, laid_out_by_hf_dist, stamp
+
+    dims = ParallelDims(world_size=2, dp_shard=2)
+    model = stamp(nn.Linear(2, 2), LaidOut(dims=dims, fsdp=True, flops=None, head_unit=True))
+    assert laid_out_by_hf_dist(model, dims, head_unit=True) is not None
+    with pytest.raises(ValueError, match="lm_head an FSDP2 unit of its own, but .* keeps it in the FSDP2 root .*"
+                                         "reads_lm_head_weight=True"):
+        laid_out_by_hf_dist(model, dims, head_unit=False)
+    tied = stamp(nn.Linear(2, 2), LaidOut(dims=dims, fsdp=True, flops=None, head_unit=None))
+    assert laid_out_by_hf_dist(tied, dims, head_unit=False) is not None

@@ -210,3 +210,15 @@ def test_the_dist_configs_keep_trls_defaults(names):
     assert differ == {}, differ
     made = dist_cls(output_dir="unused", use_cpu=True)
     assert made.learning_rate == trl_fields["learning_rate"].default
+
+
+@pytest.mark.parametrize("name", ["hf_dist.trainer.sft.DistSFTConfig", "hf_dist.trainer.dpo.DistDPOConfig",
+                                  "hf_dist.trainer.grpo.DistGRPOConfig", "hf_dist.DistTrainingArguments"])
+def test_trls_fused_head_keeps_an_untied_head_in_the_fsdp2_root(name):
+    """TRL's fused LM head multiplies by ``lm_head.weight`` outside the head's forward: under FSDP2 the TRL configs
+    keep the head in the root (gathered in the root's forward); DistTrainer's own loss gathers a head unit itself."""
+    import importlib
+
+    module, cls = name.rsplit(".", 1)
+    args = getattr(importlib.import_module(module), cls)(output_dir="unused", use_cpu=True, fsdp2=True)
+    assert args.hf_dist_fsdp.head_unit is (cls == "DistTrainingArguments")

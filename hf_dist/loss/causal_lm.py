@@ -7,7 +7,8 @@ model's output with ``loss`` equal to what the model itself returns: ``ForCausal
 model runs its own forward with ``logits_to_keep=1`` (so the model builds logits for the last position only), a
 forward hook on its base model takes the final hidden states (after the model's own norm), and
 ``linear_cross_entropy`` runs them through the head's weight chunk by chunk. The hook computes the loss inside the
-model's forward, so under FSDP2 the root's parameters (head, tied embedding) are the gathered ones.
+model's forward, so under FSDP2 the root's parameters (a tied head) are the gathered ones; an untied head, an FSDP2
+unit of its own, is gathered around the loss by its registered forward method (``chunked.head_cross_entropy``).
 
 The model's scaling or soft-capping of its logits is read from its config (``LogitTransform``) and *verified* on
 the first call: the model's own last-position logits must equal the transform applied to the head's output on the
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_dist.loss.chunked import LogitTransform, linear_cross_entropy
+from hf_dist.loss.chunked import LogitTransform, head_cross_entropy
 from hf_dist.models.peft_utils import unwrap_peft
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def chunked_loss_refusal(model: nn.Module) -> str | None:
 
     lm = causal_lm(model)
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if _own_class(head) is not nn.Linear:
         return f"its output head is {type(head).__name__}, not a plain nn.Linear (LoRA on lm_head, a custom head)"
     if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
         return f"{type(lm).__name__}.forward takes no logits_to_keep"
@@ -72,6 +73,13 @@ def chunked_loss_refusal(model: nn.Module) -> str | None:
     if getattr(lm, "base_model", lm) is lm:
         return f"{type(lm).__name__} has no base model separate from its head"
     return None
+
+
+def _own_class(module) -> type:
+    """``module``'s class, not the ``FSDP<name>`` subclass ``fully_shard`` swaps in for an FSDP2 unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -103,8 +111,8 @@ class ChunkedCausalLMLoss:
         def loss_inside_forward(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
             head = self.lm.get_output_embeddings()
-            captured["sum"] = linear_cross_entropy(
-                hidden, head.weight, head.bias, targets, transform=self.transform, chunk_tokens=self.chunk_tokens
+            captured["sum"] = head_cross_entropy(
+                head, hidden, targets, transform=self.transform, chunk_tokens=self.chunk_tokens
             )
             if not self.verified:  # what the model's own forward will make of the last position
                 with torch.no_grad():

@@ -8,6 +8,11 @@ dropped in the forward pass; the gradients for ``hidden``, ``weight`` and ``bias
 tensors, not of the logits) and scaled by the incoming gradient in backward. The memory held is one chunk of
 logits (``chunk_tokens x vocab``) plus a gradient the size of the head's weight.
 
+``head_cross_entropy(head, hidden, targets, ...)`` runs it through a head module. Where the head is an FSDP2 unit of
+its own (``hf_dist.parallelism``), ``gather_head_for_loss`` has made the loss a forward method of that unit
+(torch's ``register_fsdp_forward_method``): its weight is all-gathered before, and its gradient reduce-scattered after
+the loss's backward, as around the head's own ``forward``; read directly, the weight would be this rank's shard.
+
 Not for: deciding whether a model's loss may be computed this way, or finding its hidden states
 (``hf_dist.loss.causal_lm``); the vocab-parallel TP loss (``hf_dist.tensor_parallel.loss``).
 """
@@ -16,11 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import types
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hf_dist.loss.policy import chunk_tokens_for
 
+HEAD_LOSS_METHOD = "hf_dist_linear_cross_entropy"
+"""The head's forward method that ``gather_head_for_loss`` registers with FSDP2."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,3 +124,24 @@ def linear_cross_entropy(
     kept = (targets != ignore_index).nonzero().squeeze(1)  # ignored positions never reach the head
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
     return _LinearCrossEntropy.apply(hidden[kept], weight, bias, targets[kept], transform or LogitTransform(), chunk)
+
+
+def _head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+    return linear_cross_entropy(hidden, head.weight, head.bias, targets, **kwargs)
+
+
+def gather_head_for_loss(head: nn.Module) -> None:
+    """Make ``head_cross_entropy`` on ``head`` (an FSDP2 unit) a forward of that unit: FSDP2 gathers its parameters
+    before the loss and reduce-scatters their gradients after the loss's backward (the hidden states, an input that
+    requires grad, carry its post-backward hook)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(head, HEAD_LOSS_METHOD, types.MethodType(_head_loss, head))
+    register_fsdp_forward_method(head, HEAD_LOSS_METHOD)
+
+
+def head_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``linear_cross_entropy`` with ``head``'s weight and bias (``kwargs`` as there), through the FSDP2 forward
+    method where ``gather_head_for_loss`` registered one."""
+    method = getattr(head, HEAD_LOSS_METHOD, None)
+    return method(hidden, targets, **kwargs) if method is not None else _head_loss(head, hidden, targets, **kwargs)

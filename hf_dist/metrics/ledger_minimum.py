@@ -8,7 +8,7 @@ communication``), so the planner and the ledger's pins share one definition. The
 
 - replicated DP (DDP, hf_dist's buckets): one all-reduce of every gradient byte per optimizer step;
 - FSDP2 FULL_SHARD (and ZeRO-3): each unit's parameters all-gathered once in forward and once in backward, its
-  gradients reduce-scattered once per optimizer step (units: the blocks, the untied embedding and the root);
+  gradients reduce-scattered once per optimizer step (units: the blocks, the untied embedding and head, and the root);
   SHARD_GRAD_OP and ZeRO-1/2 gather once per step (ZeRO-1/2 only the trained parameters); HYBRID_SHARD shards
   inside a replica and all-reduces the shards' gradients over the replicas; routed experts under EP are sharded (or
   replicated, DDP) over ``efsdp``;
@@ -66,7 +66,7 @@ class StepShape:
     expert_grad_bytes: int | None = None
     """Of which routed experts'; None: ``expert_param_bytes``."""
     units: int = 0
-    """FSDP2 units (blocks + root, + the input embedding where it is not tied to the head)."""
+    """FSDP2 units (blocks + root, + the input embedding and the head where they are not tied)."""
     tokens_per_micro: int
     """Tokens of one micro-batch on one rank, before a CP split."""
     micro_batches: int = 1

@@ -92,6 +92,10 @@ def resolve_contract_lr(args) -> float | None:
 class DistTrainingArguments(TrainingArguments):
     """``TrainingArguments`` with hf_dist's batch contract, LR scaling and parallel layout."""
 
+    reads_lm_head_weight = False  # a class attribute, not a field: the trainer's loss, not a user's choice
+    """Whether the trainer's loss reads ``lm_head.weight`` outside the head's forward (TRL's fused LM head): FSDP2 then
+    keeps an untied head in its root (``hf_dist.parallelism.FsdpRequest.head_unit``), gathered in the root's forward."""
+
     global_batch_size: int | None = field(
         default=None,
         metadata={

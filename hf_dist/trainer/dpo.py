@@ -69,6 +69,8 @@ class DistDPOConfig(DistTrainingArguments, DPOConfig):
     ``DPOConfig``'s defaults stay TRL's (learning rate 1e-6, gradient checkpointing, bf16 when available, logging
     every 10 steps)."""
 
+    reads_lm_head_weight = True  # TRL's fused LM head (add_fused_lm_head) multiplies by lm_head.weight
+
     bf16: bool | None = trl_default(DPOConfig, "bf16")
     gradient_checkpointing: bool = trl_default(DPOConfig, "gradient_checkpointing")
     logging_steps: float = trl_default(DPOConfig, "logging_steps")

@@ -111,6 +111,8 @@ class DistGRPOConfig(DistTrainingArguments, GRPOConfig):
     (learning rate 1e-6, gradient checkpointing, bf16 when available, logging every 10 steps, dataset columns kept for
     the reward functions)."""
 
+    reads_lm_head_weight = True  # TRL's fused LM head (add_fused_lm_head) multiplies by lm_head.weight
+
     bf16: bool | None = trl_default(GRPOConfig, "bf16")
     gradient_checkpointing: bool = trl_default(GRPOConfig, "gradient_checkpointing")
     logging_steps: float = trl_default(GRPOConfig, "logging_steps")

@@ -32,6 +32,8 @@ class LaidOut:
     only its stages'), for the throughput meter."""
     load: object = None
     """The ``hf_dist.loading.LoadReport`` of the streaming load that filled this rank's shards (what it read)."""
+    head_unit: bool | None = None
+    """FSDP2: whether an untied lm_head is a unit of its own (``FsdpRequest.head_unit``); None: not recorded."""
 
 
 def stamp(model: nn.Module, laid_out: LaidOut) -> nn.Module:
@@ -43,10 +45,11 @@ def _factors(dims: ParallelDims) -> dict[str, int]:
     return {name: getattr(dims, name) for name in ("world_size", "pp", "dp_replicate", "dp_shard", "cp", "tp")}
 
 
-def laid_out_by_hf_dist(model: nn.Module, wanted: ParallelDims) -> LaidOut | None:
+def laid_out_by_hf_dist(model: nn.Module, wanted: ParallelDims, *, head_unit: bool | None = None) -> LaidOut | None:
     """The mark of a model hf_dist laid out for ``wanted``; ``None`` for a model nobody laid out.
 
-    A mark for another layout, or DTensor parameters without a mark, is a ``ValueError``.
+    A mark for another layout, or DTensor parameters without a mark, is a ``ValueError``; so is an FSDP2 head laid
+    out otherwise than ``head_unit`` asks (TRL's fused LM head needs it in the root, ``FsdpRequest.head_unit``).
     """
     laid_out = model.__dict__.get(LAYOUT_ATTR)
     if laid_out is None:
@@ -62,5 +65,13 @@ def laid_out_by_hf_dist(model: nn.Module, wanted: ParallelDims) -> LaidOut | Non
         raise ValueError(
             f"the model was laid out for {have} but these arguments ask for {want}; build it with "
             f"hf_dist.from_pretrained(name_or_dir, args) using the same arguments you pass to DistTrainer"
+        )
+    if None not in (laid_out.head_unit, head_unit) and laid_out.head_unit != head_unit:
+        where = {True: "an FSDP2 unit of its own", False: "in the FSDP2 root"}
+        raise ValueError(
+            f"the model was laid out with its lm_head {where[laid_out.head_unit]}, but these arguments' trainer keeps "
+            f"it {where[head_unit]} (TRL's fused LM head reads lm_head.weight in the root's forward: "
+            f"reads_lm_head_weight={not head_unit}); build it with hf_dist.from_pretrained(name_or_dir, args) using "
+            f"the same arguments (config class included) you pass to the trainer"
         )
     return laid_out

@@ -2,8 +2,8 @@
 
 The chunked loss equals the model's, so it is used wherever it is exact and the Trainer would call the model's own
 loss: training (not evaluation: metrics need whole logits), labels in the batch, no label smoother or
-``compute_loss_func``, and a layout whose head is whole on this rank -- one process, DDP, FSDP2 (the root's head is
-gathered in its forward). Under PP the last stage computes it (``hf_dist.pipeline_parallel.apply``), not this
+``compute_loss_func``, and a layout whose head is whole on this rank -- one process, DDP, FSDP2 (a head in the root is
+gathered in the root's forward, a head unit around the loss: its registered forward). Under PP the last stage computes it (``hf_dist.pipeline_parallel.apply``), not this
 module. Not under TP (the vocab-parallel loss, ``hf_dist.tensor_parallel.loss``), DeepSpeed (ZeRO-3 gathers the head only inside its own forward) or a whole-model
 ``torch.compile`` wrapper. Why a model is refused is logged once.
 """

@@ -100,4 +100,7 @@ def from_pretrained(name_or_dir: str | os.PathLike, args, *, peft_config=None, *
     model = apply_owned_layout(model, args, dims)
     offload = args.hf_dist_fsdp is not None and args.hf_dist_fsdp.cpu_offload
     report = stream_weights(model, directory, device="cpu" if offload else device, names=names)  # offload: host
-    return stamp(model, LaidOut(dims=dims, fsdp=args.hf_dist_fsdp is not None, flops=flops, load=report))
+    fsdp = args.hf_dist_fsdp
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)  # a tied head is in the root always
+    return stamp(model, LaidOut(dims=dims, fsdp=fsdp is not None, flops=flops, load=report,
+                                head_unit=None if fsdp is None or tied else fsdp.head_unit))

@@ -32,6 +32,8 @@ class DistSFTConfig(DistTrainingArguments, SFTConfig):
     ``SFTConfig``'s defaults stay TRL's (learning rate 2e-5, gradient checkpointing, bf16 when available, logging
     every 10 steps)."""
 
+    reads_lm_head_weight = True  # TRL's fused LM head (add_fused_lm_head) multiplies by lm_head.weight
+
     bf16: bool | None = trl_default(SFTConfig, "bf16")
     gradient_checkpointing: bool = trl_default(SFTConfig, "gradient_checkpointing")
     logging_steps: float = trl_default(SFTConfig, "logging_steps")

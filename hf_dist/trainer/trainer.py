@@ -105,7 +105,8 @@ class DistTrainer(Trainer):
 
     def _prepare_model(self, model, args: DistTrainingArguments):
         """Every model this Trainer trains (the one passed in, or each ``model_init`` call): the layout applied."""
-        laid_out = laid_out_by_hf_dist(model, self.dims)  # hf_dist.from_pretrained: the layout is applied already
+        fsdp = args.hf_dist_fsdp  # hf_dist.from_pretrained: the layout is applied already
+        laid_out = laid_out_by_hf_dist(model, self.dims, head_unit=None if fsdp is None else fsdp.head_unit)
         if laid_out is not None:
             self.dims, flops = laid_out.dims, laid_out.flops
         else:
