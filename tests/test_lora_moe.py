@@ -25,16 +25,18 @@ def _config():
     return config
 
 
-def peft_moe(base_dir=None):
+def peft_moe(base_dir):
+    """The adapter's base written by transformers' ``save_pretrained`` (per-expert keys, as on the Hub) and loaded
+    from it as a user's, then PEFT's adapters added."""
     from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
 
     from hf_dist.models import add_adapters
 
-    model = tiny_model(_config(), loaded=True)
-    if base_dir is not None:  # the adapter's base on disk, saved before PEFT wraps the expert parameters
-        if not (base_dir / "config.json").exists():  # written once, by the caller, before ranks are spawned
-            model.save_pretrained(base_dir)
-        model.name_or_path = model.config.name_or_path = str(base_dir)
+    if not (base_dir / "config.json").exists():  # written once, by the caller, before ranks are spawned
+        tiny_model(_config()).save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.name_or_path = model.config.name_or_path = str(base_dir)
     return add_adapters(model, LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **TARGETS), seed=0)
 
 
