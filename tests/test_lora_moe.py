@@ -1,7 +1,9 @@
 """LoRA on a mixture-of-experts model: adapters on attention and, through PEFT's ``target_parameters``, on the
 3-D expert weights (``mlp.experts.gate_up_proj`` / ``down_proj``). Under FSDP2, EP=2 x FSDP2 (each rank holding its
 experts' adapters; also with activation checkpointing) and EP=2 x DDP on 2 gloo ranks the adapters train equal to one
-process (aux loss on); the adapter DistTrainer saves under EP reloads with ``AutoPeftModelForCausalLM`` and gives the
+process (tiny qwen3_moe from ``parity.tiny_config``, aux loss on): losses, the first optimizer step's adapter gradients
+and every parameter, the frozen router and experts included (``trainer_harness.trainer_run``,
+``parity.assert_parity``); the adapter DistTrainer saves under EP reloads with ``AutoPeftModelForCausalLM`` and gives the
 one-process trained model's logits, and PEFT's own ``merge_and_unload`` of it too. hf_dist's merged export of expert
 adapters equals ``merge_and_unload`` in every value.
 """
@@ -11,28 +13,30 @@ import tempfile
 import torch
 
 from dist_utils import run_distributed
-from trainer_harness import VOCAB, train_tiny
+from parity import assert_parity, tiny_config, tiny_model
+from trainer_harness import VOCAB, trainer_run
 
 TARGETS = dict(target_modules=["q_proj", "v_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
-def peft_moe(base_dir=None):
+def _config():
+    config = tiny_config("qwen3_moe", "ep")
+    config.vocab_size = VOCAB
+    return config
+
+
+def peft_moe(base_dir):
+    """The adapter's base written by transformers' ``save_pretrained`` (per-expert keys, as on the Hub) and loaded
+    from it as a user's, then PEFT's adapters added."""
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     from hf_dist.models import add_adapters
 
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.5,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    if base_dir is not None:  # the adapter's base on disk, saved before PEFT wraps the expert parameters
-        if not (base_dir / "config.json").exists():  # written once, by the caller, before ranks are spawned
-            model.save_pretrained(base_dir)
-        model.name_or_path = model.config.name_or_path = str(base_dir)
+    if not (base_dir / "config.json").exists():  # written once, by the caller, before ranks are spawned
+        tiny_model(_config()).save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.name_or_path = model.config.name_or_path = str(base_dir)
     return add_adapters(model, LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **TARGETS), seed=0)
 
 
@@ -45,11 +49,12 @@ PROBE = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed
 
 def _train(base_dir, extra=None, save_to=None):
     with tempfile.TemporaryDirectory() as out:
-        losses, params, trainer = train_tiny(out, max_steps=3, model=peft_moe(base_dir), global_batch_size=8,
-                                             per_device_train_batch_size=2, **(extra or {}))
+        run, trainer = trainer_run(out, max_steps=3, model=peft_moe(base_dir), global_batch_size=8,
+                                   per_device_train_batch_size=2, **(extra or {}))
         if save_to is not None:
             trainer.save_model(str(save_to))
-    return losses, {k: v for k, v in params.items() if "lora_" in k}, trainer
+    assert run["grads"] and all("lora_" in k for k in run["grads"])  # only the adapters train
+    return run, trainer
 
 
 def _local_experts(trainer) -> list[int]:
@@ -63,8 +68,8 @@ def _layouts(rank, world_size, base_dir, save_to):
     """Every layout in one process group; the EP run saves its adapter."""
     runs = {}
     for name, extra in LAYOUTS.items():
-        losses, adapters, trainer = _train(base_dir, extra, save_to if name == "ep2_fsdp2" else None)
-        runs[name] = losses, adapters, _local_experts(trainer)
+        run, trainer = _train(base_dir, extra, save_to if name == "ep2_fsdp2" else None)
+        runs[name] = run, _local_experts(trainer)
     return runs
 
 
@@ -72,18 +77,15 @@ def test_expert_lora_under_fsdp2_and_ep_equals_one_process(tmp_path):
     from peft import AutoPeftModelForCausalLM
 
     base = tmp_path / "base"
-    losses, adapters, trainer = _train(base)
-    assert any(".mlp.experts." in k for k in adapters)  # the 3-D expert weights carry adapters
+    reference, trainer = _train(base)
+    assert any(".mlp.experts." in k for k in reference["grads"])  # the 3-D expert weights carry adapters
     model = trainer.model.eval()
     expected = model(input_ids=PROBE).logits.detach()
     runs = run_distributed(_layouts, 2, base, tmp_path / "ep_adapter")[0]
     # under EP each rank computes 2 of the 4 experts, through PEFT's wrappers too (not all 4 on one rank)
-    assert runs["ep2_fsdp2"][2] == [2] * 6, runs["ep2_fsdp2"][2]  # 2 layers x (2 wrappers + the experts)
-    for layout, (layout_losses, layout_adapters, _) in runs.items():
-        torch.testing.assert_close(layout_losses, losses, atol=1e-5, rtol=0, msg=layout)
-        assert set(layout_adapters) == set(adapters), layout
-        for key, value in adapters.items():
-            torch.testing.assert_close(layout_adapters[key], value, atol=1e-5, rtol=0, msg=f"{layout} {key}")
+    assert runs["ep2_fsdp2"][1] == [2] * 6, runs["ep2_fsdp2"][1]  # 2 layers x (2 wrappers + the experts)
+    for layout, (run, _) in runs.items():
+        assert_parity(run, reference, config=_config(), what=f"{layout} vs one process")
     base_logits = type(model.get_base_model()).from_pretrained(base)(input_ids=PROBE).logits
     assert (base_logits - expected).abs().max() > 1e-3  # the trained adapters move the logits
     reloaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "ep_adapter").eval()

@@ -13,8 +13,9 @@ ignored labels in the first cp rank's slice:
 - ``ep_size=2 x cp_size=2`` on 4 gloo ranks: the 2 data-parallel ranks hold 2 of the 4 experts each, the 2 cp ranks
   of each split its sequences; the rest FSDP2 FULL_SHARD or DDP-style replication over dp x cp (``EP_CP_RUNS``).
 
-Each equals a one-process ``DistTrainer`` on the same micro-batches within 1e-5 on the losses and on every parameter
-(routers, norms, experts). The API without the Trainer (``parallelize`` + ``token_weighted_loss``, cp=2) gives the
+Each equals a one-process ``DistTrainer`` on the same micro-batches within 1e-5 on the losses, the first optimizer
+step's gradients and every parameter (routers, norms, experts: ``trainer_harness.trainer_run``,
+``parity.assert_parity``). The API without the Trainer (``parallelize`` + ``token_weighted_loss``, cp=2) gives the
 gradients of ``hf_dist.models.reference.reference_step`` (one SGD step at learning rate 1; weighing the aux by
 ``dp x cp`` as the language-model part would be 1e-3 off on the routers). The aux loss is the model's own per micro-batch (``hf_dist.models.reference``): each rank
 routes only its slice, so the router statistics are pooled over the cp ranks (``hf_dist.context_parallel.router``).
@@ -29,8 +30,8 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from parity import MOE_CP_CASES
-from trainer_harness import VOCAB, as_loaded, train_tiny
+from parity import MOE_CP_CASES, assert_parity, tiny_config
+from trainer_harness import VOCAB, as_loaded, train_tiny, trainer_run
 
 CASES = MOE_CP_CASES
 """The model types whose records prove ``cp`` and ``ep_cp`` (the harness's list; ``tests/test_families.py`` keeps it
@@ -69,16 +70,27 @@ ATTENTION = {"gpt_oss": "eager"}
 """The attention implementation per type (``sdpa`` otherwise): gpt-oss's sinks have no SDPA path in transformers."""
 
 
-def _model(name: str, aux: float = AUX):
-    from ep_cases import moe_config
-
-    from hf_dist.models.tiny import build_tiny_model
-
-    config = moe_config(name, aux=aux)
+def _config(name: str, aux: float = AUX):
+    """``parity.tiny_config(name, "cp")`` with the long-sequence values, the aux coefficient ``aux`` where the type has
+    an aux loss."""
+    config = tiny_config(name, "cp")
     config.vocab_size, config.max_position_embeddings = VOCAB, 2 * SEQ
+    if getattr(config, "output_router_logits", False):
+        config.router_aux_loss_coef = aux
     for key, value in LONG[name].items():
         setattr(config, key, value)
-    return as_loaded(build_tiny_model(config, seed=0), attn_implementation=ATTENTION.get(name, "sdpa"))
+    return config
+
+
+def _model(name: str, aux: float = AUX):
+    from hf_dist.models.tiny import build_tiny_model
+
+    return as_loaded(build_tiny_model(_config(name, aux), seed=0), attn_implementation=ATTENTION.get(name, "sdpa"))
+
+
+def _kept(run: dict, rank: int) -> dict:
+    """What a rank sends back: every rank's losses, rank 0's gradients and parameters too (gathered on every rank)."""
+    return run if rank == 0 else {"losses": run["losses"]}
 
 
 def _dataset():
@@ -139,9 +151,9 @@ def _token_weighted(rank, world) -> dict:
 def _two_ranks(rank, world, root):
     out = {"token_weighted": _token_weighted(rank, world)}
     for name, extra in CP_RUNS.items():
-        losses, params, trainer = train_tiny(f"{root}/cp_{name}", model=_model(name), dataset=_dataset(), cp_size=2,
-                                             **CP_BATCH, **extra)
-        out[name] = (losses, params if rank == 0 else None, trainer.dims.cp, _expert_load(trainer))
+        run, trainer = trainer_run(f"{root}/cp_{name}", model=_model(name), dataset=_dataset(), cp_size=2,
+                                   **CP_BATCH, **extra)
+        out[name] = (_kept(run, rank), trainer.dims.cp, _expert_load(trainer))
     return out
 
 
@@ -155,10 +167,9 @@ def _four_ranks(rank, world, root):
     out = {}
     for name, (batch, flavours) in EP_CP_RUNS.items():
         for flavour in flavours:
-            losses, params, trainer = train_tiny(f"{root}/ep_cp_{name}_{flavour}", model=_model(name),
-                                                 dataset=_dataset(), cp_size=2, ep_size=2, **batch,
-                                                 **EP_CP_FLAVOURS[flavour])
-            out[(name, flavour)] = (losses, params if rank == 0 else None, _local_experts(trainer),
+            run, trainer = trainer_run(f"{root}/ep_cp_{name}_{flavour}", model=_model(name), dataset=_dataset(),
+                                       cp_size=2, ep_size=2, **batch, **EP_CP_FLAVOURS[flavour])
+            out[(name, flavour)] = (_kept(run, rank), _local_experts(trainer),
                                     (trainer.dims.dp, trainer.dims.cp, trainer.dims.ep))
     return out
 
@@ -170,9 +181,9 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(root):
-    """One process, per model type and accumulation: ``(losses, params)``."""
-    return {(name, batch["global_batch_size"]): train_tiny(f"{root}/one_{name}_{batch['global_batch_size']}",
-                                                           model=_model(name), dataset=_dataset(), **batch)[:2]
+    """One process, per model type and accumulation: ``trainer_run``'s losses, first-step gradients and parameters."""
+    return {(name, batch["global_batch_size"]): trainer_run(f"{root}/one_{name}_{batch['global_batch_size']}",
+                                                            model=_model(name), dataset=_dataset(), **batch)[0]
             for name in CASES for batch in {b["global_batch_size"]: b for b in (CP_BATCH, EP_CP_RUNS[name][0])}.values()}
 
 
@@ -187,20 +198,19 @@ def ep_cp_runs(root):
 
 
 def _assert_equal(results, key, reference):
-    ref_losses, ref_params = reference
-    for rank, result in enumerate(results):
-        losses = result[key][0]
-        assert len(losses) == STEPS, rank
-        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-    params = results[0][key][1]
-    assert set(params) == set(ref_params)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{key} {name}: {m}")
+    """Rank 0's losses, first-step gradients and final parameters equal one process's (``parity.assert_parity``:
+    routers and experts among them); every other rank logged the same losses."""
+    assert len(results[0][key][0]["losses"]) == STEPS
+    assert_parity(results[0][key][0], reference, config=_config(key if isinstance(key, str) else key[0]),
+                  what=f"{key} vs one process")
+    for rank, result in enumerate(results[1:], 1):
+        torch.testing.assert_close(result[key][0]["losses"], reference["losses"], atol=1e-5, rtol=0,
+                                   msg=lambda m, rank=rank: f"{key} rank {rank} losses: {m}")
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_cp_equals_one_process(cp_runs, references, name):
-    assert all(result[name][2] == 2 for result in cp_runs)
+    assert all(result[name][1] == 2 for result in cp_runs)
     _assert_equal(cp_runs, name, references[(name, CP_BATCH["global_batch_size"])])
 
 
@@ -212,13 +222,13 @@ def test_expert_load_under_cp_counts_every_token_once(cp_runs, root):
     expected = _expert_load(trainer)
     assert len(expected) == STEPS and all(len(step) == 2 for step in expected)  # 2 layers
     for result in cp_runs:
-        assert result["qwen3_moe"][3] == expected
+        assert result["qwen3_moe"][2] == expected
 
 
 @pytest.mark.parametrize(("name", "flavour"), [(n, f) for n, (_, flavours) in EP_CP_RUNS.items() for f in flavours])
 def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
     for result in ep_cp_runs:
-        _, _, local, sizes = result[(name, flavour)]
+        _, local, sizes = result[(name, flavour)]
         assert sizes == (2, 2, 2) and local == {LOCAL_EXPERTS[flavour]}  # dp, cp, ep
     _assert_equal(ep_cp_runs, (name, flavour), references[(name, EP_CP_RUNS[name][0]["global_batch_size"])])
 
@@ -264,7 +274,7 @@ def test_dropping_the_aux_loss_fails_the_comparison(ep_cp_runs, root):
     """Without the aux term the routers end farther from the EP x CP run's than the parity tolerance."""
     _, no_aux = train_tiny(f"{root}/no_aux", model=_model("qwen3_moe", aux=0.0), dataset=_dataset(),
                            **EP_CP_BATCH)[:2]
-    params = ep_cp_runs[0][("qwen3_moe", "fsdp2")][1]
+    params = ep_cp_runs[0][("qwen3_moe", "fsdp2")][0]["state"]
     routers = [k for k in params if k.endswith("mlp.gate.weight")]
     assert routers and max(float((params[k] - no_aux[k]).abs().max()) for k in routers) > 1e-4
 

@@ -2,58 +2,49 @@
 the Trainer's default ``save_strategy="steps"``: each rank holds ``[gate_r | up_r]``, two blocks of the fused tensor,
 written and read block by block (``hf_dist/checkpoint/blocks.py``).
 
-One 2-rank spawn runs, per type (loaded from disk; router aux loss on, coefficient 0.1, where the type has one): 4
-steps saving every step and the final ``save_model``; then a new run resumed from ``checkpoint-2``. In this process:
-the same 4 steps in one process (the reference), the TP=2 ``checkpoint-2`` resumed in one process (plain model), and
-``checkpoint-4`` exported to the Hub format. Resumed losses and parameters equal the uninterrupted run (1e-6 on the
-same layout, 1e-5 in one process); both equal one process within 1e-5; the final save and the export load with
-``from_pretrained`` to the trained parameters exactly.
+One 2-rank spawn runs, per type (``parity.tiny_config(name, "tp")``, loaded from disk; router aux loss on where the
+type has one): 4 steps saving every step and the final ``save_model``; then a new run resumed from ``checkpoint-2``.
+In this process: the same 4 steps in one process (the reference), the TP=2 ``checkpoint-2`` resumed in one process
+(plain model), and ``checkpoint-4`` exported to the Hub format. Through ``parity.assert_parity`` (routers and experts
+required): the TP run equals one process from its first optimizer step (gradients, losses, every parameter, 1e-5), and
+so does the resumed TP run's first step against the one-process resume from the same checkpoint; resumed losses and
+parameters equal the uninterrupted run (1e-6 on the same layout, 1e-5 in one process); the final save and the export
+load with ``from_pretrained`` to the trained parameters exactly.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 from dist_utils import run_distributed
+from parity import assert_parity, tiny_config, tiny_model
 from test_checkpoint_trainer import _step_counter
-from torch.testing import assert_close
-from trainer_harness import VOCAB, as_loaded, full_parameters, token_dataset
+from trainer_harness import VOCAB, trainer_run
 
 CASES = ("qwen3_moe", "mixtral", "deepseek_v3")
-STEPS, RESUME_AT, AUX, MAX_NORM = 4, 2, 0.1, 0.5
+STEPS, RESUME_AT, MAX_NORM = 4, 2, 0.5
 
 
-def _model(name: str):
-    from ep_cases import moe_config
-
-    from hf_dist.models.tiny import build_tiny_model
-
-    config = moe_config(name, aux=AUX)
+def _config(name: str):
+    config = tiny_config(name, "tp")
     config.vocab_size = VOCAB
-    return as_loaded(build_tiny_model(config, seed=0))
+    return config
 
 
 def _train(name: str, output_dir: str, *, tp: int, resume: str | None = None, final: str | None = None) -> dict:
-    from hf_dist import DistTrainer, DistTrainingArguments
+    from transformers import TrainingArguments
 
-    args = DistTrainingArguments(  # save_strategy left at the Trainer's default ("steps")
-        output_dir=output_dir, max_steps=STEPS, save_steps=1, per_device_train_batch_size=4, global_batch_size=8,
-        learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=1, report_to=[], seed=0, data_seed=0,
-        disable_tqdm=True, logging_steps=1, dataloader_num_workers=0, max_grad_norm=MAX_NORM, use_cpu=tp == 1,
-        **({"tp_size": tp} if tp > 1 else {}),
-    )
-    assert args.save_strategy == "steps"
     counter = _step_counter()
-    trainer = DistTrainer(model=_model(name), args=args, train_dataset=token_dataset(), callbacks=[counter])
+    run, trainer = trainer_run(
+        output_dir, model=tiny_model(_config(name), loaded=True), resume=resume, callbacks=[counter],
+        max_steps=STEPS, save_strategy=TrainingArguments.save_strategy, save_steps=1, per_device_train_batch_size=4,
+        global_batch_size=8, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=MAX_NORM, use_cpu=tp == 1,
+        **({"tp_size": tp} if tp > 1 else {}))  # save_strategy: the Trainer's default ("steps")
+    assert trainer.args.save_strategy == "steps"
     assert trainer.dims.tp == tp
-    trainer.train(resume_from_checkpoint=resume)
     if final is not None:
         trainer.save_model(final)
     logs = trainer.state.log_history
-    return {"losses": {log["step"]: log["loss"] for log in logs if "loss" in log},
-            "norms": {log["step"]: log["grad_norm"] for log in logs if "grad_norm" in log},
-            "steps_run": counter.steps_run,
-            "params": {k: v.detach().clone() for k, v in full_parameters(trainer).items()}}
+    return {**run, "norms": [log["grad_norm"] for log in logs if "grad_norm" in log], "steps_run": counter.steps_run}
 
 
 def _two_ranks(rank, world, root):
@@ -71,16 +62,8 @@ def runs(tmp_path_factory):
     return root, run_distributed(_two_ranks, 2, str(root))
 
 
-def _close(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        assert_close(value, b[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
-
-
-def _losses_after_resume(run: dict, full: dict, atol: float) -> None:
-    assert run["steps_run"] == STEPS - RESUME_AT
-    for step in range(RESUME_AT + 1, STEPS + 1):
-        assert_close(run["losses"][step], full["losses"][step], atol=atol, rtol=0, msg=f"step {step}")
+def _after_resume(run: dict) -> dict:
+    return {"losses": run["losses"][RESUME_AT:], "state": run["state"]}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -90,36 +73,39 @@ def test_tp2_checkpoint_of_split_gate_up_resumes_exactly_and_equals_one_process(
     root, ranks = runs
     assert read_manifest(root / name / "full" / f"checkpoint-{RESUME_AT}").layout["tp"] == 2
     reference = _train(name, str(tmp_path / "one"), tp=1)
-    assert min(reference["norms"].values()) > MAX_NORM  # clipping active on every step
+    assert min(reference["norms"]) > MAX_NORM  # clipping active on every step
     for rank, result in enumerate(ranks):
         full, resumed = result[name]["full"], result[name]["resumed"]
-        _losses_after_resume(resumed, full, 1e-6)
-        _close(resumed["params"], full["params"], 1e-6)
-        assert_close(torch.tensor(list(full["losses"].values())), torch.tensor(list(reference["losses"].values())),
-                     atol=1e-5, rtol=0, msg=f"rank {rank}")
-        _close(full["params"], reference["params"], 1e-5)
+        assert resumed["steps_run"] == STEPS - RESUME_AT
+        assert_parity({k: resumed[k] for k in ("losses", "state")}, _after_resume(full), atol=1e-6,
+                      config=_config(name), what=f"rank {rank}: TP resumed vs uninterrupted")
+        assert_parity(full, reference, config=_config(name), what=f"rank {rank}: TP vs one process, first step")
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_tp2_checkpoint_resumes_in_one_process(runs, name, tmp_path):
-    """TP=2 -> one process (plain model): the fused tensor is read from both ranks' blocks."""
+    """TP=2 -> one process (plain model): the fused tensor is read from both ranks' blocks; the resumed first step
+    equals the TP run's resumed from the same checkpoint, and the run continues the uninterrupted TP run."""
     root, ranks = runs
     resumed = _train(name, str(tmp_path / "one"), tp=1, resume=str(root / name / "full" / f"checkpoint-{RESUME_AT}"))
-    full = ranks[0][name]["full"]
-    _losses_after_resume(resumed, full, 1e-5)
-    _close(resumed["params"], full["params"], 1e-5)
+    assert resumed["steps_run"] == STEPS - RESUME_AT
+    assert_parity(ranks[0][name]["resumed"], resumed, config=_config(name),
+                  what="TP vs one process, first step of a resumed run")
+    assert_parity({k: resumed[k] for k in ("losses", "state")}, _after_resume(ranks[0][name]["full"]),
+                  config=_config(name), what="one process resumed from TP vs uninterrupted TP")
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_final_save_and_export_load_with_from_pretrained_to_the_trained_weights(runs, name, tmp_path):
+    import torch
     from transformers import AutoModelForCausalLM
 
     from hf_dist.checkpoint.export import export_checkpoint
 
     root, ranks = runs
-    trained = ranks[0][name]["full"]["params"]
+    trained = {"losses": [], "state": ranks[0][name]["full"]["state"]}
     report = export_checkpoint(root / name / "full" / f"checkpoint-{STEPS}", tmp_path / "export")
     assert report.verification == "tensors" and report.tensors_verified
     for folder in (root / name / "final", tmp_path / "export"):
         loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).state_dict()
-        _close(loaded, trained, 0)
+        assert_parity({"losses": [], "state": loaded}, trained, atol=0, config=_config(name), what=str(folder))
