@@ -117,16 +117,12 @@ WRAPPERS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every gradient of ``model`` gathered whole on CPU (collective for DTensors), by state-dict name."""
-    from torch.distributed.tensor import DTensor
+    """Every gradient of ``model`` whole, in HF layout and on CPU (``parity.full_grads``: collective for DTensors), by
+    state-dict name (the wrappers' name parts dropped)."""
+    import parity
 
-    out = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        out[".".join(p for p in name.split(".") if p not in WRAPPERS)] = grad.detach().cpu().clone()
-    return out
+    return {".".join(p for p in name.split(".") if p not in WRAPPERS): grad.cpu()
+            for name, grad in parity.full_grads(model).items()}
 
 
 def first_step_grads():
