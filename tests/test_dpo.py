@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from parity import assert_trl_parity
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -198,14 +199,8 @@ def test_two_ranks_match_one_process_dpo_trainer(references, distributed, layout
     for rank_results in distributed:
         metrics, state, facts = rank_results[layout]
         assert facts["layout"] == (2, 2 if "fsdp2" in layout else 1)  # (processes, dp_shard): the layout really ran
-        for name in METRICS:
-            assert len(metrics[name]) == STEPS
-            torch.testing.assert_close(metrics[name], ref_metrics[name], rtol=0, atol=1e-5, msg=name)
-        for name in EVAL_METRICS:
-            torch.testing.assert_close(metrics[name], ref_metrics[name], rtol=0, atol=1e-5, msg=name)
-        assert sorted(state) == sorted(ref_state)
-        for name, value in ref_state.items():
-            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
+        assert all(len(metrics[name]) == STEPS for name in METRICS)
+        assert_trl_parity(metrics, state, ref_metrics, ref_state, what=layout)
         assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
         if lora:  # the reference is the adapter-disabled policy: no second model
             assert "ref_trainable" not in facts and facts["policy_trainable"] < len(state) / 2
@@ -225,9 +220,7 @@ def test_one_process_without_hf_dist_fields_is_dpo_trainer(references, tokenizer
                              gradient_accumulation_steps=2, use_cpu=True)
     ref_metrics, ref_state, _ = references[False]
     assert metrics == ref_metrics
-    assert sorted(state) == sorted(ref_state)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+    assert_trl_parity(metrics, state, ref_metrics, ref_state, atol=0)
 
 
 REFUSED = [  # (fields, environment, what the message must say)

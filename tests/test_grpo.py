@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from parity import assert_trl_parity
 from test_dpo import _pairs, _tokenizer
 
 STEPS = 3
@@ -217,17 +218,6 @@ def distributed(folder):
     return run_distributed(_rank_runs, 2, folder, list(LAYOUTS))
 
 
-def _assert_same(metrics, state, ref_metrics, ref_state, names=None):
-    """Every metric in ``names`` (default: all ``ref_metrics`` logs) and every weight within 1e-5."""
-    assert set(names or ref_metrics) <= set(metrics) == set(ref_metrics)
-    for name in names or ref_metrics:
-        assert len(metrics[name]) == STEPS
-        torch.testing.assert_close(metrics[name], ref_metrics[name], rtol=0, atol=1e-5, msg=name)
-    assert sorted(state) == sorted(ref_state)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
-
-
 def _split_invariant(metrics) -> list[str]:
     """The metrics that do not depend on how a rank's generation batch is cut into micro-batches. TRL shuffles each
     rank's generation batch with the process's RNG before cutting it, and logs kl, entropy and the clip ratios as
@@ -271,9 +261,10 @@ def test_two_ranks_match_one_process_grpo_trainer(references, distributed, layou
         metrics, state, _, facts = rank_results[layout]
         assert facts["layout"] == (2, 2 if "fsdp2" in layout else 1)  # (processes, dp_shard): the layout really ran
         assert (facts["steps_per_generation"], facts["gradient_accumulation_steps"]) == (2, 2)
-        _assert_same(metrics, state, ref_metrics, ref_state, names=_split_invariant(ref_metrics))
+        assert all(len(values) == STEPS for values in metrics.values())
+        assert_trl_parity(metrics, state, ref_metrics, ref_state, names=_split_invariant(ref_metrics), what=layout)
         trl_metrics, trl_state, _, _ = rank_results["trl_ddp_lora" if lora else "trl_ddp"]
-        _assert_same(metrics, state, trl_metrics, trl_state)
+        assert_trl_parity(metrics, state, trl_metrics, trl_state, what=f"{layout} vs TRL on 2 ranks")
         assert facts.get("ref_frozen", True) and ("ref_frozen" in facts) == (not lora)
         if "fsdp2" in layout:
             assert facts["max_gathered_blocks"] == GATHERED_BLOCKS[layout]
@@ -287,7 +278,7 @@ def test_fixed_seed_sampling_under_fsdp2_matches_trls_grpo_trainer_on_the_same_r
         metrics, state, _, _ = rank_results["sampled_fsdp2"]
         ref_metrics, ref_state, _, _ = rank_results["sampled_trl"]
         assert min(ref_metrics["reward_std"]) > 0
-        _assert_same(metrics, state, ref_metrics, ref_state)
+        assert_trl_parity(metrics, state, ref_metrics, ref_state, what="sampled")
 
 
 def test_resumed_from_an_fsdp2_checkpoint_equals_the_uninterrupted_run(distributed, folder):
@@ -299,7 +290,8 @@ def test_resumed_from_an_fsdp2_checkpoint_equals_the_uninterrupted_run(distribut
         metrics, state, generated, _ = rank_results["saved"]
         resumed_metrics, resumed_state, resumed_generated, _ = rank_results["resumed"]
         assert resumed_generated == generated[-1:]  # only step 3 generated after the resume
-        _assert_same(resumed_metrics, resumed_state, metrics, state)  # steps 1-2 logged in the checkpoint's state
+        # steps 1-2 logged in the checkpoint's state
+        assert_trl_parity(resumed_metrics, resumed_state, metrics, state, what="resumed")
     assert checkpoint_kind(folder / "resume" / "checkpoint-2") == "hf_dist"
 
 
@@ -311,9 +303,7 @@ def test_one_process_without_hf_dist_fields_is_grpo_trainer(references, folder):
                                         per_device_train_batch_size=2, gradient_accumulation_steps=4, use_cpu=True)
     ref_metrics, ref_state, ref_generated, _ = references[False]
     assert generated == ref_generated and metrics == ref_metrics
-    assert sorted(state) == sorted(ref_state)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+    assert_trl_parity(metrics, state, ref_metrics, ref_state, atol=0)
 
 
 def test_global_batch_counts_completions(tmp_path):

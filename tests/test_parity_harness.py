@@ -95,3 +95,28 @@ def test_the_trainer_harness_one_process_is_the_reference(tmp_path):
     model = tiny_model(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2).config, loaded=True)
     ref = reference_run(model, [collator.batches[:2]], Recipe(lr=1e-3, weight_decay=0.0), grads=True)
     assert_parity(run, ref, what="one-process Trainer vs reference_run")
+
+
+def test_a_trl_run_is_compared_through_assert_parity(qwen3_moe):
+    """``assert_trl_parity`` (the TRL trainers' tests): losses, the evaluation loss, grad norms, every weight with the
+    router and experts required, and the other logged figures; each of these off, or missing on one side, fails."""
+    from parity import assert_trl_parity
+
+    first, second, _ = qwen3_moe
+    config = moe_config("qwen3_moe")
+    logs = {"loss": first["losses"], "grad_norm": [1.0, 0.5], "rewards/margins": [0.0, 0.25], "eval_loss": 2.0}
+    assert_trl_parity(logs, second["state"], logs, first["state"], config=config)
+    router = next(n for n in first["state"] if ".mlp.gate." in n)
+    no_router = {k: v for k, v in second["state"].items() if k != router}
+    off = [({**logs, "eval_loss": 2.0 + 2e-5}, second["state"], "losses"),
+           ({**logs, "grad_norm": [1.0, 0.5 + 2e-5]}, second["state"], "grad norms"),
+           ({**logs, "rewards/margins": [0.0, 0.25 + 2e-5]}, second["state"], "rewards/margins"),
+           ({k: v for k, v in logs.items() if k != "rewards/margins"}, second["state"], "logged figures differ"),
+           (logs, no_router, "state keys differ")]
+    for metrics, state, message in off:
+        with pytest.raises(AssertionError, match=message):
+            assert_trl_parity(metrics, state, logs, first["state"], config=config)
+    routers = {n for n in first["state"] if ".mlp.gate." in n}  # every layer's: a comparison that skipped them
+    with pytest.raises(AssertionError, match="no router weight compared"):
+        assert_trl_parity(logs, {k: v for k, v in second["state"].items() if k not in routers}, logs,
+                          {k: v for k, v in first["state"].items() if k not in routers}, config=config)

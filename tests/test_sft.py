@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from parity import assert_parity
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -125,15 +126,12 @@ def distributed(tokenizer_dir):
 def test_two_ranks_match_one_process_sft_trainer(references, distributed, layout):
     ref_losses, ref_state, ref_trainable, _ = references[layout == "lora"]
     assert len(ref_losses) == STEPS + 1  # the training steps, then the evaluation loss
-    for rank_results in distributed:
+    gathered = next(r[layout][1] for r in distributed if r[layout][1] is not None)  # PP gathers on rank 0 only
+    for rank, rank_results in enumerate(distributed):
         losses, state, trainable, dims = rank_results[layout]
         assert dims == EXPECTED_DIMS[layout]  # (processes, dp_shard, tp, pp): the layout really ran
-        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
-        if state is None:  # PP gathers the weights on rank 0
-            continue
-        assert sorted(state) == sorted(ref_state)
-        for name, value in ref_state.items():
-            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
+        assert_parity({"losses": losses, "state": gathered if state is None else state},
+                      {"losses": ref_losses, "state": ref_state}, what=f"{layout} rank {rank}")
         if layout == "lora":
             assert 0 < trainable == ref_trainable  # only the adapter trains
 

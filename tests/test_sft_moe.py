@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from parity import assert_parity
 
 STEPS, SAVE_AT, GLOBAL_BATCH, MICRO = 3, 2, 8, 2
 EP = {"ep_size": 2}
@@ -52,23 +53,27 @@ def _tokenizer(directory: Path):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def _model(tokenizer, dense: bool = False):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
-    from trainer_harness import as_loaded
+def _config(tokenizer, dense: bool = False):
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     if dense:  # the same attention, a dense MLP: CP through DistSFTTrainer without a router
-        config = Qwen3Config(
+        return Qwen3Config(
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-        torch.manual_seed(0)
-        return as_loaded(AutoModelForCausalLM.from_config(config))
-    config = Qwen3MoeConfig(
+    return Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.1,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )
+
+
+def _model(tokenizer, dense: bool = False):
+    from transformers import AutoModelForCausalLM
+    from trainer_harness import as_loaded
+
+    config = _config(tokenizer, dense)
     torch.manual_seed(0)
     return as_loaded(AutoModelForCausalLM.from_config(config))
 
@@ -192,22 +197,31 @@ def distributed(tokenizer_dir, tmp_path_factory):
     return run_distributed(_rank_runs, 2, tokenizer_dir, str(tmp_path_factory.mktemp("sft_moe_runs")))
 
 
+def _run_of(result: dict) -> dict:
+    """``assert_parity``'s run: per-step losses then the evaluation loss, and the trained weights (gathered whole)."""
+    return {"losses": result["losses"], "state": result["trained"]}
+
+
+@pytest.fixture(scope="module")
+def moe_config(tokenizer_dir):
+    """The MoE's config: ``assert_parity`` requires its router and expert weights among those compared."""
+    return _config(_tokenizer(tokenizer_dir))
+
+
 @pytest.mark.parametrize("name", [*LAYOUTS, "resumed"])
-def test_sft_on_a_moe_equals_one_process(references, distributed, name):
+def test_sft_on_a_moe_equals_one_process(references, distributed, moe_config, name):
     lora = LAYOUTS.get(name, (None, False))[1]
     reference = references[lora]
     assert len(reference["losses"]) == STEPS + 1
     assert any(".mlp.experts." in k for k in reference["trained"])  # experts (or their adapters) train
     assert any(".mlp.gate." in k for k in reference["trained"]) != lora  # the router trains unless under LoRA
-    for result in distributed:
+    for rank, result in enumerate(distributed):
         assert result[name]["ep"] == 2  # the layout really ran
-        expected = reference["losses"]
         if name == "resumed":  # the log history of the resumed run: the checkpoint's steps, then its own
-            assert len(result[name]["losses"]) == len(expected)
-        torch.testing.assert_close(result[name]["losses"], expected, rtol=0, atol=1e-5, msg=name)
-        assert sorted(result[name]["trained"]) == sorted(reference["trained"])
-        for key, value in reference["trained"].items():
-            torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+            assert len(result[name]["losses"]) == len(reference["losses"])
+        # under LoRA only the adapters train and are compared (the router has none): no router weight to require
+        assert_parity(_run_of(result[name]), _run_of(reference), config=None if lora else moe_config,
+                      what=f"{name} rank {rank}")
 
 
 @pytest.fixture(scope="module")
@@ -216,39 +230,32 @@ def four_ranks(tokenizer_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["ep_pp", "ep_tp"])
-def test_sft_on_a_moe_under_ep_x_pp_and_ep_x_tp_equals_one_process(references, four_ranks, name):
+def test_sft_on_a_moe_under_ep_x_pp_and_ep_x_tp_equals_one_process(references, four_ranks, moe_config, name):
     reference = references[False]
-    for result in four_ranks:
+    trained = four_ranks[0][name]["trained"]  # gathered whole (under PP: from every stage, on rank 0)
+    for rank, result in enumerate(four_ranks):
         sizes = (result[name]["ep"], result[name]["tp"], result[name]["pp"])
         assert sizes == ((2, 1, 2) if name == "ep_pp" else (2, 2, 1))  # the layout really ran
-        torch.testing.assert_close(result[name]["losses"], reference["losses"], rtol=0, atol=1e-5, msg=name)
-    trained = four_ranks[0][name]["trained"]  # gathered whole (under PP: from every stage, on rank 0)
-    assert sorted(trained) == sorted(reference["trained"])
-    for key, value in reference["trained"].items():
-        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+        assert_parity({"losses": result[name]["losses"], "state": trained}, _run_of(reference), config=moe_config,
+                      what=f"{name} rank {rank}")
 
 
 @pytest.mark.parametrize("name", ["ep_cp", "ep_cp_resumed"])
-def test_sft_on_packed_rows_under_ep_x_cp_equals_one_process(references, four_ranks, name):
+def test_sft_on_packed_rows_under_ep_x_cp_equals_one_process(references, four_ranks, moe_config, name):
     reference = references["packed"]
     assert len(reference["losses"]) == STEPS + 1
     assert any(p > 0 for p in four_ranks[0]["ep_cp"]["padded"])  # a packed row of odd length was split
-    for result in four_ranks:
+    for rank, result in enumerate(four_ranks):
         assert (result[name]["ep"], result[name]["cp"], result[name]["tp"], result[name]["pp"]) == (2, 2, 1, 1)
-        torch.testing.assert_close(result[name]["losses"], reference["losses"], rtol=0, atol=1e-5, msg=name)
-        assert sorted(result[name]["trained"]) == sorted(reference["trained"])
-        for key, value in reference["trained"].items():
-            torch.testing.assert_close(result[name]["trained"][key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
+        assert_parity(_run_of(result[name]), _run_of(reference), config=moe_config, what=f"{name} rank {rank}")
 
 
 def test_sft_on_packed_rows_of_a_dense_model_under_cp_equals_one_process(references, four_ranks):
     """CP=2 through DistSFTTrainer without a router: the same sequence split, padding and per-rank loss weighting."""
     reference = references["dense_packed"]
     assert not any(".mlp.experts." in k for k in reference["trained"])
-    for result in four_ranks:
-        assert (result["dense_cp"]["ep"], result["dense_cp"]["cp"]) == (1, 2)
-        torch.testing.assert_close(result["dense_cp"]["losses"], reference["losses"], rtol=0, atol=1e-5)
     trained = four_ranks[0]["dense_cp"]["trained"]
-    assert sorted(trained) == sorted(reference["trained"])
-    for key, value in reference["trained"].items():
-        torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5, msg=key)
+    for rank, result in enumerate(four_ranks):
+        assert (result["dense_cp"]["ep"], result["dense_cp"]["cp"]) == (1, 2)
+        assert_parity({"losses": result["dense_cp"]["losses"], "state": trained}, _run_of(reference),
+                      what=f"dense_cp rank {rank}")

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from parity import assert_trl_parity
 import test_dpo
 import test_grpo
 
@@ -156,19 +157,13 @@ def distributed(folder):
     return run_distributed(_rank_runs, 2, folder)
 
 
-def _same_logs(logs: list[dict], ref_logs: list[dict]) -> None:
-    assert len(logs) == len(ref_logs) == test_dpo.STEPS
-    for log, ref_log in zip(logs, ref_logs):
-        names = [name for name in ref_log if not name.endswith(TIMING_KEYS) and name != "learning_rate"]
-        assert set(names) <= set(log)
-        for name in names:
-            torch.testing.assert_close(log[name], ref_log[name], rtol=0, atol=1e-5, msg=name)
-
-
-def _same_state(state: dict, ref_state: dict) -> None:
-    assert sorted(state) == sorted(ref_state)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
+def _figures(facts: dict) -> dict:
+    """Every logged training figure per step and every evaluation figure, timings and the learning rate aside."""
+    logs = facts["logs"]
+    assert len(logs) == test_dpo.STEPS
+    kept = [name for name in logs[0] if not name.endswith(TIMING_KEYS) and name != "learning_rate"]
+    figures = {name: [log[name] for log in logs] for name in kept}
+    return figures | {k: v for k, v in facts["evaluation"].items() if not k.endswith(TIMING_KEYS)}
 
 
 def test_reference_runs_learn(references):
@@ -183,14 +178,10 @@ def test_reference_runs_learn(references):
     assert min(references["grpo_tp_sampled"][0]["reward_std"]) > 0
 
 
-def _same_figures_and_state(facts: dict, state: dict, ref_facts: dict, ref_state: dict) -> None:
+def _same_figures_and_state(facts: dict, state: dict, ref_facts: dict, ref_state: dict, what: str) -> None:
     """Every logged training figure, every evaluation figure (timings aside) and every weight equal one process's."""
-    _same_logs(facts["logs"], ref_facts["logs"])
-    eval_names = [k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]
-    assert len(eval_names) > 5
-    for key in eval_names:
-        torch.testing.assert_close(facts["evaluation"][key], ref_facts["evaluation"][key], rtol=0, atol=1e-5, msg=key)
-    _same_state(state, ref_state)
+    assert len([k for k in ref_facts["evaluation"] if not k.endswith(TIMING_KEYS)]) > 5
+    assert_trl_parity(_figures(facts), state, _figures(ref_facts), ref_state, what=what)
 
 
 @pytest.mark.parametrize("name", list(DPO))
@@ -202,7 +193,7 @@ def test_dpo_tp2_and_cp2_match_one_process(references, distributed, name):
     for rank_results in distributed:
         _, state, facts = rank_results[name]
         assert facts["layout"] == (2, 1)  # (processes, dp_shard)
-        _same_figures_and_state(facts, state, ref_facts, ref_state)
+        _same_figures_and_state(facts, state, ref_facts, ref_state, name)
         assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
         split = set(facts["watched"])
         if "cp_size" in fields:  # training forwards (the policy's, the reference's) on half of each sequence
@@ -233,7 +224,7 @@ def test_dpo_pp2_matches_one_process(references, distributed, name):
         _, state, facts = rank_results[name]
         strategy = "fsdp_full_shard" if fields.get("fsdp2") else "ddp"
         assert facts["layout"] == (2, 1) and facts["pipeline"] == (rank, 2, rank == 1, strategy)
-        _same_figures_and_state(facts, state, ref_facts, ref_state)
+        _same_figures_and_state(facts, state, ref_facts, ref_state, f"{name} rank {rank}")
         assert facts["optimizer_is_policy"] and facts["policy_trainable"] == ref_facts["policy_trainable"]
         assert facts["policy_numel"] < 0.8 * whole  # this rank's stage only
         if lora:
@@ -253,7 +244,8 @@ def test_grpo_tp2_matches_one_process(references, distributed, name):
         assert generated == ref_generated  # each TP rank generates the whole batch
         assert facts["layout"] == (2, 1)
         assert (facts["steps_per_generation"], facts["gradient_accumulation_steps"]) == (4, 4)
-        test_grpo._assert_same(metrics, state, ref_metrics, ref_state)
+        assert all(len(values) == test_grpo.STEPS for values in metrics.values())
+        assert_trl_parity(metrics, state, ref_metrics, ref_state, what=name)
         assert facts["max_gathered_blocks"] == 0
         assert facts.get("ref_frozen", True) and ("ref_frozen" in facts) == (not GRPO[name][0])
         if not GRPO[name][0]:  # the reference TP-sharded: blocks halved, embeddings, norms and lm_head whole
