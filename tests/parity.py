@@ -15,13 +15,17 @@
   returns what ``reference_run`` returns, gathered whole (``full_grads``, ``full_state_dict``).
 - ``pipelined_run(pipe, steps, recipe)``: the same training with a ``PipelinedCausalLM`` (the PP layout side, in the
   shape ``assert_parity`` reads).
+- ``trl_run`` / ``assert_trl_parity``: a TRL trainer's logged figures and weights in ``assert_parity``'s shape, for
+  the TRL files, whose one-process reference is TRL's own trainer.
 - ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
   the same keys on both sides, router and expert weights named so a comparison that skipped them fails.
 - ``matrix()``: the (model type, parallelism) cells the harness has cases for, generated from the case lists
   below; every cell the registry calls proven must be one of them.
 
-Importable by spawned ranks (module level only). Not for the Trainer-level runs (``trainer_harness.train_tiny``),
-which compare a ``DistTrainer`` with one process through ``assert_parity`` too.
+Importable by spawned ranks (module level only). The Trainer-level runs are ``trainer_harness``'s (``train_tiny``;
+``trainer_run``: a ``DistTrainer`` run with the first optimizer step's gradients of a ``train()`` call or of a resumed
+run), compared with one process through ``assert_parity`` too; ``test_parity_harness`` ties its one-process run to
+``reference_run``.
 """
 
 from __future__ import annotations
@@ -37,11 +41,10 @@ from hf_dist.families import family, num_experts, text_config
 from hf_dist.models.reference import IGNORE_INDEX, reference_step, split_rows
 
 __all__ = [
-    "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES",
-    "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_CP_CASES", "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "PP_SGD", "Recipe",
-    "TP_MOE_CASES", "TP_SGD", "assert_parity", "case_type", "cases", "default_fields", "full_grads", "layout_run",
-    "masked_batches", "matrix", "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config",
-    "tiny_model",
+    "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES", "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_CP_CASES",
+    "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "PP_SGD", "Recipe", "TP_MOE_CASES", "TP_SGD", "assert_parity",
+    "assert_trl_parity", "case_type", "cases", "default_fields", "full_grads", "layout_run", "masked_batches",
+    "matrix", "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model", "trl_run",
 ]
 
 # -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
