@@ -3,11 +3,11 @@
 On 2 gloo ranks (DDP and CP=2: transformers' loader; FSDP2 and TP=2: the streaming load on ``meta``) against one
 process (CP: the cp ranks share each batch, each computing the loss of its half of the sequence), every run through
 the parity harness (``parity.tiny_config`` / ``tiny_model``: the TP sweep's non-default configs, ``CASES``, written
-to disk; ``trainer_harness.trainer_run``; ``parity.assert_parity``): the initial adapters (gathered) are equal exactly, the
-losses of 3 steps, the first optimizer step's gradients (the adapters') and every parameter after training within
-1e-5, and the greedy tokens the in-memory model generates before and after training are the same (under FSDP2 a
-``PeftModel``'s ``generate`` used to meet sharded embeddings). A full fine-tune's FSDP2 ``generate`` is checked
-alongside. One spawn runs every layout.
+to disk; ``trainer_harness.trainer_run``; ``parity.assert_parity``): the initial adapters (gathered) are equal
+exactly, the losses of 3 steps, the first optimizer step's gradients (the adapters') and every parameter after
+training within 1e-5, and the greedy tokens the in-memory model generates before and after training are the same
+(under FSDP2 a ``PeftModel``'s ``generate`` used to meet sharded embeddings). A full fine-tune's FSDP2 ``generate``
+is checked alongside. One spawn runs every layout.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def test_lora_is_one_model_on_one_process_ddp_fsdp2_tp2_and_cp2(checkpoints, tmp
                           atol=0, what=f"{msg} initial adapters")
             assert_parity(got, reference, what=msg)
             assert (got["before"], got["after"]) == (reference["before"], reference["after"]), msg
-        assert results["full_fsdp2_tokens"] == references["gemma2"]["before"], rank  # LoRA B starts at zero: the base's answer
+        # LoRA B starts at zero: the base's answer
+        assert results["full_fsdp2_tokens"] == references["gemma2"]["before"], rank
 
 
 def test_adapters_are_drawn_from_the_seed_and_leave_the_global_generator_alone():
