@@ -1,11 +1,13 @@
 """LoRA through ``hf_dist.from_pretrained`` + ``DistTrainer``: one command gives one model whatever the layout.
 
 On 2 gloo ranks (DDP and CP=2: transformers' loader; FSDP2 and TP=2: the streaming load on ``meta``) against one
-process (CP: the cp ranks share each batch, each computing the loss of its half of the sequence):
-the initial adapters (gathered) are equal exactly, the losses and trained adapters of 3 steps within 1e-5, and the
-greedy tokens the in-memory model generates before and after training are the same (under FSDP2 a ``PeftModel``'s
-``generate`` used to meet sharded embeddings). A full fine-tune's FSDP2 ``generate`` is checked alongside. One
-spawn runs every layout.
+process (CP: the cp ranks share each batch, each computing the loss of its half of the sequence), every run through
+the parity harness (``parity.tiny_config`` / ``tiny_model``: the TP sweep's non-default configs, ``CASES``, written
+to disk; ``trainer_harness.trainer_run``; ``parity.assert_parity``): the initial adapters (gathered) are equal
+exactly, the losses of 3 steps, the first optimizer step's gradients (the adapters') and every parameter after
+training within 1e-5, and the greedy tokens the in-memory model generates before and after training are the same
+(under FSDP2 a ``PeftModel``'s ``generate`` used to meet sharded embeddings). A full fine-tune's FSDP2 ``generate``
+is checked alongside. One spawn runs every layout.
 """
 
 from __future__ import annotations
@@ -14,10 +16,18 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from trainer_harness import token_dataset
+from parity import assert_parity, tiny_config, tiny_model
+from trainer_harness import token_dataset, trainer_run
 
 STEPS, GLOBAL_BATCH, NEW_TOKENS = 3, 4, 6
+CASES = {"gemma2": ("ddp", "fsdp2", "tp2", "cp2"), "llama:mqa": ("tp2",)}
+"""The TP sweep's configs each layout runs: Gemma-2 (untied embeddings, softcapping) everywhere; the Llama with one
+KV head (each TP rank keeps a whole copy of its LoRA'd ``v_proj``) under TP only (CP needs KV heads to split).
+Llama's own case ties its embeddings, and its greedy tokens then repeat the prompt's last one before and after 3
+steps: a comparison without teeth."""
 PROMPT = [[5, 17, 42, 8, 99, 3]]
+RUN = dict(max_steps=STEPS, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2, learning_rate=2e-2, seed=3)
+"""The training arguments of every run (``trainer_run``'s defaults otherwise); the loader reads the same."""
 LAYOUTS = {
     "one": {},
     "ddp": {},
@@ -28,12 +38,12 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    from hf_dist.models import build_tiny_model
-
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    build_tiny_model(vocab_size=256, hidden_size=64, num_hidden_layers=2, seed=7).save_pretrained(directory)
-    return str(directory)
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for case in CASES:
+        out[case] = str(tmp_path_factory.mktemp(case.replace(":", "_")))
+        tiny_model(tiny_config(case, "tp"), seed=7, loaded=True).save_pretrained(out[case])
+    return out
 
 
 def _lora():
@@ -42,17 +52,14 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
 
 
-def _args(out: str, layout: str, **extra):
+def _args(out: str, layout: str):
+    """The arguments ``hf_dist.from_pretrained`` reads (layout, seed): those ``trainer_run`` trains with."""
     import os
 
     from hf_dist import DistTrainingArguments
 
-    return DistTrainingArguments(
-        output_dir=out, max_steps=STEPS, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=2,
-        learning_rate=2e-2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=3,
-        data_seed=0, disable_tqdm=True, dataloader_num_workers=0, use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1,
-        **LAYOUTS[layout], **extra,
-    )
+    return DistTrainingArguments(output_dir=out, report_to=[], use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1,
+                                 **RUN, **LAYOUTS[layout])
 
 
 def _adapters(model) -> dict[str, torch.Tensor]:
@@ -73,16 +80,13 @@ def _layout_run(checkpoint: str, out: str, layout: str) -> dict:
     import hf_dist
 
     AcceleratorState._reset_state(reset_partial_state=True)  # several layouts in one process group
-    args = _args(f"{out}/{layout}", layout)
-    model = hf_dist.from_pretrained(checkpoint, args, peft_config=_lora())
-    initial = _adapters(model)
-    trainer = hf_dist.DistTrainer(model=model, args=args, train_dataset=token_dataset(n=16))
+    model = hf_dist.from_pretrained(checkpoint, _args(f"{out}/{layout}", layout), peft_config=_lora())
+    initial, before = _adapters(model), []
+    run, trainer = trainer_run(f"{out}/{layout}", model=model, dataset=token_dataset(n=16), **RUN, **LAYOUTS[layout],
+                               before_train=lambda t: before.extend(_tokens(t.accelerator.unwrap_model(t.model))))
     in_memory = trainer.accelerator.unwrap_model(trainer.model)
-    before = _tokens(in_memory)
-    trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    return {"layout": trainer.args.layout.name, "initial": initial, "before": before, "losses": losses, "after": _tokens(in_memory),
-            "trained": _adapters(in_memory)}
+    return {**run, "layout": trainer.args.layout.name, "initial": initial, "before": before,
+            "after": _tokens(in_memory)}
 
 
 def _full_fsdp2_tokens(checkpoint: str, out: str) -> list[int]:
@@ -97,29 +101,30 @@ def _full_fsdp2_tokens(checkpoint: str, out: str) -> list[int]:
     return _tokens(trainer.accelerator.unwrap_model(trainer.model))
 
 
-def _group(rank, world_size, checkpoint, out):
-    results = {layout: _layout_run(checkpoint, out, layout) for layout in ("ddp", "fsdp2", "tp2", "cp2")}
-    results["full_fsdp2_tokens"] = _full_fsdp2_tokens(checkpoint, out)
+def _group(rank, world_size, checkpoints, out):
+    results = {(case, layout): _layout_run(checkpoints[case], f"{out}/{case}", layout)
+               for case, layouts in CASES.items() for layout in layouts}
+    results["full_fsdp2_tokens"] = _full_fsdp2_tokens(checkpoints["gemma2"], out)
     return results
 
 
-def test_lora_is_one_model_on_one_process_ddp_fsdp2_tp2_and_cp2(checkpoint, tmp_path):
-    reference = _layout_run(checkpoint, str(tmp_path / "ref"), "one")
-    assert reference["after"] != reference["before"]  # training changed the answer: the comparison has teeth
-    assert any(v.abs().sum() > 0 for k, v in reference["trained"].items() if "lora_B" in k)
-    per_rank = run_distributed(_group, 2, checkpoint, str(tmp_path), timeout_s=900)
+def test_lora_is_one_model_on_one_process_ddp_fsdp2_tp2_and_cp2(checkpoints, tmp_path):
+    references = {case: _layout_run(checkpoints[case], str(tmp_path / "ref" / case), "one") for case in CASES}
+    for reference in references.values():
+        assert reference["after"] != reference["before"]  # training changed the answer: the comparison has teeth
+        assert reference["grads"] and all("lora_" in name for name in reference["grads"])  # only the adapters train
+        assert any(v.abs().sum() > 0 for k, v in reference["state"].items() if "lora_B" in k)
+    per_rank = run_distributed(_group, 2, checkpoints, str(tmp_path), timeout_s=900)
     for rank, results in enumerate(per_rank):
-        for layout in ("ddp", "fsdp2", "tp2", "cp2"):
-            got, msg = results[layout], f"rank {rank} {layout}"
+        for case, layout in (key for key in results if isinstance(key, tuple)):
+            got, msg, reference = results[(case, layout)], f"rank {rank} {case} {layout}", references[case]
             assert layout == "ddp" or layout.removesuffix("2") in got["layout"], (msg, got["layout"])  # no fallback
-            assert sorted(got["initial"]) == sorted(reference["initial"]), msg
-            for key, value in reference["initial"].items():
-                torch.testing.assert_close(got["initial"][key], value, rtol=0, atol=0, msg=f"{msg} {key}")
-            torch.testing.assert_close(got["losses"], reference["losses"], rtol=0, atol=1e-5, msg=msg)
-            for key, value in reference["trained"].items():
-                torch.testing.assert_close(got["trained"][key], value, rtol=0, atol=1e-5, msg=f"{msg} {key}")
+            assert_parity({"losses": [], "state": got["initial"]}, {"losses": [], "state": reference["initial"]},
+                          atol=0, what=f"{msg} initial adapters")
+            assert_parity(got, reference, what=msg)
             assert (got["before"], got["after"]) == (reference["before"], reference["after"]), msg
-        assert results["full_fsdp2_tokens"] == reference["before"], rank  # LoRA B starts at zero: the base's answer
+        # LoRA B starts at zero: the base's answer
+        assert results["full_fsdp2_tokens"] == references["gemma2"]["before"], rank
 
 
 def test_adapters_are_drawn_from_the_seed_and_leave_the_global_generator_alone():

@@ -4,18 +4,19 @@
 ``average_tokens_across_devices=False`` change what the Trainer computes from the model's outputs; a layout that
 changes those outputs (FSDP2 renames the model's class, TP shards the vocabulary, CP splits the targets) must give
 the same numbers as one process or stop by name. Every case trains a tiny Llama loaded from disk (eval mode, as a
-user's), 3 AdamW steps of global batch 4 on distinct rows, on 2 gloo ranks in one spawn, and compares losses and
-every parameter with the one-process run of the same option (fp32, 1e-5).
+user's; the TP sweep's non-default Llama, ``parity.tiny_config``), 3 AdamW steps of global batch 4 on distinct rows,
+on 2 gloo ranks in one spawn, and compares with the one-process run of the same option through the parity harness
+(``trainer_harness.trainer_run``, ``parity.assert_parity``, fp32, 1e-5): losses, the first optimizer step's gradients
+(not under PP: each rank holds its stages' only) and every parameter after the last step.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.testing import assert_close
 
 from dist_utils import run_distributed
-from trainer_harness import VOCAB, train_tiny
+from parity import assert_parity, tiny_config, tiny_model
+from trainer_harness import VOCAB, train_tiny, trainer_run
 
 STEPS, GLOBAL = 3, 4
 LAYOUTS = {"ddp": {}, "fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}), "tp2": dict(tp_size=2),
@@ -37,11 +38,17 @@ REFUSED = {(layout, option): f"{name} with {size}" for layout, size in (
 """(layout, option) -> the start of the refusal (raised before any process group or weight load)."""
 
 
-def _train(option: str, output_dir: str, **layout):
+def _train(option: str, output_dir: str, **layout) -> dict:
+    """The run in ``assert_parity``'s shape (under PP losses and parameters: ``trainer_run`` needs whole models)."""
     trainer_kwargs = {"compute_loss_func": token_mean_loss} if option == "compute_loss_func" else {}
-    losses, params, _ = train_tiny(output_dir, max_steps=STEPS, global_batch_size=GLOBAL, per_device_train_batch_size=2,
-                                   trainer_kwargs=trainer_kwargs, **OPTIONS[option], **layout)
-    return {"losses": losses, "params": params}
+    model = tiny_model(tiny_config("llama", "tp"), loaded=True)
+    assert model.config.vocab_size == VOCAB
+    kwargs = dict(model=model, max_steps=STEPS, global_batch_size=GLOBAL, per_device_train_batch_size=2,
+                  trainer_kwargs=trainer_kwargs, **OPTIONS[option], **layout)
+    if layout.get("pp_size", 1) > 1:
+        losses, params, _ = train_tiny(output_dir, **kwargs)
+        return {"losses": losses, "state": params}
+    return trainer_run(output_dir, **kwargs)[0]
 
 
 def _ranks(rank, world_size, root):
@@ -75,14 +82,12 @@ def test_loss_option_equals_one_process_or_is_refused(runs, layout, option):
         if (layout, option) in REFUSED:
             assert isinstance(got, str) and got.startswith(REFUSED[(layout, option)]), got
             continue
-        want = references[option]
-        assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), atol=1e-5, rtol=1e-5)
-        for name, value in want["params"].items():
-            assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        want = references[option] if "grads" in got else {k: references[option][k] for k in ("losses", "state")}
+        assert_parity(got, want, rtol=1e-5, state_rtol=1e-5, what=f"rank {rank} {layout} {option}")
 
 
 def test_the_options_change_the_training(runs):
     """The option cases are not the plain loss under another name: label smoothing moves the weights elsewhere."""
     references, _ = runs
-    smoothed, plain = references["label_smoothing"]["params"], references["tokens_per_device"]["params"]
+    smoothed, plain = references["label_smoothing"]["state"], references["tokens_per_device"]["state"]
     assert max(float((smoothed[k] - plain[k]).abs().max()) for k in plain) > 1e-4

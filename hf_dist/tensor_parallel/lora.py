@@ -6,7 +6,10 @@ PEFT wraps a Linear as ``base_layer`` plus ``lora_A[adapter]`` / ``lora_B[adapte
 - column-parallel base (q/k/v, gate/up): ``lora_A`` whole on every rank (its input is replicated), ``lora_B``
   column-parallel like the base (fused parts included), so the adapter output is this rank's columns;
 - row-parallel base (o/down): ``lora_A`` row-parallel like the base (its input is this rank's columns, its
-  output is all-reduced), ``lora_B`` whole on every rank.
+  output is all-reduced), ``lora_B`` whole on every rank;
+- a KV projection with fewer KV heads than TP ranks (``ReplicatedKVColwise``): the whole LoRA layer (base and
+  both halves) whole on every rank, its summed output sliced to this rank's KV head, the gradients of the halves
+  summed over the TP ranks as the base's would be.
 
 The whole halves see identical inputs and identical output gradients on every TP rank, so their gradients
 and updates are identical: all TP ranks keep the same adapter. Apply PEFT first, then TP.
@@ -20,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hf_dist.tensor_parallel.classic_styles import Conv1DColwise, Conv1DFusedSlice, Conv1DRowwise
 from hf_dist.tensor_parallel.match import match_plan
+from hf_dist.tensor_parallel.styles import ReplicatedKVColwise
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -32,6 +36,8 @@ def has_lora_layers(model: nn.Module) -> bool:
 
 
 def _lora_entries(pattern: str, module: nn.Module, style: ParallelStyle) -> dict[str, ParallelStyle]:
+    if isinstance(style, ReplicatedKVColwise):  # replicates every parameter under the layer and slices its output
+        return {pattern: style}
     entries = {f"{pattern}.base_layer": style}
     if isinstance(style, (Conv1DColwise, Conv1DRowwise, Conv1DFusedSlice)):
         raise ValueError(
