@@ -42,6 +42,7 @@ MOE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention
            tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.01)
 PAIRS = {
     "fsdp2": {"world": 2, "model": "llama", "sides": ("native", "hf_dist")},
+    "fsdp2_whole": {"world": 2, "model": "llama", "sides": ("native", "hf_dist"), "args": {"chunked_loss": False}},
     "ep2": {"world": 2, "model": "moe", "sides": ("native", "hf_dist")},
     "one": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist")},
     "one_whole": {"world": 1, "model": "llama", "sides": ("plain", "hf_dist"), "args": {"chunked_loss": False}},
@@ -49,7 +50,7 @@ PAIRS = {
     "load_whole": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1,
                    "args": {"chunked_loss": False}},
 }
-LABELS = {"fsdp2": "FSDP2, 2 ranks", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
+LABELS = {"fsdp2": "FSDP2, 2 ranks", "fsdp2_whole": "FSDP2, whole loss", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
           "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks",
           "load_whole": "load, whole loss"}
 BIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,

@@ -3,9 +3,10 @@
 The model (4 experts, top-2, ``norm_topk_prob`` on, router aux loss on at 0.1 -- TRL adds the weighted term itself)
 is saved and loaded as users do; SFTTrainer tokenizes a plain-text dataset of varying lengths itself. On 2 gloo
 ranks, in one spawn: EP=2 x FSDP2, EP=2 x DDP, and LoRA (attention and, through PEFT's ``target_parameters``, the
-stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2 saved at step 2 and resumed. On 4 ranks,
-in one spawn: EP=2 inside each of 2 pipeline stages, EP=2 beside TP=2, and EP=2 x CP=2 on TRL's packed, padding-free
-rows (``packing=True``), saved at step 2 and resumed. Each equals a one-process ``DistSFTTrainer`` on the same global
+stacked expert weights) under EP=2 x FSDP2 and EP=2 x DDP; and EP=2 x FSDP2, full and LoRA, saved at step 2 and
+resumed. On 4 ranks, in one spawn: EP=2 inside each of 2 pipeline stages, EP=2 beside TP=2, and EP=2 x CP=2 on TRL's
+packed, padding-free rows (``packing=True``), each saved at step 2 and resumed; and a dense Qwen3 under CP=2 on
+packed rows. Each equals a one-process ``DistSFTTrainer`` on the same global
 batch and micro-batches (per-step losses, evaluation loss -- aux term included, as the model's own loss has it -- and
 every trained weight, routers, norms and experts included, within 1e-5).
 
@@ -130,10 +131,11 @@ def _rank_runs(rank, world_size, tokenizer_dir, root):
     for name, (layout, lora) in LAYOUTS.items():
         with tempfile.TemporaryDirectory() as out:
             results[name] = _run(tokenizer_dir, out, lora=lora, **layout)
-    out = f"{root}/resume"  # the same on every rank: the checkpoint is written together
-    _run(tokenizer_dir, out, lora=False, save_steps=SAVE_AT, **LAYOUTS["ep_fsdp2"][0])
-    results["resumed"] = _run(tokenizer_dir, out, lora=False, resume=f"{out}/checkpoint-{SAVE_AT}",
-                              **LAYOUTS["ep_fsdp2"][0])
+    for name, lora in (("resumed", False), ("lora_resumed", True)):  # EP x FSDP2, full and LoRA: saved, resumed
+        out = f"{root}/{name}"  # the same on every rank: the checkpoint is written together
+        _run(tokenizer_dir, out, lora=lora, save_steps=SAVE_AT, **LAYOUTS["ep_fsdp2"][0])
+        results[name] = _run(tokenizer_dir, out, lora=lora, resume=f"{out}/checkpoint-{SAVE_AT}",
+                             **LAYOUTS["ep_fsdp2"][0])
     return results
 
 
@@ -151,8 +153,10 @@ def _four_rank_runs(rank, world_size, tokenizer_dir, root):
 
     results = {}
     for name, extra in (("ep_pp", {"pp_size": 2, "pp_schedule": "gpipe"}), ("ep_tp", {"tp_size": 2})):
-        with tempfile.TemporaryDirectory() as out:
-            results[name] = _run(tokenizer_dir, out, lora=False, **extra, **LAYOUTS["ep_fsdp2"][0])
+        out = f"{root}/{name}"  # saved at step 2 (the run itself is the uninterrupted one), resumed from there
+        results[name] = _run(tokenizer_dir, out, lora=False, save_steps=SAVE_AT, **extra, **LAYOUTS["ep_fsdp2"][0])
+        results[f"{name}_resumed"] = _run(tokenizer_dir, out, lora=False, resume=f"{out}/checkpoint-{SAVE_AT}",
+                                          **extra, **LAYOUTS["ep_fsdp2"][0])
     padded, pad = [], context.pad_to_slices  # positions the CP step added per micro-batch
 
     def recording(inputs, size):
@@ -208,16 +212,16 @@ def moe_config(tokenizer_dir):
     return _config(_tokenizer(tokenizer_dir))
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "resumed"])
+@pytest.mark.parametrize("name", [*LAYOUTS, "resumed", "lora_resumed"])
 def test_sft_on_a_moe_equals_one_process(references, distributed, moe_config, name):
-    lora = LAYOUTS.get(name, (None, False))[1]
+    lora = LAYOUTS.get(name, (None, name == "lora_resumed"))[1]
     reference = references[lora]
     assert len(reference["losses"]) == STEPS + 1
     assert any(".mlp.experts." in k for k in reference["trained"])  # experts (or their adapters) train
     assert any(".mlp.gate." in k for k in reference["trained"]) != lora  # the router trains unless under LoRA
     for rank, result in enumerate(distributed):
         assert result[name]["ep"] == 2  # the layout really ran
-        if name == "resumed":  # the log history of the resumed run: the checkpoint's steps, then its own
+        if name.endswith("resumed"):  # the log history of the resumed run: the checkpoint's steps, then its own
             assert len(result[name]["losses"]) == len(reference["losses"])
         # under LoRA only the adapters train and are compared (the router has none): no router weight to require
         assert_parity(_run_of(result[name]), _run_of(reference), config=None if lora else moe_config,
@@ -229,13 +233,13 @@ def four_ranks(tokenizer_dir, tmp_path_factory):
     return run_distributed(_four_rank_runs, 4, tokenizer_dir, str(tmp_path_factory.mktemp("sft_moe_four")))
 
 
-@pytest.mark.parametrize("name", ["ep_pp", "ep_tp"])
+@pytest.mark.parametrize("name", ["ep_pp", "ep_tp", "ep_pp_resumed", "ep_tp_resumed"])
 def test_sft_on_a_moe_under_ep_x_pp_and_ep_x_tp_equals_one_process(references, four_ranks, moe_config, name):
     reference = references[False]
     trained = four_ranks[0][name]["trained"]  # gathered whole (under PP: from every stage, on rank 0)
     for rank, result in enumerate(four_ranks):
         sizes = (result[name]["ep"], result[name]["tp"], result[name]["pp"])
-        assert sizes == ((2, 1, 2) if name == "ep_pp" else (2, 2, 1))  # the layout really ran
+        assert sizes == ((2, 1, 2) if name.startswith("ep_pp") else (2, 2, 1))  # the layout really ran
         assert_parity({"losses": result[name]["losses"], "state": trained}, _run_of(reference), config=moe_config,
                       what=f"{name} rank {rank}")
 
