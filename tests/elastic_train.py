@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -64,6 +65,9 @@ class _Recorder(TrainerCallback):
         with open(Path(args.output_dir) / RECORD, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")  # one write per line: ranks append to the same file
         self.trainer.micro_ids = []
+        # a test that signals a run mid-way gives itself time: the tiny run's 8 steps take under a second, and a
+        # signal sent after step 2 could otherwise land once the run had finished
+        time.sleep(float(os.environ.get("HF_DIST_TEST_STEP_PAUSE", "0")))
 
 
 class RecordingTrainer(DistTrainer):

@@ -252,12 +252,14 @@ def reference_run(model, steps: Sequence[Sequence[Mapping[str, torch.Tensor]]], 
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient whole and in HF layout (fused parts de-interleaved), by name; a collective where
-    gradients are DTensors, so every rank of the model's meshes calls it."""
+    """Every parameter's gradient whole and in HF layout (fused parts de-interleaved), by name -- a tied weight under
+    each of its names, as ``reference_run`` and the canary list it; a collective where gradients are DTensors, so
+    every rank of the model's meshes calls it."""
     from hf_dist.state_dict import fused_keys, hf_layout
 
     fused = fused_keys(model)
-    return {n: hf_layout(n, p.grad, fused).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: hf_layout(n, p.grad, fused).detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+            if p.grad is not None}
 
 
 def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recipe, *, dp_rank: int = 0, dp: int = 1,

@@ -195,7 +195,7 @@ def test_pods_on_localhost_one_terminated(tmp_path):
     out, port = tmp_path / "run", free_port()
     (store_container,) = _objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
     code = store_container["command"][-1].replace(str(store_container["ports"][0]["containerPort"]), str(port))
-    env = dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", HF_DIST_TEST_STEP_PAUSE="1")  # the SIGTERM mid-run
     store = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     pods = []
     try:
