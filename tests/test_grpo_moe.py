@@ -46,19 +46,14 @@ EXTRA_EOS = [286, 186, 305, 107]  # tokens that end all of one rank's first comp
 
 def _moe_folder(folder: Path) -> Path:
     """A tiny Qwen3-MoE with ``test_dpo``'s tokenizer, written with ``save_pretrained`` (once per folder)."""
-    from transformers import Qwen3MoeConfig
+    from trainer_harness import tiny_moe_config
 
     from hf_dist.models import build_tiny_model
 
     path = folder / "tiny-qwen3-moe"
     if not (path / "config.json").is_file():
         tokenizer = test_dpo._tokenizer(folder / "tokenizer")
-        config = Qwen3MoeConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-            num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.1, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        )
+        config = tiny_moe_config(tokenizer)
         model = build_tiny_model(config, seed=0)
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, *EXTRA_EOS]
         model.save_pretrained(path)

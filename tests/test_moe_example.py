@@ -36,7 +36,8 @@ TWIN = {  # recipe -> (ranks, extra flags, layout line printed)
 def twin(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny Qwen3-MoE folder (config, safetensors, tokenizer) and a JSONL of texts of varying length."""
     import torch
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoTokenizer, Qwen3MoeForCausalLM
+    from trainer_harness import tiny_moe_config
 
     from hf_dist.data.tokenizer import train_tokenizer_from_texts
 
@@ -44,12 +45,7 @@ def twin(tmp_path_factory) -> tuple[Path, Path]:
     texts = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(6 + i % 13)) for i in range(96)]
     train_tokenizer_from_texts(texts, root / "model", vocab_size=300)
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.1, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
+    config = tiny_moe_config(tokenizer)
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(root / "model")
     data = root / "texts.jsonl"

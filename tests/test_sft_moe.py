@@ -55,19 +55,9 @@ def _tokenizer(directory: Path):
 
 
 def _config(tokenizer, dense: bool = False):
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from trainer_harness import tiny_moe_config
 
-    if dense:  # the same attention, a dense MLP: CP through DistSFTTrainer without a router
-        return Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    return Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
+    return tiny_moe_config(tokenizer, dense=True) if dense else tiny_moe_config(tokenizer, output_router_logits=True)
 
 
 def _model(tokenizer, dense: bool = False):

@@ -171,3 +171,18 @@ class RecordingCollator:
         batch = default_data_collator(features)
         self.batches.append({k: v.clone() for k, v in batch.items()})
         return batch
+
+
+def tiny_moe_config(tokenizer, *, dense: bool = False, **overrides):
+    """The tiny Qwen3-MoE the TRL-level tests and the MoE example's CPU twin train (4 experts, top-2,
+    ``norm_topk_prob``, router aux loss 0.1), sized to ``tokenizer``; ``dense``: the same attention with a dense MLP
+    (Qwen3). ``overrides`` set further config fields (``output_router_logits=True``)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    if dense:
+        return Qwen3Config(**common, **overrides)
+    return Qwen3MoeConfig(**common, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, router_aux_loss_coef=0.1, **overrides)
