@@ -102,7 +102,8 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
         model = as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                            **(model_kwargs or {})))
     train = dataset if dataset is not None else token_dataset()
-    trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=train, **(trainer_kwargs or {}))
+    trainer = DistTrainer(model=model, args=DistTrainingArguments(**args), train_dataset=train,
+                          **(trainer_kwargs or {}))
     if before_train is not None:
         before_train(trainer)
     trainer.train(resume_from_checkpoint=resume)
