@@ -103,11 +103,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _dataset(rows: int, sizes: Sizes, vocab: int):
-    from datasets import Dataset
-
+def _dataset(rows: int, sizes: Sizes, vocab: int) -> list[dict]:
+    """Random token rows as a plain list of examples (the Trainer takes any sized dataset; no ``datasets`` needed)."""
     ids = torch.randint(0, vocab, (rows, sizes.seq), generator=torch.Generator().manual_seed(0)).tolist()
-    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+    return [{"input_ids": row, "labels": row} for row in ids]
 
 
 def _trainer(case: str, model, sizes: Sizes, out: str, device: torch.device, peak: float, callbacks: list):
@@ -346,13 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 -- the measurements are kept and written
         plan = {"error": f"{type(err).__name__}: {err}"[:300]}
     lines = table(results, plan, sizes)
+    sys.path.insert(0, HERE)
+    import experts_check
+
+    experts_lines, experts_ok = experts_check.rows(device)
+    lines += ["", f"4. experts implementations against eager on this device ({experts_check.__doc__.splitlines()[0]})",
+              *experts_lines]
     print("\n" + "\n".join(lines))
     out = opts.out or (None if opts.cpu_smoke else DEFAULT_OUT)
     if out:
         write_doc(out, header, lines)
         print(f"written to {out}")
     failed = [r for r in (*results.values(), plan, plan.get("calibrated") or {}) if "error" in r]
-    return 1 if failed else 0
+    return 1 if failed or not experts_ok else 0
 
 
 if __name__ == "__main__":

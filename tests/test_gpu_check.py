@@ -42,7 +42,11 @@ def test_cpu_smoke_runs_every_section_and_writes_the_table(tmp_path, capsys):
         if not case.get("plain"):  # DistTrainer's own MFU (dist_logging) is logged
             assert cells[3] != "-", row
         assert row in written
-    for section in ("\n2. ", "\n3. ", "   assumed ", "   calibrated ", "   measured "):
+    for impl in ("eager", "batched_mm", "grouped_mm"):  # section 4: each within its bound against eager
+        for precision in ("fp32", "bf16 autocast"):
+            row = next(line for line in table.splitlines() if line.startswith(f"{impl} {precision}"))
+            assert row.endswith("  yes") and row in written, row
+    for section in ("\n2. ", "\n3. ", "\n4. ", "   assumed ", "   calibrated ", "   measured "):
         assert section in table and section in "\n" + written
     assert "CPU smoke run" in written
 
