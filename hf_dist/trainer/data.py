@@ -119,7 +119,8 @@ def use_dp_group(trainer) -> None:
 
 def train_dataloader(trainer):
     """The train loader from ``DataParallelBatchSampler`` for ``trainer`` (None: use the Trainer's own path)."""
-    import datasets
+    import sys
+
     import torch.distributed as dist
     from torch.utils.data import DataLoader, IterableDataset
     from transformers.trainer_utils import has_length, seed_worker
@@ -133,7 +134,8 @@ def train_dataloader(trainer):
     if strategy not in ("random", "sequential"):
         return None
     collator = trainer.data_collator
-    if isinstance(dataset, datasets.Dataset):
+    hf_datasets = sys.modules.get("datasets")  # a datasets.Dataset exists only once the package was imported
+    if hf_datasets is not None and isinstance(dataset, hf_datasets.Dataset):
         dataset = trainer._remove_unused_columns(dataset, description="training")
     else:
         collator = trainer._get_collator_with_removed_columns(collator, description="training")
