@@ -129,9 +129,15 @@ def _trainer(case: str, model, sizes: Sizes, out: str, device: torch.device, pea
     return DistTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
 
-def run_case(case: str, smoke: bool) -> dict:
-    """One training run of ``case`` in this process: step time, rates and peak memory."""
+def run_case(case: str, smoke: bool, chunk_tokens: int | None = None) -> dict:
+    """One training run of ``case`` in this process: step time, rates and peak memory (``chunk_tokens``: the
+    chunked loss's tokens per chunk in place of its policy's, to measure the policy)."""
     from transformers import AutoModelForCausalLM, TrainerCallback, logging as hf_logging
+
+    if chunk_tokens:
+        import hf_dist.loss.chunked
+
+        hf_dist.loss.chunked.chunk_tokens_for = lambda vocab: chunk_tokens
 
     from hf_dist.planner.flops import module_flop_counts
 
@@ -319,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="each run in a fresh process (default: yes on CUDA, no with --cpu-smoke)")
     parser.add_argument("--no-calibrate", action="store_true", help="skip hf-dist plan --calibrate")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one case, JSON on stdout (isolated runs)
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="with --one: the chunked loss's tokens per chunk (default: its policy's)")
     opts = parser.parse_args(argv)
     if not opts.cpu_smoke and not torch.cuda.is_available():
         print(f"bench/gpu_check.py: no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() is "
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               f"code paths at toy sizes on CPU (the figures then mean nothing).", file=sys.stderr)
         return 2
     if opts.one:
-        print(json.dumps(run_case(opts.one, opts.cpu_smoke)))
+        print(json.dumps(run_case(opts.one, opts.cpu_smoke, opts.chunk_tokens)))
         return 0
     cases = [c for c in opts.cases.split(",") if c]
     if unknown := sorted(set(cases) - set(CASES)):

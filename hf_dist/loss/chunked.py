@@ -72,10 +72,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += loss.detach()
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_tokens] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_logits.t() @ rows).float()
+            if grad_weight is not None:  # promoted into the fp32 sum in place: no fp32 copy of the product
+                grad_weight.add_(grad_logits.t() @ rows)
             if grad_bias is not None:
-                grad_bias += grad_logits.sum(0).float()
+                grad_bias.add_(grad_logits.sum(0))
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total.to(torch.float32)
