@@ -137,7 +137,7 @@ def run_case(case: str, smoke: bool, chunk_tokens: int | None = None) -> dict:
     if chunk_tokens:
         import hf_dist.loss.chunked
 
-        hf_dist.loss.chunked.chunk_tokens_for = lambda vocab: chunk_tokens
+        hf_dist.loss.chunked.chunk_tokens_for = lambda vocab, hidden: chunk_tokens
 
     from hf_dist.planner.flops import module_flop_counts
 
@@ -253,7 +253,7 @@ def table(results: dict[str, dict], plan: dict, sizes: Sizes) -> list[str]:
              f"{sizes.micro} x {sizes.seq} tokens, bf16 ({plan.get('precision', '-')}), planner layout "
              f"{plan.get('layout', '-')} on {plan.get('gpu', '-')}", head]
     moe_head = False
-    for case, r in results.items():
+    for case, r in sorted(results.items(), key=lambda item: CASES[item[0]]["model"] != "llama"):  # section 1 first
         spec = CASES[case]
         if spec["model"] == "moe" and not moe_head:
             moe_head, m = True, sizes.moe

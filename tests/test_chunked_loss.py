@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
@@ -136,12 +137,44 @@ def test_never_builds_the_whole_logits_or_their_gradient():
     assert chunked.largest < tokens * vocab / 2
 
 
+def test_pieces_inside_chunks_equal_the_whole_loss_and_one_level_chunks():
+    """Chunks through the head's matmuls, pieces through the fp32 cross-entropy (short last chunk and piece, ignored
+    targets, a soft-cap): the whole loss's value and gradients in fp32; under bf16 autocast the same gradients as
+    chunks of one piece each, bit for bit (the cross-entropy's gradient is row by row)."""
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(3, 11, 16), torch.randn(50, 16) / 4, torch.randn(50)
+    targets = torch.randint(0, 50, (3, 11))
+    targets[0, :4] = -100
+    transform = LogitTransform(softcap=5.0)
+
+    def run(loss_of, dtype=None):
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = loss_of(*leaves)
+        loss.backward()
+        return loss.detach(), [t.grad for t in leaves]
+
+    whole = run(lambda h, w, b: F.cross_entropy(transform(F.linear(h, w, b)).float().flatten(0, 1),
+                                                targets.flatten(), reduction="sum"))
+    two_level = run(lambda h, w, b: linear_cross_entropy(h, w, b, targets, transform=transform, chunk_tokens=7,
+                                                         piece_tokens=3))
+    torch.testing.assert_close(two_level, whole, rtol=1e-6, atol=1e-6)
+    pieces = run(lambda h, w, b: linear_cross_entropy(h, w, b, targets, transform=transform, chunk_tokens=7,
+                                                      piece_tokens=3), torch.bfloat16)
+    one_level = run(lambda h, w, b: linear_cross_entropy(h, w, b, targets, transform=transform, chunk_tokens=7),
+                    torch.bfloat16)
+    torch.testing.assert_close(pieces[1], one_level[1], rtol=0, atol=0)
+    torch.testing.assert_close(pieces[0], one_level[0], rtol=1e-6, atol=1e-6)
+
+
 def test_refuses_bad_shapes_and_chunks():
     hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 4)
     with pytest.raises(ValueError, match="leading shape"):
         linear_cross_entropy(hidden, weight, None, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         linear_cross_entropy(hidden, weight, None, torch.zeros(2, 3, dtype=torch.long), chunk_tokens=0)
+    with pytest.raises(ValueError, match="piece_tokens=0"):
+        linear_cross_entropy(hidden, weight, None, torch.zeros(2, 3, dtype=torch.long), piece_tokens=0)
 
 
 def _head_unit_grads(rank, world_size):
@@ -252,12 +285,16 @@ def test_the_planner_counts_one_chunk_not_the_whole_logits():
     spec = model_spec(LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
                                   num_attention_heads=9, num_key_value_heads=3))
     layout = make_layout("ddp", 1)
-    n, v, h, k = 4 * 2048, 49152, 576, chunk_tokens_for(49152)
+    from hf_dist.loss.policy import piece_tokens_for
+
+    n, v, h, g, k = 4 * 2048, 49152, 576, chunk_tokens_for(49152, 576), piece_tokens_for(49152)
+    assert (g, k) == (576, 341)  # a chunk of at least hidden_size tokens, pieces of about 16M logits
     whole = activation_model(spec, Workload(seq_len=2048, micro_batch_size=4, precision="fp32"), layout)
     chunked = activation_model(spec, Workload(seq_len=2048, micro_batch_size=4, precision="fp32", chunked_loss=True),
                                layout)
     assert (whole.loss, whole.loss_backward, whole.logits_forward) == (4 * n * v + 8 * n, 8 * n * v, 4 * n * v)
-    assert (chunked.loss, chunked.loss_backward, chunked.logits_forward) == (4 * v * h + 8 * n, 8 * k * v, 16 * k * v)
+    assert (chunked.loss, chunked.loss_backward, chunked.logits_forward) == (4 * v * h + 8 * n, 8 * k * v,
+                                                                             4 * g * v + 12 * k * v)
     assert layout_refusal(layout) is None
     assert "tensor" in layout_refusal(make_layout("ddp", 2, tp=2))
     assert layout_refusal(make_layout("ddp", 2, pp=2)) is None  # the last stage computes it (test_pp_chunked_loss)

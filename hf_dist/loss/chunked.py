@@ -5,8 +5,10 @@ weight, bias)).float(), targets, reduction="sum")`` -- what ``transformers.loss.
 before it divides -- and has the same gradients, without holding the whole logits or their gradient: each chunk's
 logits are made, differentiated (by autograd, on the chunk alone, so the transform's backward is torch's own) and
 dropped in the forward pass; the gradients for ``hidden``, ``weight`` and ``bias`` are kept (the size of those
-tensors, not of the logits) and scaled by the incoming gradient in backward. The memory held is one chunk of
-logits (``chunk_tokens x vocab``) plus a gradient the size of the head's weight.
+tensors, not of the logits) and scaled by the incoming gradient in backward. The memory held is one chunk's
+logits in the compute dtype (``chunk_tokens x vocab``, at least ``hidden_size`` tokens: about the head's size; they
+are overwritten with their gradient), one piece's fp32 cross-entropy (about 16M logits) and a gradient the size of
+the head's weight.
 
 ``head_cross_entropy(head, hidden, targets, ...)`` runs it through a head module. Where the head is an FSDP2 unit of
 its own (``hf_dist.parallelism``), ``gather_head_for_loss`` has made the loss a forward method of that unit
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_dist.loss.policy import chunk_tokens_for
+from hf_dist.loss.policy import chunk_tokens_for, piece_tokens_for
 
 HEAD_LOSS_METHOD = "hf_dist_linear_cross_entropy"
 """The head's forward method that ``gather_head_for_loss`` registers with FSDP2."""
@@ -55,21 +57,30 @@ class LogitTransform:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``transform(linear(hidden))`` with its gradients made chunk by chunk in forward."""
+    """Summed cross-entropy of ``transform(linear(hidden))`` with its gradients made chunk by chunk in forward.
+
+    Two levels: a chunk of ``chunk_tokens`` rows goes through the head's matmuls at once (its logits held in the
+    compute dtype, then overwritten piece by piece with their gradient), and each piece of ``piece_tokens`` rows
+    through the fp32 cross-entropy."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, chunk_tokens):
-        total = torch.zeros((), dtype=torch.float64, device=hidden.device)  # chunk sums, rounded once
+    def forward(ctx, hidden, weight, bias, targets, transform, chunk_tokens, piece_tokens):
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)  # piece sums, rounded once
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = hidden[start : start + chunk_tokens]
-            with torch.enable_grad():
-                logits = F.linear(rows, weight, bias).detach().requires_grad_()
-                loss = F.cross_entropy(transform(logits).float(), targets[start : start + chunk_tokens], reduction="sum")
-                (grad_logits,) = torch.autograd.grad(loss, logits)
-            total += loss.detach()
+            logits = F.linear(rows, weight, bias).detach()  # becomes the logits' gradient, piece by piece
+            for at in range(0, rows.shape[0], piece_tokens):
+                end = min(at + piece_tokens, rows.shape[0])  # the chunk's last piece may be short
+                with torch.enable_grad():
+                    piece = logits[at:end].detach().requires_grad_()
+                    loss = F.cross_entropy(transform(piece).float(), targets[start + at : start + end], reduction="sum")
+                    (grad_piece,) = torch.autograd.grad(loss, piece)
+                logits[at:end] = grad_piece
+                total += loss.detach()
+            grad_logits = logits
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_tokens] = grad_logits @ weight
             if grad_weight is not None:  # promoted into the fp32 sum in place: no fp32 copy of the product
@@ -92,6 +103,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -103,6 +115,7 @@ def linear_cross_entropy(
     *,
     transform: LogitTransform | None = None,
     chunk_tokens: int | None = None,
+    piece_tokens: int | None = None,
     ignore_index: int = -100,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``transform(hidden @ weight.T + bias)`` against ``targets``, chunk by chunk.
@@ -112,18 +125,24 @@ def linear_cross_entropy(
         weight, bias: the head's parameters (``nn.Linear`` layout: ``[vocab, hidden_size]``).
         targets: token ids with ``hidden``'s leading shape; ``ignore_index`` positions add nothing.
         transform: the model's scaling/soft-capping of its logits (identity when None).
-        chunk_tokens: tokens per chunk (default: ``policy.chunk_tokens_for``, about 16M logits per chunk).
+        chunk_tokens: tokens per chunk through the head's matmuls (default: ``policy.chunk_tokens_for``, at least
+            ``hidden_size``).
+        piece_tokens: tokens per piece through the fp32 cross-entropy (default: ``policy.piece_tokens_for``, about
+            16M logits; at most ``chunk_tokens``).
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} must share their "
                          f"leading shape (one target per position)")
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive number of tokens per chunk")
+    for name, value in (("chunk_tokens", chunk_tokens), ("piece_tokens", piece_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be a positive number of tokens per {name.split('_')[0]}")
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).to(hidden.device)
     kept = (targets != ignore_index).nonzero().squeeze(1)  # ignored positions never reach the head
-    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden[kept], weight, bias, targets[kept], transform or LogitTransform(), chunk)
+    chunk = chunk_tokens or chunk_tokens_for(*weight.shape)
+    piece = min(chunk, piece_tokens or piece_tokens_for(weight.shape[0]))
+    return _LinearCrossEntropy.apply(hidden[kept], weight, bias, targets[kept], transform or LogitTransform(), chunk,
+                                     piece)
 
 
 def _head_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:

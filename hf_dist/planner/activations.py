@@ -35,9 +35,10 @@ The head keeps the final norm, the lm_head input (``c·N·h``; not kept when lm_
 the lm_head weight cast, the fp32 log-softmax output ``4·N·V`` and the labels. Backward of the loss holds two
 more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax input gradient): ``8·N·V``.
 With the chunked loss (``Workload.chunked_loss``, ``hf_dist.loss.chunked``) no ``N x V`` tensor exists: the loss
-keeps the head weight's fp32 gradient ``4·V·h`` (made in forward) and the labels, and one chunk of ``k`` tokens
-(``chunk_tokens_for(V)``) holds its logits, their fp32 upcast, the log-softmax and two fp32 gradients at once:
-``k·V·(c + 4 + 4 + 8)`` bytes (``k·V·16`` in fp32, where the upcast is the logits themselves); the lm_head input term
+keeps the head weight's fp32 gradient ``4·V·h`` (made in forward) and the labels; one chunk of ``g`` tokens
+(``chunk_tokens_for(V, h)``, at least h) holds its logits ``c·g·V`` (overwritten with their gradient), and one piece of
+``k`` of them (``piece_tokens_for(V)``) the fp32 upcast, the log-softmax and two fp32 gradients at once:
+``k·V·(4 + 4 + 8)`` bytes (``k·V·12`` in fp32, where the upcast is the logits themselves); the lm_head input term
 stands for the hidden states' gradient the loss keeps instead (the same ``c·N·h``).
 With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split,
 except with vocabulary parallelism, where the model returns vocab-sharded logits and the loss runs under
@@ -65,7 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from hf_dist.loss.policy import chunk_tokens_for
+from hf_dist.loss.policy import chunk_tokens_for, piece_tokens_for
 from hf_dist.planner.catalogue import ModelSpec
 from hf_dist.planner.workload import Layout, Workload
 from hf_dist.planner.states import lm_head_tp
@@ -196,10 +197,12 @@ def _whole_loss_terms(n: int, v: int, c: int) -> dict[str, int]:
 
 
 def _chunked_loss_terms(n: int, h: int, v: int, c: int) -> dict[str, int]:
-    """``hf_dist.loss``: the head weight's fp32 gradient and the labels kept; one chunk's logits at a time."""
-    k = min(n, chunk_tokens_for(v))
-    chunk = k * v * (c + (4 if c != 4 else 0) + 4 + 8)  # logits, upcast, log-softmax, its and the logits' gradient
-    return dict(loss=4 * v * h + 8 * n, loss_backward=8 * k * v, logits_forward=chunk)
+    """``hf_dist.loss``: the head weight's fp32 gradient and the labels kept; one chunk's logits at a time (in the
+    compute dtype, overwritten with their gradient), going through the fp32 cross-entropy one piece at a time."""
+    g = min(n, chunk_tokens_for(v, h))
+    k = min(g, piece_tokens_for(v))
+    piece = k * v * ((4 if c != 4 else 0) + 4 + 8)  # upcast, log-softmax, its and the piece's gradient
+    return dict(loss=4 * v * h + 8 * n, loss_backward=8 * k * v, logits_forward=g * v * c + piece)
 
 
 def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> ActivationModel:
