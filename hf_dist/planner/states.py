@@ -205,7 +205,7 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
         trained_unit = unit_el if not frozen else 0
         # the unit's gradients and its fp32 reduce-scatter input, while lm_head's gradient waits for the root
         unsharded = gb * trained_unit + rb * trained_unit + (gb * sum(_numel(x) for x in lm_head) if not frozen else 0)
-    buckets = grads if layout.strategy == "ddp" else 0
+    buckets = grads if layout.strategy == "ddp" and layout.dims.dp > 1 else 0  # one process: no reducer
     step_temp = 0  # fused AdamW (the Trainer's default, adamw_torch_fused) updates in place
     cpu = 0
     if layout.offload == "cpu":
