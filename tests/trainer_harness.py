@@ -146,7 +146,7 @@ def first_step_grads():
 
             def reduce_then_capture(model):
                 reduce(model)
-                self.capture(model, trainer.state.global_step + 1)
+                self.capture(trainer.model, trainer.state.global_step + 1)  # not the DDP wrapper's names
 
             trainer._reduce_partial_grads = reduce_then_capture
 
