@@ -82,18 +82,21 @@ def test_a_model_loaded_from_disk_gives_the_same_reference(qwen3_moe):
 
 def test_the_trainer_harness_one_process_is_the_reference(tmp_path):
     """``trainer_harness.trainer_run`` in one process (the Trainer-level reference) equals ``reference_run`` over the
-    micro-batches the Trainer ran: its first step's loss and gradients (2 micro-batches, no clipping) and the
-    parameters after its AdamW step (the Trainer's: no weight decay)."""
+    micro-batches the Trainer ran: its first step's loss, gradient norm and gradients (2 micro-batches; both
+    recorded before clipping, which is active) and the parameters after its clipped AdamW step (the Trainer's: no
+    weight decay)."""
     from trainer_harness import VOCAB, RecordingCollator, trainer_run
 
     from hf_dist.models import build_tiny_model
 
-    collator = RecordingCollator()
-    run, trainer = trainer_run(str(tmp_path), max_steps=1, global_batch_size=4, max_grad_norm=0.0,
+    collator, max_norm = RecordingCollator(), 0.05
+    run, trainer = trainer_run(str(tmp_path), max_steps=1, global_batch_size=4, max_grad_norm=max_norm,
                                trainer_kwargs={"data_collator": collator})
     assert trainer.args.gradient_accumulation_steps == 2 and len(collator.batches) >= 2
+    assert run["norms"][0] > max_norm  # clipping changed the step: the gradients were recorded before it
     model = tiny_model(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2).config, loaded=True)
-    ref = reference_run(model, [collator.batches[:2]], Recipe(lr=1e-3, weight_decay=0.0), grads=True)
+    ref = reference_run(model, [collator.batches[:2]], Recipe(lr=1e-3, weight_decay=0.0, max_norm=max_norm),
+                        grads=True)
     assert_parity(run, ref, what="one-process Trainer vs reference_run")
 
 

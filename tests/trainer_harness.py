@@ -127,36 +127,60 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def first_step_grads():
-    """A callback holding (``.grads``) the gradients the first optimizer step of a ``train()`` call applies (after
-    clipping: what the optimizer reads), gathered whole, and that step's number (``.step``)."""
+    """A callback holding (``.grads``) the gradients of the first optimizer step of a ``train()`` call as the
+    backward left them, before clipping (as ``parity.reference_run`` records them), gathered whole, and that step's
+    number (``.step``). ``watch(trainer)`` before ``train``: DistTrainer sums the TP partial gradients just before
+    the norm reads them (``_reduce_partial_grads``, with or without clipping); the capture follows that sum."""
     from transformers import TrainerCallback
 
     class FirstStepGrads(TrainerCallback):
         grads: dict | None = None
         step: int | None = None
 
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        def capture(self, model, step: int) -> None:
             if self.grads is None:
-                self.grads, self.step = full_grads(model), state.global_step + 1
+                self.grads, self.step = full_grads(model), step
+
+        def watch(self, trainer) -> None:
+            reduce = trainer._reduce_partial_grads
+
+            def reduce_then_capture(model):
+                reduce(model)
+                self.capture(trainer.model, trainer.state.global_step + 1)  # not the DDP wrapper's names
+
+            trainer._reduce_partial_grads = reduce_then_capture
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.capture(model, state.global_step + 1)  # where no norm was taken: nothing was clipped either
 
     return FirstStepGrads()
 
 
-def trainer_run(output_dir: str, *, callbacks: list | None = None, **kwargs) -> tuple[dict, object]:
+def trainer_run(output_dir: str, *, callbacks: list | None = None, before_train=None, **kwargs) -> tuple[dict, object]:
     """``train_tiny(output_dir, **kwargs)`` (``resume=`` a checkpoint: a resumed run) in ``parity.assert_parity``'s
-    shape: ``losses`` (each logged step of this ``train()`` call), ``grads`` (its first optimizer step's, after
-    clipping) and ``state`` (every parameter at the end); and the trainer. The same call in one process is the
-    reference: a layout's first step and a resumed run's first step are compared with it gradient by gradient.
-    Not under PP (each rank holds its stages' gradients only)."""
+    shape: ``losses`` and ``norms`` (the gradient norm the Trainer logged, before clipping) of each logged step of
+    this ``train()`` call, ``grads`` (its first optimizer step's, before clipping) and ``state`` (every parameter at
+    the end); and the trainer. The same call in one process is the reference: a layout's first step and a resumed
+    run's first step are compared with it gradient by gradient. Not under PP (each rank holds its stages'
+    gradients only)."""
     if kwargs.get("pp_size", 1) > 1:
         raise ValueError("trainer_run gathers gradients from every rank's whole model; pp_size > 1 holds stages")
     grads = first_step_grads()
     trainer_kwargs = dict(kwargs.pop("trainer_kwargs", None) or {})
     trainer_kwargs["callbacks"] = [grads, *(callbacks or []), *trainer_kwargs.get("callbacks", [])]
-    _, params, trainer = train_tiny(output_dir, trainer_kwargs=trainer_kwargs, **kwargs)
+
+    def watch_then(trainer):
+        grads.watch(trainer)
+        if before_train is not None:
+            before_train(trainer)
+
+    _, params, trainer = train_tiny(output_dir, trainer_kwargs=trainer_kwargs, before_train=watch_then, **kwargs)
     assert grads.grads and set(grads.grads) <= set(params), "no first-step gradients, or names not the model's"
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log and log["step"] >= grads.step]
-    return {"losses": losses, "grads": grads.grads, "state": params}, trainer
+    logs = [log for log in trainer.state.log_history if "loss" in log and log["step"] >= grads.step]
+    run = {"losses": [log["loss"] for log in logs], "grads": grads.grads, "state": params}
+    if all("grad_norm" in log for log in logs):
+        run["norms"] = [log["grad_norm"] for log in logs]
+    return run, trainer
 
 
 class RecordingCollator:
