@@ -3,7 +3,8 @@
 The localhost test runs the sbatch script's per-node task twice, as ``srun`` would on two nodes, with faked SLURM
 variables: each starts ``accelerate launch --num_machines 2 --num_processes 2 --machine_rank r
 --main_process_ip 127.0.0.1 ...`` with one process, and together they train the tiny recipe as one world of 2
-whose losses equal a single process's with the same global batch (fp32, 1e-4).
+whose run equals a single process's with the same global batch (fp32, ``parity.assert_parity``: the logged losses and
+gradient norms, and the final weights node 0 saved).
 """
 
 import json
@@ -14,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from dist_utils import free_port
+from launch_harness import launched_run
+from parity import assert_parity
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "multinode" / "harbor_13b_2x8.sbatch"
@@ -97,7 +99,7 @@ def single_process(tmp_path_factory):
            "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(out), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "summary.json").read_text())
+    return launched_run(out)
 
 
 def test_two_nodes_on_localhost_train_as_one_world(tmp_path, single_process):
@@ -113,4 +115,4 @@ def test_two_nodes_on_localhost_train_as_one_world(tmp_path, single_process):
     records = [json.loads(line) for line in (tmp_path / "node0" / "log_history.jsonl").read_text().splitlines()]
     assert all("peak_memory_gb/rank1" in r for r in records if "loss" in r)  # figures gathered from both nodes
     assert not (tmp_path / "node1" / "summary.json").exists()  # only the global main process writes it
-    torch.testing.assert_close(summary["losses"], single_process["losses"], atol=1e-4, rtol=0)
+    assert_parity(launched_run(tmp_path / "node0"), single_process, what="2 nodes")
