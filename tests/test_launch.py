@@ -1,8 +1,11 @@
 """End to end: `accelerate launch` with the shipped configs runs examples/harbor/train.py on 2 CPU processes.
 
-Each layout's loss over 5 optimizer steps matches a single-process run with the same global batch (fp32,
-1e-4), and the run reports the layout it asked for (FSDP2 is really sharded, DeepSpeed really runs ZeRO).
-LoRA under FSDP2 with ``--show_answers`` trains and answers as one process does.
+Each layout's run of 5 optimizer steps equals a single-process run with the same global batch through
+``parity.assert_parity`` (fp32): the logged losses and gradient norms, and every weight of the model it saved
+(``launch_harness.launched_run``); and the run reports the layout it asked for (FSDP2 is really sharded, DeepSpeed
+really runs ZeRO). LoRA under FSDP2 with ``--show_answers`` trains, saves the same adapter and answers as one process.
+The last two tests check the launch itself (a non-Llama model under the shipped FSDP2 YAML, the ZeRO-3 YAML from
+another folder), not numbers: they have no one-process run to compare with and add none (a launch each).
 These are the expensive tests: one launch per layout, tiny model, short sequences.
 """
 

@@ -18,10 +18,9 @@ import pytest
 import yaml
 
 from dist_utils import free_port
-from launch_harness import launched_run
+from launch_harness import ROOT, TRAIN, launch_env, launched_run
 from parity import assert_parity
 
-ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "multinode" / "harbor_13b_2x8.sbatch"
 TINY = [
     "--num_conversations", "160", "--max_seq_len", "64", "--eval_fraction", "0", "--global_batch_size", "8",
@@ -35,15 +34,15 @@ echo gpu-01; echo gpu-02
 
 
 def _env(tmp_path: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELERATE_", "FSDP_"))}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    """``launch_env()`` outside SLURM and any rendezvous, with a fake ``scontrol`` first on the PATH."""
+    env = {k: v for k, v in launch_env().items()
+           if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT")}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
     (bin_dir / "scontrol").chmod(0o755)
-    env["PATH"] = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env.update(extra)
     return env
 
 
@@ -95,7 +94,7 @@ def _node(tmp_path: Path, rank: int, port: int) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    cmd = [sys.executable, str(ROOT / "examples" / "harbor" / "train.py"), "--preset", "tiny", *TINY,
+    cmd = [sys.executable, str(TRAIN), "--preset", "tiny", *TINY,
            "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(out), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
