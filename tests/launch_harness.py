@@ -26,11 +26,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 ADAM_EPSILON = "1e-6"
 """AdamW's epsilon in the launched recipes whose weights are compared (the recipe's default is 1e-8). AdamW moves a
-weight by about ``lr * g / (|g| + eps)``, so where a gradient element is near zero a rounding-level difference ``d``
-in it moves the weight by up to ``lr * d / eps``: with 1e-8, ~1e-9 of rounding (a layout sums in another order) moved
-the same few weights by 1e-5 to 4e-4 after 3-5 steps, in one process too with another micro-batch split (measured,
-2026-11-27: the embedding and v_proj elements the layouts' largest differences were on). With 1e-6 that amplification
-is 100 times smaller and the weights compare at 1e-5 while every element with a real gradient still takes Adam's
+weight by about ``lr * g / (|g| + eps)``: where a gradient element is near zero, a rounding-level difference ``d`` in it
+moves the weight by up to ``lr * d / eps``. Measured (2026-11-27, fp32, CPU) with 1e-8: the layouts' saved weights
+differed from one process's on a few elements only, by up to 1.7e-5 (ZeRO-3), 2.7e-5 (PP2), 3.8e-4 (CP2), and a
+one-process run with another micro-batch split (the same global batch) moved the same elements, by up to 5.7e-5,
+while losses and gradient norms agreed within 1e-6. With 1e-6 every weight of those runs is within 1.8e-6 of one
+process, so weights compare at 1e-5; elements with a gradient well above 1e-6 (nearly all) still take Adam's
 normalised step."""
 TRAIN = ROOT / "examples" / "harbor" / "train.py"
 COMMON = [
