@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
-from test_launch import ROOT, _env
+from launch_harness import ROOT, launch_env
 from test_preemption_launch import _tree
 
 ELASTIC = ROOT / "examples" / "multinode" / "elastic.sh"
@@ -51,7 +51,7 @@ RESUMED = re.compile(r"resuming from (\S+) with world size (\d+)")
 
 
 def _agent(out: Path, port: int, name: str, layout: list[str]) -> subprocess.Popen:
-    env = dict(_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"test-{port}", LAST_CALL="3",
+    env = dict(launch_env(), RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"test-{port}", LAST_CALL="3",
                TRAIN_SCRIPT=str(RECORDING))
     log = open(out.parent / f"{name}.log", "w")
     return subprocess.Popen(["bash", str(ELASTIC), *TINY, *layout, "--output_dir", str(out)], env=env, stdout=log,
@@ -95,7 +95,7 @@ def _reference(tmp_path: Path, checkpoint: Path, processes: int, extra: list[str
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                str(RECORDING)]
     cmd += [*TINY, *extra, "--output_dir", str(ref), "--resume_from_checkpoint", str(ref / checkpoint.name)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ref
 

@@ -1,28 +1,21 @@
 """End to end: `accelerate launch` with the shipped configs runs examples/harbor/train.py on 2 CPU processes.
 
-Each layout's loss over 5 optimizer steps matches a single-process run with the same global batch (fp32,
-1e-4), and the run reports the layout it asked for (FSDP2 is really sharded, DeepSpeed really runs ZeRO).
-LoRA under FSDP2 with ``--show_answers`` trains and answers as one process does.
+Each layout's run of 5 optimizer steps equals a single-process run with the same global batch through
+``parity.assert_parity`` (fp32): the logged losses and gradient norms, and every weight of the model it saved
+(``launch_harness.launched_run``); and the run reports the layout it asked for (FSDP2 is really sharded, DeepSpeed
+really runs ZeRO). LoRA under FSDP2 with ``--show_answers`` trains, saves the same adapter and answers as one process.
+The last two tests check the launch itself (a non-Llama model under the shipped FSDP2 YAML, the ZeRO-3 YAML from
+another folder), not numbers: they have no one-process run to compare with and add none (a launch each).
 These are the expensive tests: one launch per layout, tiny model, short sequences.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "harbor" / "train.py"
-COMMON = [
-    "--preset", "tiny", "--num_conversations", "160", "--max_seq_len", "64", "--eval_fraction", "0",
-    "--per_device_train_batch_size", "2", "--global_batch_size", "8", "--max_steps", "5", "--logging_steps", "1",
-    "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--base_learning_rate", "1e-3", "--base_batch_size", "8",
-]
+from launch_harness import COMMON, launch, launched_run, one_process
+from parity import assert_parity
+
 LAYOUTS = {
     "ddp": "DDP (MULTI_CPU)",
     "fsdp": "FSDP2 FULL_SHARD (hf_dist fully_shard)",
@@ -31,53 +24,33 @@ LAYOUTS = {
 }
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for key in list(env):
-        if key.startswith(("ACCELERATE_", "FSDP_")) or key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-            del env[key]
-    return env
-
-
-def _run(cmd, out_dir: Path, cwd: Path = ROOT) -> dict:
-    proc = subprocess.run(cmd + ["--output_dir", str(out_dir)], cwd=cwd, env=_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads((out_dir / "summary.json").read_text())
-
-
-def launch(config: str, out_dir: Path, *extra: str, cwd: Path = ROOT) -> dict:
-    yaml = ROOT / "accelerate_configs" / f"{config}.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml), str(TRAIN), *COMMON, *extra]
-    return _run(cmd, out_dir, cwd)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _run([sys.executable, str(TRAIN), *COMMON], tmp_path_factory.mktemp("single"))
+    out = tmp_path_factory.mktemp("single")
+    one_process(out)
+    return launched_run(out)
 
 
 @pytest.mark.parametrize("config", list(LAYOUTS))
 def test_layout_matches_single_process(reference, config, tmp_path):
     summary = launch(config, tmp_path)
     assert summary["layout"].endswith(LAYOUTS[config]), summary["layout"]  # no silent fallback
-    assert len(summary["losses"]) == 5
-    torch.testing.assert_close(summary["losses"], reference["losses"], atol=1e-4, rtol=0)
+    run = launched_run(tmp_path)
+    assert len(run["losses"]) == 5
+    assert_parity(run, reference, what=config)
     assert summary["reload"].startswith("AutoModelForCausalLM.from_pretrained: ok")
 
 
 def test_lora_under_fsdp2_saves_a_real_adapter_and_answers_as_one_process(tmp_path):
     lora = ["--lora", "--lora_r", "4", "--show_answers", "2", "--answer_tokens", "6"]
-    one = _run([sys.executable, str(TRAIN), *COMMON, *lora], tmp_path / "single")
+    one = one_process(tmp_path / "single", *lora)
     summary = launch("fsdp", tmp_path, *lora)  # generate() of a PeftModel under FSDP2 once met sharded embeddings
     assert summary["reload"].startswith("AutoPeftModelForCausalLM.from_pretrained: ok")
-    torch.testing.assert_close(summary["losses"], one["losses"], atol=1e-4, rtol=0)  # same adapters, same steps
+    assert_parity(launched_run(tmp_path), launched_run(tmp_path / "single"), what="LoRA")  # adapters
     for when in ("answers_before", "answers_after", "answers_reloaded"):
         assert len(summary[when]) == 2 and summary[when] == one[when], when
     assert summary["reload_same_answers"]
-    from safetensors.torch import load_file
-
-    adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    adapter = launched_run(tmp_path)["state"]
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
     assert lora_b and all(t.numel() > 0 for t in adapter.values())
     assert any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: nonzero means it trained and was gathered

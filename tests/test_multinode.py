@@ -3,7 +3,8 @@
 The localhost test runs the sbatch script's per-node task twice, as ``srun`` would on two nodes, with faked SLURM
 variables: each starts ``accelerate launch --num_machines 2 --num_processes 2 --machine_rank r
 --main_process_ip 127.0.0.1 ...`` with one process, and together they train the tiny recipe as one world of 2
-whose losses equal a single process's with the same global batch (fp32, 1e-4).
+whose run equals a single process's with the same global batch (fp32, ``parity.assert_parity``: the logged losses and
+gradient norms, and the final weights node 0 saved).
 """
 
 import json
@@ -14,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from dist_utils import free_port
+from launch_harness import ROOT, TRAIN, launch_env, launched_run
+from parity import assert_parity
 
-ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "multinode" / "harbor_13b_2x8.sbatch"
 TINY = [
     "--num_conversations", "160", "--max_seq_len", "64", "--eval_fraction", "0", "--global_batch_size", "8",
@@ -33,15 +34,15 @@ echo gpu-01; echo gpu-02
 
 
 def _env(tmp_path: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ACCELERATE_", "FSDP_"))}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    """``launch_env()`` outside SLURM and any rendezvous, with a fake ``scontrol`` first on the PATH."""
+    env = {k: v for k, v in launch_env().items()
+           if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT")}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
     (bin_dir / "scontrol").chmod(0o755)
-    env["PATH"] = f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env.update(extra)
     return env
 
 
@@ -93,11 +94,11 @@ def _node(tmp_path: Path, rank: int, port: int) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    cmd = [sys.executable, str(ROOT / "examples" / "harbor" / "train.py"), "--preset", "tiny", *TINY,
+    cmd = [sys.executable, str(TRAIN), "--preset", "tiny", *TINY,
            "--output_dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(out), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "summary.json").read_text())
+    return launched_run(out)
 
 
 def test_two_nodes_on_localhost_train_as_one_world(tmp_path, single_process):
@@ -113,4 +114,4 @@ def test_two_nodes_on_localhost_train_as_one_world(tmp_path, single_process):
     records = [json.loads(line) for line in (tmp_path / "node0" / "log_history.jsonl").read_text().splitlines()]
     assert all("peak_memory_gb/rank1" in r for r in records if "loss" in r)  # figures gathered from both nodes
     assert not (tmp_path / "node1" / "summary.json").exists()  # only the global main process writes it
-    torch.testing.assert_close(summary["losses"], single_process["losses"], atol=1e-4, rtol=0)
+    assert_parity(launched_run(tmp_path / "node0"), single_process, what="2 nodes")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from dist_utils import free_port
-from test_launch import ROOT, _env
+from launch_harness import ROOT, launch_env
 
 SBATCH = ROOT / "examples" / "multinode" / "harbor_13b_2x8.sbatch"
 TINY = [
@@ -25,7 +25,7 @@ TINY = [
 
 
 def _node_task(out: Path) -> subprocess.Popen:
-    env = dict(_env(), HARBOR_NODE_TASK="1", SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
+    env = dict(launch_env(), HARBOR_NODE_TASK="1", SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GPUS_PER_NODE="2",
                CONFIG="accelerate_configs/fsdp.yaml", PRESET="tiny", REPO=str(ROOT))
     log = open(out.with_suffix(".log"), "a")

@@ -4,8 +4,8 @@
 Packed rows have any length; CP gives each rank an equal slice of every sequence, so a row of odd length stopped the
 first step ("sequence length 999 is not divisible by cp_size=2"). The recipe's collator now pads every batch to a
 multiple of cp_size (``data_collator(..., cp_size=)``, labels -100), whether cp comes from ``--cp_size 2`` or from an
-accelerate YAML's ``parallelism_config_cp_size: 2``: on 2 gloo ranks its losses equal the same recipe on one
-process (unpadded). A ``--max_seq_len`` the padding would overrun is refused before anything loads.
+accelerate YAML's ``parallelism_config_cp_size: 2``: on 2 gloo ranks its run equals the same recipe on one
+process (unpadded) through ``parity.assert_parity``: logged losses and gradient norms, and the saved final weights. A ``--max_seq_len`` the padding would overrun is refused before anything loads.
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ import torch
 from torch.testing import assert_close
 
 from dist_utils import load_recipe, run_distributed
+from launch_harness import ADAM_EPSILON, launched_run
+from parity import assert_parity
 
 FLAGS = [
     "--preset", "tiny", "--packed", "true", "--max_seq_len", "512", "--per_device_train_batch_size", "1",
     "--global_batch_size", "2", "--max_steps", "3", "--logging_steps", "1", "--warmup_steps", "0",
     "--lr_scheduler_type", "constant", "--base_learning_rate", "3e-3", "--base_batch_size", "2",
     "--num_conversations", "60", "--eval_fraction", "0.1", "--train_sampling_strategy", "sequential",
+    "--adam_epsilon", ADAM_EPSILON,  # the weights compare at 1e-5 (launch_harness.ADAM_EPSILON says why)
 ]
 """With the recipe's evaluation before training: it leaves the model in eval mode, which under CP once made the first
 step count a micro-batch twice."""
@@ -33,28 +36,23 @@ CP_REQUESTS = {"flag": (["--cp_size", "2"], {}),
                "accelerate_yaml": ([], {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"})}
 
 
-def _run(output_dir: str, extra: list[str], rank: int = 0) -> dict | None:
+def _run(output_dir: str, extra: list[str], rank: int = 0) -> None:
     assert load_recipe().main([*FLAGS, *extra, "--output_dir", output_dir]) == 0
-    if rank != 0:  # rank 0 writes the summary
-        return None
-    logs = [json.loads(line) for line in Path(output_dir, "log_history.jsonl").read_text().splitlines()]
-    summary = json.loads(Path(output_dir, "summary.json").read_text())
-    return {"losses": [log["loss"] for log in logs if "loss" in log], "layout": summary["layout"]}
 
 
-def _cp_ranks(rank, world_size, root: str) -> dict:
-    out = {}
+def _cp_ranks(rank, world_size, root: str) -> None:
     for name, (extra, env) in CP_REQUESTS.items():
         with mock.patch.dict(os.environ, env):
-            out[name] = _run(f"{root}/{name}", extra, rank)
-    return out
+            _run(f"{root}/{name}", extra, rank)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory) -> Path:
+    """The folder of the runs: ``one_process`` and one per way of asking for CP (``CP_REQUESTS``)."""
     root = tmp_path_factory.mktemp("runs")
-    reference = _run(str(root / "one_process"), ["--use_cpu", "true"])
-    return reference, run_distributed(_cp_ranks, 2, str(root))[0], root
+    _run(str(root / "one_process"), ["--use_cpu", "true"])
+    run_distributed(_cp_ranks, 2, str(root))
+    return root
 
 
 def test_the_rows_trained_have_odd_lengths(runs):
@@ -63,7 +61,7 @@ def test_the_rows_trained_have_odd_lengths(runs):
 
     from hf_dist import data
 
-    data_dir = runs[2] / "one_process" / "data"
+    data_dir = runs / "one_process" / "data"
     train, _ = data.build_datasets(data_dir / "transcripts.jsonl", AutoTokenizer.from_pretrained(data_dir / "tokenizer"),
                                    max_seq_len=512, loss_on="assistant", eval_fraction=0.0, seed=0, packed=True)
     assert any(len(ids) % 2 for ids in train["input_ids"][:6])
@@ -71,11 +69,11 @@ def test_the_rows_trained_have_odd_lengths(runs):
 
 @pytest.mark.parametrize("request_", list(CP_REQUESTS))
 def test_recipe_packed_cp2_equals_one_process(runs, request_):
-    reference, results, _ = runs
-    got = results[request_]
-    assert got["layout"].endswith("x CP2 (all-to-all attention)"), got["layout"]
+    layout = json.loads((runs / request_ / "summary.json").read_text())["layout"]  # rank 0 writes the summary
+    assert layout.endswith("x CP2 (all-to-all attention)"), layout
+    got, reference = launched_run(runs / request_), launched_run(runs / "one_process")
     assert len(got["losses"]) == len(reference["losses"]) == 3
-    assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5)
+    assert_parity(got, reference, what=f"CP2 ({request_})")
 
 
 def test_collators_pad_to_a_multiple_of_cp_and_the_loss_is_unchanged():

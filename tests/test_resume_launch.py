@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_launch import ROOT, TRAIN, _env
+from launch_harness import ROOT, TRAIN, launch_env
 
 COMMON = [
     "--preset", "tiny", "--num_conversations", "96", "--max_seq_len", "48", "--eval_fraction", "0",
@@ -36,7 +36,7 @@ def _launch(out_dir: Path, *extra: str, processes: int = 2, config: str = "fsdp"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
                str(TRAIN)]
     cmd += [*COMMON, "--output_dir", str(out_dir), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
