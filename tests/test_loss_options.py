@@ -7,7 +7,8 @@ the same numbers as one process or stop by name. Every case trains a tiny Llama 
 user's; the TP sweep's non-default Llama, ``parity.tiny_config``), 3 AdamW steps of global batch 4 on distinct rows,
 on 2 gloo ranks in one spawn, and compares with the one-process run of the same option through the parity harness
 (``trainer_harness.trainer_run``, ``parity.assert_parity``, fp32, 1e-5): losses, the first optimizer step's gradients
-(not under PP: each rank holds its stages' only) and every parameter after the last step.
+(not under PP: each rank holds its stages' only) and every parameter after the last step; and the evaluation loss of
+the initial weights on rows whose label counts differ (batches of 2, the same batches as one process).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from dist_utils import run_distributed
-from parity import assert_parity, tiny_config, tiny_model
+from parity import assert_parity, masked_batches, tiny_config, tiny_model
 from trainer_harness import VOCAB, train_tiny, trainer_run
 
 STEPS, GLOBAL = 3, 4
@@ -38,17 +39,28 @@ REFUSED = {(layout, option): f"{name} with {size}" for layout, size in (
 """(layout, option) -> the start of the refusal (raised before any process group or weight load)."""
 
 
+def eval_rows() -> list[dict]:
+    """8 evaluation rows whose label counts differ (right padding, labels -100): batches of 2 weigh differently by
+    tokens than one by one, so a loss weighed over the ranks' batches by their tokens shows."""
+    batch = masked_batches(VOCAB, 16, 1, rows=8)[0]
+    return [{key: value[i] for key, value in batch.items()} for i in range(8)]
+
+
 def _train(option: str, output_dir: str, **layout) -> dict:
-    """The run in ``assert_parity``'s shape (under PP losses and parameters: ``trainer_run`` needs whole models)."""
+    """The run in ``assert_parity``'s shape (under PP losses and parameters: ``trainer_run`` needs whole models),
+    and ``eval``: the evaluation loss of the initial weights on ``eval_rows`` (batches of 2)."""
     trainer_kwargs = {"compute_loss_func": token_mean_loss} if option == "compute_loss_func" else {}
     model = tiny_model(tiny_config("llama", "tp"), loaded=True)
     assert model.config.vocab_size == VOCAB
+    box = {}
     kwargs = dict(model=model, max_steps=STEPS, global_batch_size=GLOBAL, per_device_train_batch_size=2,
-                  trainer_kwargs=trainer_kwargs, **OPTIONS[option], **layout)
+                  per_device_eval_batch_size=2, trainer_kwargs={**trainer_kwargs, "eval_dataset": eval_rows()},
+                  before_train=lambda trainer: box.update(eval=trainer.evaluate()["eval_loss"]),
+                  **OPTIONS[option], **layout)
     if layout.get("pp_size", 1) > 1:
         losses, params, _ = train_tiny(output_dir, **kwargs)
-        return {"losses": losses, "state": params}
-    return trainer_run(output_dir, **kwargs)[0]
+        return {"losses": losses, "state": params, **box}
+    return {**trainer_run(output_dir, **kwargs)[0], **box}
 
 
 def _ranks(rank, world_size, root):
@@ -84,6 +96,8 @@ def test_loss_option_equals_one_process_or_is_refused(runs, layout, option):
             continue
         want = references[option] if "grads" in got else {k: references[option][k] for k in ("losses", "state")}
         assert_parity(got, want, rtol=1e-5, state_rtol=1e-5, what=f"rank {rank} {layout} {option}")
+        # the evaluation too: each batch's own loss, as one process weighs it (DDP / FSDP2 pair two batches a step)
+        assert got["eval"] == pytest.approx(references[option]["eval"], abs=1e-6), (layout, option)
 
 
 def test_the_options_change_the_training(runs):
