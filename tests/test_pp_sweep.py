@@ -5,11 +5,12 @@ For each case (``parity.tiny_config(case, "pp")``: a tiny config with non-defaul
 the decoder layers, see ``pp_sweep_cases``; hybrids and the named cases written out there) two gloo ranks train 3
 fp32 steps with the 1F1B schedule over 4 micro-batches of fresh padded rows (``parity.pipelined_run``: plain SGD with
 clipping active on every step, ``parity.PP_SGD``, so the global norm across the stages matters), and the harness's
-one process trains the same model on the whole batch (``parity.reference_run``). ``parity.assert_parity`` holds
-losses and gradient norms on every rank, the first step's gradients of every parameter (each rank's stages, a tied
-weight under both names) and every parameter after the last step (rank 0's gathered state) to 1e-5. Several
-architectures share one spawned group. ``PIPELINE_PROVEN_MODEL_TYPES`` (the registry's PP-proven types) must be
-exactly the model types proven here, so support is never claimed without this test.
+one process trains the same model on the whole batch (``parity.reference_run``; each rank runs half the cases'
+references once its pipelines are done). ``parity.assert_parity`` holds losses and gradient norms on every rank, the
+first step's gradients of every parameter (each rank's stages, a tied weight under both names) and every parameter
+after the last step (rank 0's gathered state) to 1e-5; every case's gradient norm must stay above ``max_norm``.
+Several architectures share one spawned group. ``PIPELINE_PROVEN_MODEL_TYPES`` (the registry's PP-proven types) must
+be exactly the model types proven here, so support is never claimed without this test.
 """
 
 from __future__ import annotations
@@ -33,36 +34,40 @@ def _steps(config) -> list[dict]:
     return masked_batches(config.vocab_size, SEQ, STEPS)
 
 
+def _reference(case: str) -> dict:
+    """The harness's one process on the whole batch of every step, first-step gradients kept."""
+    config = tiny_config(case, "pp")
+    return reference_run(tiny_model(config), [[batch] for batch in _steps(config)], PP_SGD, grads=True)
+
+
 def _sweep(rank, world_size, cases):
-    """Each case's ``pipelined_run`` on this rank (its stages' first-step gradients; the gathered state on rank 0)."""
+    """Each case's ``pipelined_run`` on this rank (its stages' first-step gradients; the gathered state on rank 0),
+    then every other case's one-process reference (the two ranks share that work, with each model's code imported)."""
     from hf_dist import ParallelDims
     from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM
 
     dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
     dims.build_mesh("cpu")
-    results = {}
+    runs = {}
     for case in cases:
         config = tiny_config(case, "pp")
         pipe = PipelinedCausalLM(tiny_model(config), dims=dims,
                                  config=PipelineConfig(schedule="1f1b", microbatches=MICROBATCHES))
-        results[case] = pipelined_run(pipe, _steps(config), PP_SGD, grads=True)
-    return results
+        runs[case] = pipelined_run(pipe, _steps(config), PP_SGD, grads=True)
+    return {"runs": runs, "refs": {case: _reference(case) for case in cases[rank::world_size]}}
 
 
-def _compare(case: str, results: list[dict]) -> str | None:
-    """None where ``case``'s pipeline equals one process on every rank, else the comparison's message."""
-    config = tiny_config(case, "pp")
-    ref = reference_run(tiny_model(config), [[batch] for batch in _steps(config)], PP_SGD, grads=True)
+def _compare(case: str, runs: list[dict], ref: dict) -> str | None:
+    """None where ``case``'s pipeline (``runs``: per rank) equals one process on every rank, else the message."""
     if min(ref["norms"]) <= PP_SGD.max_norm:
         return f"{case}: clipping inactive (norms {ref['norms']}, max_norm {PP_SGD.max_norm})"
     # each rank holds its own stages' gradients; losses and the global norm reach every rank; rank 0 the state
-    grads = {name: grad for result in results for name, grad in result[case]["grads"].items()}
+    grads = {name: grad for run in runs for name, grad in run["grads"].items()}
     try:
-        for rank, result in enumerate(results):
-            assert_parity(results[0][case] | {"grads": grads, "losses": result[case]["losses"],
-                                              "norms": result[case]["norms"]}, ref, config=config,
-                          what=f"{case}, rank {rank}")
-        assert all(result[case]["state"] is None for result in results[1:]), f"{case}: state off rank 0"
+        for rank, run in enumerate(runs):
+            assert_parity(runs[0] | {"grads": grads, "losses": run["losses"], "norms": run["norms"]}, ref,
+                          config=tiny_config(case, "pp"), what=f"{case}, rank {rank}")
+        assert all(run["state"] is None for run in runs[1:]), f"{case}: state off rank 0"
     except AssertionError as error:
         return str(error)
     return None
@@ -79,8 +84,9 @@ def sweep_group(request):
 
 def test_pp2_matches_one_process(sweep_group):
     cases, results = sweep_group
-    assert all(set(result) == set(cases) for result in results)
-    errors = {case: _compare(case, results) for case in cases}
+    refs = {case: ref for result in results for case, ref in result["refs"].items()}
+    assert set(refs) == set(cases) and all(set(result["runs"]) == set(cases) for result in results)
+    errors = {case: _compare(case, [result["runs"][case] for result in results], refs[case]) for case in cases}
     assert {case: error for case, error in errors.items() if error} == {}
 
 
