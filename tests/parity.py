@@ -200,13 +200,14 @@ MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 """The EP / MoE-TP tests: 3 AdamW steps, clipping active (``max_norm`` below every step's norm)."""
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
 PP_ADAMW = Recipe(lr=1e-3)
-"""The PP sweeps: AdamW (its default weight decay), no clipping."""
+"""The PP MoE test (``tests/test_pp_moe.py``): AdamW (its default weight decay), no clipping."""
 TP_SGD = Recipe(lr=0.1, optimizer="sgd", max_norm=0.5)
 """The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
 ``max_norm``)."""
 PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
-"""The PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every step (every case's gradient
-norm stays above ``max_norm``), so the global norm across stages matters and parameters compare gradients."""
+"""The PP coverage sweep and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every
+step (every case's gradient norm stays above ``max_norm``), so the global norm across stages matters and parameters
+compare gradients."""
 
 
 def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:

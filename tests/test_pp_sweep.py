@@ -1,10 +1,16 @@
-"""The PP coverage sweep: every pipeline-proven model type trains with PP=2 exactly as one process.
+"""The PP coverage sweep: every pipeline-proven dense, classic and hybrid model type trains with PP=2 exactly as
+one process.
 
-For each case (a tiny config with non-default values of every field read outside the decoder layers, see
-``pp_sweep_cases``) two gloo ranks train 3 fp32 steps with the 1F1B schedule and compare losses (1e-5) and final
-weights (1e-4) with one process training the same model on the whole batch. Several architectures share one
-spawned group. ``PIPELINE_PROVEN_MODEL_TYPES`` (the support decision) must be exactly the model types proven
-here, so support is never claimed without this test.
+For each case (``parity.tiny_config(case, "pp")``: a tiny config with non-default values of every field read outside
+the decoder layers, see ``pp_sweep_cases``; hybrids and the named cases written out there) two gloo ranks train 3
+fp32 steps with the 1F1B schedule over 4 micro-batches of fresh padded rows (``parity.pipelined_run``: plain SGD with
+clipping active on every step, ``parity.PP_SGD``, so the global norm across the stages matters), and the harness's
+one process trains the same model on the whole batch (``parity.reference_run``; each rank runs half the cases'
+references once its pipelines are done). ``parity.assert_parity`` holds losses and gradient norms on every rank, the
+first step's gradients of every parameter (each rank's stages, a tied weight under both names) and every parameter
+after the last step (rank 0's gathered state) to 1e-5; every case's gradient norm must stay above ``max_norm``.
+Several architectures share one spawned group. ``PIPELINE_PROVEN_MODEL_TYPES`` (the registry's PP-proven types) must
+be exactly the model types proven here, so support is never claimed without this test.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import pytest
 from transformers import AutoConfig
 
 from dist_utils import run_distributed
-from parity import PP_ADAMW, assert_parity, cases, masked_batches, reference_run, tiny_config, tiny_model
+from parity import PP_SGD, assert_parity, cases, masked_batches, pipelined_run, reference_run, tiny_config, tiny_model
 from pp_sweep_cases import HYBRID, NAMED, SEQ, hybrid_config, named_config, non_default_config
 
 STEPS, MICROBATCHES = 3, 4
@@ -24,43 +30,47 @@ def _cases() -> list[str]:
     return list(cases("pp")["tests/test_pp_sweep.py"])
 
 
-def _pipelined(config, steps, dims):
-    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM, gather_state_dict
+def _steps(config) -> list[dict]:
+    return masked_batches(config.vocab_size, SEQ, STEPS)
 
-    pipe = PipelinedCausalLM(tiny_model(config), dims=dims,
-                             config=PipelineConfig(schedule="1f1b", microbatches=MICROBATCHES))
-    optimizer = PP_ADAMW.optimizer_for(list(pipe.parameters()))
-    losses = []
-    for batch in steps:
-        losses.append(float(pipe.train_step(batch)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses, gather_state_dict(pipe)
+
+def _reference(case: str) -> dict:
+    """The harness's one process on the whole batch of every step, first-step gradients kept."""
+    config = tiny_config(case, "pp")
+    return reference_run(tiny_model(config), [[batch] for batch in _steps(config)], PP_SGD, grads=True)
 
 
 def _sweep(rank, world_size, cases):
-    """Per case on rank 0: None where the pipeline equals one process (the whole batch per step), else the
-    comparison's message."""
+    """Each case's ``pipelined_run`` on this rank (its stages' first-step gradients; the gathered state on rank 0),
+    then every other case's one-process reference (the two ranks share that work, with each model's code imported)."""
     from hf_dist import ParallelDims
+    from hf_dist.pipeline_parallel import PipelineConfig, PipelinedCausalLM
 
     dims = ParallelDims(world_size=2, pp=2, dp_shard=1)
     dims.build_mesh("cpu")
-    results = {}
+    runs = {}
     for case in cases:
         config = tiny_config(case, "pp")
-        steps = masked_batches(config.vocab_size, SEQ, STEPS)
-        losses, state = _pipelined(config, steps, dims)
-        if rank != 0:
-            continue
-        ref = reference_run(tiny_model(config), [[batch] for batch in steps], PP_ADAMW)
-        try:
-            # AdamW turns float-noise differences of near-zero gradients into up to ~1% of lr per step: weights
-            # within 1e-4 as in test_pp_parity (losses, the issue's bar, are held to 1e-5)
-            assert_parity({"losses": losses, "state": state}, ref, state_atol=1e-4, config=config, what=case)
-            results[case] = None
-        except AssertionError as error:
-            results[case] = str(error)
-    return results
+        pipe = PipelinedCausalLM(tiny_model(config), dims=dims,
+                                 config=PipelineConfig(schedule="1f1b", microbatches=MICROBATCHES))
+        runs[case] = pipelined_run(pipe, _steps(config), PP_SGD, grads=True)
+    return {"runs": runs, "refs": {case: _reference(case) for case in cases[rank::world_size]}}
+
+
+def _compare(case: str, runs: list[dict], ref: dict) -> str | None:
+    """None where ``case``'s pipeline (``runs``: per rank) equals one process on every rank, else the message."""
+    if min(ref["norms"]) <= PP_SGD.max_norm:
+        return f"{case}: clipping inactive (norms {ref['norms']}, max_norm {PP_SGD.max_norm})"
+    # each rank holds its own stages' gradients; losses and the global norm reach every rank; rank 0 the state
+    grads = {name: grad for run in runs for name, grad in run["grads"].items()}
+    try:
+        for rank, run in enumerate(runs):
+            assert_parity(runs[0] | {"grads": grads, "losses": run["losses"], "norms": run["norms"]}, ref,
+                          config=tiny_config(case, "pp"), what=f"{case}, rank {rank}")
+        assert all(run["state"] is None for run in runs[1:]), f"{case}: state off rank 0"
+    except AssertionError as error:
+        return str(error)
+    return None
 
 
 GROUPS = 3
@@ -69,13 +79,15 @@ GROUPS = 3
 @pytest.fixture(scope="module", params=range(GROUPS), ids=lambda i: f"group{i}")
 def sweep_group(request):
     cases = _cases()[request.param :: GROUPS]
-    return cases, run_distributed(_sweep, 2, cases, timeout_s=900)[0]
+    return cases, run_distributed(_sweep, 2, cases, timeout_s=900)
 
 
 def test_pp2_matches_one_process(sweep_group):
     cases, results = sweep_group
-    assert set(results) == set(cases)
-    assert {case: error for case, error in results.items() if error} == {}
+    refs = {case: ref for result in results for case, ref in result["refs"].items()}
+    assert set(refs) == set(cases) and all(set(result["runs"]) == set(cases) for result in results)
+    errors = {case: _compare(case, [result["runs"][case] for result in results], refs[case]) for case in cases}
+    assert {case: error for case, error in errors.items() if error} == {}
 
 
 def test_sweep_configs_are_non_default():
