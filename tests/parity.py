@@ -42,7 +42,7 @@ from hf_dist.models.reference import IGNORE_INDEX, reference_step, split_rows
 
 __all__ = [
     "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES", "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_CP_CASES",
-    "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_ADAMW", "PP_SGD", "Recipe", "TP_MOE_CASES", "TP_SGD", "assert_parity",
+    "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_SGD", "Recipe", "TP_MOE_CASES", "TP_SGD", "assert_parity",
     "assert_trl_parity", "case_type", "cases", "default_fields", "full_grads", "layout_run", "masked_batches",
     "matrix", "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model", "trl_run",
 ]
@@ -199,13 +199,11 @@ class Recipe:
 MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 """The EP / MoE-TP tests: 3 AdamW steps, clipping active (``max_norm`` below every step's norm)."""
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
-PP_ADAMW = Recipe(lr=1e-3)
-"""The PP MoE test (``tests/test_pp_moe.py``): AdamW (its default weight decay), no clipping."""
 TP_SGD = Recipe(lr=0.1, optimizer="sgd", max_norm=0.5)
 """The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
 ``max_norm``)."""
 PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
-"""The PP coverage sweep and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every
+"""The PP coverage sweep, the PP MoE test and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every
 step (every case's gradient norm stays above ``max_norm``), so the global norm across stages matters and parameters
 compare gradients."""
 
