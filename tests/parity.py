@@ -203,9 +203,9 @@ TP_SGD = Recipe(lr=0.1, optimizer="sgd", max_norm=0.5)
 """The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
 ``max_norm``)."""
 PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
-"""The PP coverage sweep, the PP MoE test and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping active on every
-step (every case's gradient norm stays above ``max_norm``), so the global norm across stages matters and parameters
-compare gradients."""
+"""The PP coverage sweep, the PP MoE test and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping
+active on every step (every case's gradient norm stays above ``max_norm``), so the global norm across stages matters
+and parameters compare gradients."""
 
 
 def slice_rows(batch: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
