@@ -37,7 +37,7 @@ def compare(case: str, tp_mesh) -> dict | str | None:
         return {"refused": str(err)}
     steps = masked_batches(config.vocab_size, SEQ, STEPS)
     model = tiny_model(config, loaded=True)
-    # one build for both sides (building the 56 tiny models takes 26 s a rank; a copy 1 s)
+    # one build and load for both sides: building is most of a case's time, a copy little
     ref = reference_run(copy.deepcopy(model), [[batch] for batch in steps], TP_SGD, grads=True)
     run = layout_run(apply_tensor_parallel(model, tp_mesh), steps, TP_SGD, grads=True)
     try:  # after the collectives: a mismatch leaves the ranks aligned for the next case
