@@ -199,9 +199,10 @@ class Recipe:
 MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 """The EP / MoE-TP tests: 3 AdamW steps, clipping active (``max_norm`` below every step's norm)."""
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
-TP_SGD = Recipe(lr=0.1, optimizer="sgd", max_norm=0.5)
+TP_SGD = Recipe(lr=0.5, optimizer="sgd", max_norm=0.1)
 """The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
-``max_norm``)."""
+``max_norm``; the TP sweep's smallest, granite's and OPT's, are about 0.2), so each update is ``lr x max_norm`` = 0.05
+long."""
 PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
 """The PP coverage sweep, the PP MoE test and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping
 active on every step (every case's gradient norm stays above ``max_norm``), so the global norm across stages matters

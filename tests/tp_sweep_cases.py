@@ -49,6 +49,17 @@ PER_TYPE: dict[str, dict] = {
     "qwen2": {"use_sliding_window": True, "max_window_layers": 1},
     "qwen3": {"use_sliding_window": True, "max_window_layers": 1},
     "gpt_neox": {"use_parallel_residual": False},
+    # OLMo-2/3 normalise the attention output: at the default init (0.02) o_proj's tiny output makes the first step's
+    # o_proj.bias gradient ~45, where fp32 rounding alone (one process against fp64: 1.5e-5 to 2.6e-5) exceeds 1e-5;
+    # at 0.1 the largest gradient is 1.6 and that rounding 1.5e-6
+    # its image and audio encoders (unused by text, but built, saved and compared) at their default sizes: 870M weights
+    "phi4_multimodal": {"vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                          "num_attention_heads": 2},
+                        "audio_config": {"hidden_size": 32, "intermediate_size": 64, "num_blocks": 1,
+                                         "num_attention_heads": 2, "ext_pw_out_channel": 32,
+                                         "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32}},
+    "olmo2": {"initializer_range": 0.1},
+    "olmo3": {"initializer_range": 0.1},
     # classic types (hf_dist's own plans, hf_dist/tensor_parallel/classic.py)
     "gpt2": {"n_inner": 96, "reorder_and_upcast_attn": True, "scale_attn_by_inverse_layer_idx": True,
              "activation_function": "relu", "layer_norm_epsilon": 1e-4},

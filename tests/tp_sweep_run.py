@@ -1,71 +1,52 @@
-"""One rank of the TP coverage sweep: for each model type, TP over all ranks against one process.
+"""One rank of the TP coverage sweep: for each model type, TP over all ranks against one process, through the parity
+harness (``parity``).
 
-``sweep_rank`` builds each tiny config (``parity.tiny_config``: ``tp_sweep_cases``' values), checks it before touching anything
-(``check_tp_sizes``: a refusal is recorded with its message), then trains the reference and the
-tensor-parallel model side by side for ``STEPS`` SGD steps on the same batch and records the largest
-difference of losses, logits and gradients (every step). Imported by ``test_tp_sweep.py`` (spawned ranks).
+``compare`` builds each type's tiny config (``parity.tiny_config(case, "tp")``: ``tp_sweep_cases``' non-default
+values), checks it before touching anything (``check_tp_sizes``: a refusal is recorded with its message), loads the
+model from disk as users do (``parity.tiny_model(..., loaded=True)``), and trains it twice on fresh, right-padded rows
+every step (``parity.masked_batches``, labels ``-100`` on the padding) with ``parity.TP_SGD`` (plain SGD, clipping
+active on every step): in this process (``reference_run``) and sharded over the ranks by ``apply_tensor_parallel``
+(``layout_run``). ``assert_parity`` compares losses, gradient norms, the first step's gradients and every parameter
+after the steps within 1e-5. Imported by ``test_tp_sweep.py`` (spawned ranks), which asserts on what ``sweep_rank``
+returns.
 """
 
 from __future__ import annotations
 
-import os
+import copy
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from parity import full_grads, tiny_config
+from parity import TP_SGD, assert_parity, layout_run, masked_batches, reference_run, tiny_config, tiny_model
 from tp_sweep_cases import SEQ
 
 STEPS = 3
-LR = 0.1
-BATCH = 2
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    if a.keys() != b.keys():
-        raise AssertionError(f"gradient keys differ: {sorted(a.keys() ^ b.keys())}")
-    if os.environ.get("HF_DIST_SWEEP_DEBUG"):
-        worst = max(a, key=lambda k: float((a[k] - b[k]).abs().max()))
-        print("worst grad", worst, float((a[worst] - b[worst]).abs().max()), float(a[worst].abs().max()), flush=True)
-    # relative to the gradient's scale where it is above 1 (fp32 rounding of a partial sum grows with it)
-    return max(float((a[k] - b[k]).abs().max()) / max(1.0, float(b[k].abs().max())) for k in a) if a else 0.0
-
-
-def _build(config, seed: int):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def compare(model_type: str, tp_mesh) -> dict:
-    """``{"refused": msg}`` or ``{"loss", "logits", "grads"}`` max differences over ``STEPS`` steps."""
+def compare(case: str, tp_mesh) -> dict | str | None:
+    """``{"refused": msg}`` when ``check_tp_sizes`` refuses ``case``; else None when TP equals one process, or the
+    message of the assertion that failed (``assert_parity``'s, or clipping not active on every step)."""
     from hf_dist.tensor_parallel import apply_tensor_parallel, check_tp_sizes
 
-    config = tiny_config(model_type, "tp")
+    config = tiny_config(case, "tp")
     try:
         check_tp_sizes(config, tp_mesh.size())
     except ValueError as err:
         return {"refused": str(err)}
-    reference, model = _build(config, 0), _build(config, 0)
-    apply_tensor_parallel(model, tp_mesh)
-    batch = torch.randint(3, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    # SGD: an update linear in the gradient (Adam's normalisation turns rounding in near-zero gradients into
-    # lr-sized parameter differences, which would hide real errors behind noise)
-    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
-    diffs = {"loss": 0.0, "logits": 0.0, "grads": 0.0}
-    for _ in range(STEPS):
-        outs = [m(input_ids=batch, labels=batch) for m in (reference, model)]
-        for out in outs:
-            out.loss.backward()
-        diffs["loss"] = max(diffs["loss"], abs(outs[0].loss.item() - outs[1].loss.item()))
-        diffs["logits"] = max(diffs["logits"], float((outs[0].logits - outs[1].logits).detach().abs().max()))
-        diffs["grads"] = max(diffs["grads"], _max_diff(full_grads(reference), full_grads(model)))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    return diffs
+    steps = masked_batches(config.vocab_size, SEQ, STEPS)
+    model = tiny_model(config, loaded=True)
+    # one build and load for both sides: building is most of a case's time, a copy little
+    ref = reference_run(copy.deepcopy(model), [[batch] for batch in steps], TP_SGD, grads=True)
+    run = layout_run(apply_tensor_parallel(model, tp_mesh), steps, TP_SGD, grads=True)
+    try:  # after the collectives: a mismatch leaves the ranks aligned for the next case
+        # clipping active: the norm over every shard decides each update
+        assert min(ref["norms"]) > TP_SGD.max_norm, f"{case}: clipping inactive, norms {ref['norms']}"
+        assert_parity(run, ref, config=config, what=case)
+    except AssertionError as err:
+        return str(err)
+    return None
 
 
 def trainer_refusal(output_dir: str) -> str:
@@ -90,17 +71,18 @@ def trainer_refusal(output_dir: str) -> str:
     return "accepted"
 
 
-def sweep_rank(rank: int, world_size: int, model_types: list[str], output_dir: str) -> dict[str, dict]:
-    """Run ``compare`` for every model type on this rank; an exception is recorded, not raised."""
+def sweep_rank(rank: int, world_size: int, cases: list[str], output_dir: str) -> dict:
+    """``compare`` for every case on this rank: None (equal), ``{"refused": msg}``, or a string (the assertion's
+    message, or the traceback of a crash); then ``"trainer_refusal"``. One case's failure is its result, not raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
     tp_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    results = {}
-    for model_type in model_types:
+    results: dict = {}
+    for case in cases:
         try:
-            results[model_type] = compare(model_type, tp_mesh)
+            results[case] = compare(case, tp_mesh)
         except Exception:  # noqa: BLE001 - one architecture's crash is that architecture's result
-            results[model_type] = {"error": traceback.format_exc(limit=-6)}
+            results[case] = traceback.format_exc(limit=-6)
             dist.barrier()  # the other rank may have failed elsewhere; realign before the next type
     results["trainer_refusal"] = {"message": trainer_refusal(output_dir)}
     return results
