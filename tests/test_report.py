@@ -8,7 +8,6 @@ batch. The runs go through ``examples/harbor/train.py`` as users run it, which e
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,9 +16,8 @@ import pytest
 from hf_dist.cli import main as cli_main
 from hf_dist.report import LOG_FILE, draw_report
 from hf_dist.report.plot import PANEL_LOSS, PANEL_MEMORY, PANEL_STEP_TIME, PANEL_THROUGHPUT
+from launch_harness import ROOT, TRAIN, launch_env
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "harbor" / "train.py"
 TINY = [
     "--preset", "tiny", "--num_conversations", "160", "--max_seq_len", "64", "--eval_fraction", "0.1",
     "--global_batch_size", "8", "--per_device_train_batch_size", "2", "--max_steps", "4", "--logging_steps", "1",
@@ -28,20 +26,11 @@ LAYOUTS = ("ddp", "fsdp", "zero2")
 PARITY_RTOL = 0.003  # the case study's 0.3%
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for key in list(env):
-        if key.startswith(("ACCELERATE_", "FSDP_")) or key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-            del env[key]
-    return env
-
-
 def _train(out: Path, *launcher: str) -> Path:
     import subprocess
 
     cmd = [*launcher, str(TRAIN), *TINY, "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return out
 
