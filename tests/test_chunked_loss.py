@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
-from trainer_harness import train_tiny
+from parity import assert_parity
+from trainer_harness import train_tiny, trainer_run
 
 from hf_dist.loss.causal_lm import ChunkedCausalLMLoss
 from hf_dist.loss.chunked import LogitTransform, linear_cross_entropy
@@ -228,11 +229,13 @@ def _prefetch(trainer) -> list[tuple[int, int, bool]]:
 
 
 def _trained(**overrides):
+    """``trainer_run`` (losses, norms, the first step's gradients, every parameter), whether the chunked loss ran, and
+    the FSDP2 prefetch layout."""
     with tempfile.TemporaryDirectory() as out:
-        losses, params, trainer = train_tiny(out, max_steps=STEPS, global_batch_size=8, **overrides)
+        run, trainer = trainer_run(out, max_steps=STEPS, global_batch_size=8, **overrides)
     used = getattr(trainer, "_chunked_loss", None)
     prefetch = _prefetch(trainer) if overrides.get("fsdp") else None
-    return losses, params, used is not None and used.refusal is None and used.verified, prefetch
+    return run, used is not None and used.refusal is None and used.verified, prefetch
 
 
 FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
@@ -244,25 +247,23 @@ def _two_ranks(rank, world_size):
 
 
 def test_dist_trainer_with_the_chunked_loss_matches_the_models_own_loss():
-    """Also FSDP2 with explicit prefetch (the default) and without it: both equal one process."""
-    ref_losses, ref_params, used, _ = _trained(per_device_train_batch_size=4, chunked_loss=False)
+    """One process with the model's own loss is the reference (``parity.assert_parity``: losses, norms, the first
+    step's gradients, every parameter); the chunked loss on one process, DDP and FSDP2 with explicit prefetch (the
+    default) and without it equal it."""
+    ref, used, _ = _trained(per_device_train_batch_size=4, chunked_loss=False)
     assert not used
-    losses, params, used, _ = _trained(per_device_train_batch_size=4)
+    run, used, _ = _trained(per_device_train_batch_size=4)
     assert used
-    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert_parity(run, ref, state_rtol=1e-5, what="chunked loss, one process")
     for rank_runs in run_distributed(_two_ranks, 2):
         # the embedding (untied: a unit of its own, as transformers' FSDP plan has it) is freed after forward; of the
         # two blocks the first prefetches the second in forward and keeps resharding, the last is kept gathered; the
         # head (untied: a unit too) stays gathered from its forward (the chunked loss) to its backward
-        assert rank_runs["fsdp2"][3] == [(0, 0, True), (1, 0, True), (0, 1, False), (0, 0, False)]
-        assert rank_runs["fsdp2_implicit_prefetch"][3] == [(0, 0, True), (0, 0, True), (0, 0, True), (0, 0, False)]
-        for layout, (losses, params, used, _) in rank_runs.items():
+        assert rank_runs["fsdp2"][2] == [(0, 0, True), (1, 0, True), (0, 1, False), (0, 0, False)]
+        assert rank_runs["fsdp2_implicit_prefetch"][2] == [(0, 0, True), (0, 0, True), (0, 0, True), (0, 0, False)]
+        for layout, (run, used, _) in rank_runs.items():
             assert used, layout
-            torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-5, msg=layout)
-            for name, value in ref_params.items():
-                torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5, msg=f"{layout} {name}")
+            assert_parity(run, ref, state_rtol=1e-5, what=f"chunked loss, {layout}")
 
 
 def test_a_caller_asking_for_outputs_gets_the_whole_logits(tmp_path):

@@ -190,12 +190,13 @@ def test_pods_on_localhost_one_terminated(tmp_path):
     the same global batch and every sample once per epoch (losses against a reference: tests/test_elastic.py).
     """
     from dist_utils import free_port
-    from test_elastic import _check_samples, _env, _kill, _latest_step, _resumed_from, _wait
+    from launch_harness import launch_env
+    from test_elastic import _check_samples, _kill, _latest_step, _resumed_from, _wait
 
     out, port = tmp_path / "run", free_port()
     (store_container,) = _objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
     code = store_container["command"][-1].replace(str(store_container["ports"][0]["containerPort"]), str(port))
-    env = dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", HF_DIST_TEST_STEP_PAUSE="1")  # the SIGTERM mid-run
+    env = dict(launch_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", HF_DIST_TEST_STEP_PAUSE="1")  # the SIGTERM mid-run
     store = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     pods = []
     try:
