@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -254,3 +255,37 @@ def test_peak_rss_of_a_started_process_is_its_own_not_its_parents():
                                env=env).stdout.split()[-1])
     assert float(ballast[-1]) == 1.0
     assert child < peak_rss_bytes() - 200 * 2**20, (child, peak_rss_bytes())
+
+
+@pytest.mark.parametrize("accumulation, expected", [(1, [False, False]), (2, [False, True, False, True])])
+def test_gradients_exist_in_forward_only_where_the_forecast_counts_them(tmp_path, accumulation, expected):
+    """The Trainer frees the gradients after each optimizer step (``zero_grad`` sets them to None): a forward sees
+    them only after an earlier micro-step of the same step. The forecast's loss phase counts them likewise under
+    DDP; under FSDP they stay counted (``planner.memory.gradients_kept``)."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
+    from hf_dist.planner.memory import gradients_kept
+    from trainer_harness import token_dataset
+
+    model = build_tiny_model(tiny_llama_config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2, vocab_size=256))
+    seen = []
+    model.register_forward_pre_hook(lambda m, _: seen.append(any(p.grad is not None for p in m.parameters())))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=accumulation, use_cpu=True, report_to=[],
+                             save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    Trainer(model=model, args=args, train_dataset=token_dataset(16)).train()
+    assert seen == expected
+
+    spec = model_spec("llama-2-7b")
+    workload = Workload(seq_len=4096, micro_batch_size=1, precision="bf16_autocast",
+                        gradient_accumulation_steps=accumulation)
+    for strategy, counted in (("ddp", accumulation > 1), ("fsdp_full_shard", True)):
+        layout = make_layout(strategy, 2)
+        with_grads = estimate_memory(spec, dataclasses.replace(workload, gradient_accumulation_steps=2), layout)
+        b = estimate_memory(spec, workload, layout)
+        assert gradients_kept(workload, layout) == counted
+        gap = with_grads.phase_totals["loss"] - b.phase_totals["loss"]
+        assert gap == (0 if counted else with_grads.gradients), (strategy, gap)
+        assert ("backward_end" in b.phase_totals) == (not counted)

@@ -38,8 +38,10 @@ With the chunked loss (``Workload.chunked_loss``, ``hf_dist.loss.chunked``) no `
 keeps the head weight's fp32 gradient ``4·V·h`` (made in forward) and the labels; one chunk of ``g`` tokens
 (``chunk_tokens_for(V, h)``, at least h) holds its logits ``c·g·V`` (overwritten with their gradient), and one piece of
 ``k`` of them (``piece_tokens_for(V)``) the fp32 upcast, the log-softmax and two fp32 gradients at once:
-``k·V·(4 + 4 + 8)`` bytes (``k·V·12`` in fp32, where the upcast is the logits themselves); the lm_head input term
-stands for the hidden states' gradient the loss keeps instead (the same ``c·N·h``).
+``k·V·(4 + 4 + 8)`` bytes (``k·V·12`` in fp32, where the upcast is the logits themselves), then the chunk's
+product for the head's gradient (``c·V·h``) before it is added into the fp32 sum; the lm_head input term
+stands for the hidden states' gradient the loss keeps instead (the same ``c·N·h``). Its backward multiplies the kept
+gradients by the incoming one, making new ones (``4·V·h + c·N·h``) while the kept ones are still held.
 With TP the logits are gathered to the full vocabulary (HF ``colwise_gather_output``), so these are not split,
 except with vocabulary parallelism, where the model returns vocab-sharded logits and the loss runs under
 ``loss_parallel``: every ``N x V`` term is then ``N x V/t``. The lm_head weight cast is split where TP splits the
@@ -202,7 +204,12 @@ def _chunked_loss_terms(n: int, h: int, v: int, c: int) -> dict[str, int]:
     g = min(n, chunk_tokens_for(v, h))
     k = min(g, piece_tokens_for(v))
     piece = k * v * ((4 if c != 4 else 0) + 4 + 8)  # upcast, log-softmax, its and the piece's gradient
-    return dict(loss=4 * v * h + 8 * n, loss_backward=8 * k * v, logits_forward=g * v * c + piece)
+    # backward scales the kept gradients by the incoming one: a new fp32 head gradient and hidden-state gradient
+    # while the kept ones are still held
+    # after its pieces, a chunk's product for the head's gradient (``[V, h]`` in the compute dtype) is made before it
+    # is added into the fp32 sum
+    return dict(loss=4 * v * h + 8 * n, loss_backward=4 * v * h + c * n * h,
+                logits_forward=g * v * c + max(piece, c * v * h))
 
 
 def activation_model(model: ModelSpec, workload: Workload, layout: Layout) -> ActivationModel:

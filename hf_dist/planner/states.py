@@ -85,6 +85,9 @@ class ModelStates:
     """Offloaded to NVMe by this rank."""
     largest_transient: int = 0
     """The largest single transient buffer: a gathered unit, a reduce-scatter input, a bucket."""
+    head_gradients: int = 0
+    """Gradients made before the first decoder layer's backward: the untied lm_head's (a tied head's: the
+    embedding's), as this rank keeps them (``memory.gradients_kept`` says when the rest do not exist yet)."""
 
     @property
     def persistent(self) -> int:
@@ -211,6 +214,7 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
     if layout.offload == "cpu":
         cpu = params + grads + optim
         params = grads = optim = step_temp = 0
+    head_grads = 0 if frozen or layout.offload == "cpu" else g * shard_elements(lm_head or root, s, "fsdp2")
     largest = 0
     if sharded:
         largest = max(gb, 4) * sum(_numel(x) for x in unit)
@@ -219,7 +223,7 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
     return ModelStates(parameters=params, master_params=master, gradients=grads, optimizer_states=optim,
                        comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
                        unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu,
-                       largest_transient=largest)
+                       largest_transient=largest, head_gradients=head_grads)
 
 
 def _expert(name: str) -> bool:
