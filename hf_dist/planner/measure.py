@@ -4,7 +4,9 @@
 each storage once, leaving out parameters and views of parameters (they are model states, not
 activations); DTensors count their local shard. ``model_state_bytes`` sums the distinct storages of the
 parameters, gradients and optimizer state tensors of a module and optimizer (local shards for DTensors).
-``peak_rss_bytes`` is the process's peak resident set size.
+``peak_rss_bytes`` is the process's peak resident set size. ``allocated_peak(fn)`` is the allocator's own count: the
+most bytes ``fn`` held allocated at once above what was allocated when it started (CUDA: the caching allocator's
+statistics; CPU: the profiler's record of each allocation).
 
 Not here: predictions (``memory.py``) or any DeepSpeed internals (``bench/memory.py`` reads those itself).
 """
@@ -100,3 +102,31 @@ def peak_rss_bytes() -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def allocated_peak(fn, device: str | torch.device = "cpu") -> int:
+    """Run ``fn()``; the most bytes it held allocated at once on ``device``, above what was allocated before.
+
+    On CUDA ``torch.cuda.max_memory_allocated``; on CPU the running total the CPU allocator reports to the profiler
+    (``profile_memory=True``) at each allocation, which counts the allocations made inside ``fn`` only (a tensor
+    allocated before and freed inside is not subtracted)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            peak = max(peak, event.extra_fields.total_allocated)
+        stack.extend(event.children)
+    return peak
