@@ -71,19 +71,12 @@ def as_loaded(model, **load_kwargs):
     return loaded
 
 
-def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None,
-               trainer_kwargs: dict | None = None, resume: str | None = None, dataset=None, before_train=None,
-               **overrides):
-    """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
-    DistTrainingArguments, ``trainer_kwargs`` to DistTrainer; ``model`` (built the same on every rank) replaces the
-    tiny Llama; ``resume``: the checkpoint ``train`` resumes from; ``dataset`` replaces ``token_dataset()``;
-    ``before_train(trainer)`` runs before ``train`` (an evaluation before the optimizer exists, say)."""
-    from hf_dist import DistTrainer, DistTrainingArguments
-    from hf_dist.models import build_tiny_model
-
+def tiny_args(output_dir: str, **overrides) -> dict:
+    """The ``DistTrainingArguments`` fields of the harness's runs (fp32, seeded, no saves, CPU on one process),
+    ``overrides`` applied."""
     args = dict(
         output_dir=output_dir,
-        max_steps=max_steps,
+        max_steps=5,
         per_device_train_batch_size=2,
         learning_rate=1e-3,
         lr_scheduler_type="constant",
@@ -98,6 +91,20 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
         use_cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1,
     )
     args.update(overrides)
+    return args
+
+
+def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None = None, model=None,
+               trainer_kwargs: dict | None = None, resume: str | None = None, dataset=None, before_train=None,
+               **overrides):
+    """Train for ``max_steps`` optimizer steps; return ``(losses, params, trainer)``. Overrides go to
+    DistTrainingArguments, ``trainer_kwargs`` to DistTrainer; ``model`` (built the same on every rank) replaces the
+    tiny Llama; ``resume``: the checkpoint ``train`` resumes from; ``dataset`` replaces ``token_dataset()``;
+    ``before_train(trainer)`` runs before ``train`` (an evaluation before the optimizer exists, say)."""
+    from hf_dist import DistTrainer, DistTrainingArguments
+    from hf_dist.models import build_tiny_model
+
+    args = tiny_args(output_dir, max_steps=max_steps, **overrides)
     if model is None:
         model = as_loaded(build_tiny_model(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                            **(model_kwargs or {})))
@@ -109,6 +116,16 @@ def train_tiny(output_dir: str, *, max_steps: int = 5, model_kwargs: dict | None
     trainer.train(resume_from_checkpoint=resume)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     return losses, full_parameters(trainer), trainer
+
+
+def evaluate_tiny(output_dir: str, model, eval_dataset, **overrides) -> tuple[float, object]:
+    """``DistTrainer.evaluate()``'s ``eval_loss`` of ``model`` on ``eval_dataset`` (no training), and the trainer;
+    overrides go to DistTrainingArguments (``per_device_eval_batch_size``, the layout)."""
+    from hf_dist import DistTrainer, DistTrainingArguments
+
+    trainer = DistTrainer(model=model, args=DistTrainingArguments(**tiny_args(output_dir, **overrides)),
+                          eval_dataset=eval_dataset)
+    return trainer.evaluate()["eval_loss"], trainer
 
 
 # -- the first step of a train() call and of a resumed run ------------------------------------------------------

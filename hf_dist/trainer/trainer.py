@@ -222,11 +222,7 @@ class DistTrainer(Trainer):
         in a training step, a MoE router aux term weighted the same for any batch split
         (``hf_dist.trainer.router_loss``). Called on its own, outside ``train()``, it returns the Trainer's loss.
         A caller asking for the outputs (a subclass reading the logits) gets the model's own forward, whole logits."""
-        if getattr(self, "_in_prediction_step", False) and not self.dims.cp_enabled:
-            # Each evaluation batch's own loss, as one process computes it. With the count gathered over the ranks
-            # the Trainer multiplies the loss by the dp ranks: a MoE's aux term, not divided by the count, came out
-            # that many times too large, and each step's batches were weighed by their tokens, not one by one.
-            num_items_in_batch = None
+        num_items_in_batch = context.loss_count(self, num_items_in_batch)  # evaluation: the batch's own loss
         chunked = None if return_outputs else chunked_loss_for(self, model, inputs)
         loss, outputs = super().compute_loss(chunked or model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
@@ -237,12 +233,8 @@ class DistTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        self._in_prediction_step = True  # compute_loss: this batch's own loss (no count gathered over ranks)
-        try:
+        with context.prediction_step(self):  # compute_loss: this batch's own loss, as one process's
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        finally:
-            self._in_prediction_step = False
-        loss = context.eval_loss_share(self, loss)  # CP: every cp rank evaluated the whole sequence
         return loss, whole_logits(model, logits), labels  # vocab-sharded under TP
 
     def _prepare_context_parallel_inputs(self, model, inputs):
