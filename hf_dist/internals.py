@@ -99,6 +99,8 @@ OUTSIDE_THE_TRAINER: tuple[PrivateMember, ...] = (
     _m(_MODULE, "_get_name", "patch", "parallelism",
        "the model still prints as its own class, not FSDP2's FSDP<Class> wrapper"),
     _m("torch.Tensor", "_base", "read", "planner.measure", "views are counted once, by the storage they view"),
+    _m("torch._C._profiler", "_EventType", "read", "planner.measure",
+       "which profiler records are allocations: their running total is the CPU allocator's own count"),
     _m(_DTENSOR, "_local_tensor", "read",
        "data_parallel.buckets, loading.slices, pipeline_parallel.tied, checkpoint.async_save, metrics.ledger, "
        "planner.measure, cli.calibrate_ranks", "the local shard without an autograd edge (to_local() adds one)"),
