@@ -124,3 +124,20 @@ def load_recipe():
         sys.modules[spec.name] = module  # its dataclasses look their module up in sys.modules
         spec.loader.exec_module(module)
     return sys.modules["harbor_train"]
+
+
+_SPAWNED: dict[tuple, tuple[bool, object]] = {}
+
+
+def spawn_once(key: str, fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """``run_distributed(fn, world_size, *args)`` once per ``key`` in this pytest process: later calls get its per-rank
+    results, or its failure raised again (a crashed spawn is not rerun by every test that reads it)."""
+    if key not in _SPAWNED:
+        try:
+            _SPAWNED[key] = (True, run_distributed(fn, world_size, *args, timeout_s=timeout_s))
+        except RuntimeError as err:
+            _SPAWNED[key] = (False, err)
+    ok, value = _SPAWNED[key]
+    if not ok:
+        raise value
+    return value

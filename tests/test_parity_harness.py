@@ -123,3 +123,21 @@ def test_a_trl_run_is_compared_through_assert_parity(qwen3_moe):
     with pytest.raises(AssertionError, match="no router weight compared"):
         assert_trl_parity(logs, {k: v for k, v in second["state"].items() if k not in routers}, logs,
                           {k: v for k, v in first["state"].items() if k not in routers}, config=config)
+
+
+def test_a_failed_spawn_is_raised_again_not_rerun(monkeypatch):
+    import dist_utils
+
+    calls = []
+
+    def failing(fn, world_size, *args, timeout_s):
+        calls.append(world_size)
+        raise RuntimeError("rank 1 failed")
+
+    monkeypatch.setattr(dist_utils, "run_distributed", failing)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="rank 1 failed"):
+            dist_utils.spawn_once("harness_check_failing", None, 2)
+    assert calls == [2]
+    monkeypatch.setattr(dist_utils, "run_distributed", lambda fn, world_size, *args, timeout_s: ["ok"] * world_size)
+    assert dist_utils.spawn_once("harness_check_ok", None, 2) == dist_utils.spawn_once("harness_check_ok", None, 3)

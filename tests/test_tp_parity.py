@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from dist_utils import run_distributed
+from dist_utils import spawn_once
 from parity import TP_SGD, assert_parity, default_fields, layout_run, masked_batches, reference_run, slice_rows
 from parity import tiny_config, tiny_model
 from tp_sweep_cases import SEQ
@@ -102,10 +102,9 @@ def _run_cases(rank, world_size, cases):
     return {name: run_case(layout) for name, layout in cases.items()}
 
 
-@functools.lru_cache(maxsize=None)
 def results(world_size: int) -> list[dict]:
-    """Per-rank results of the one spawn of ``world_size`` ranks (every case of that size), cached across tests."""
-    return run_distributed(_run_cases, world_size, TP2_CASES if world_size == 2 else DP_TP_CASES)
+    """Per-rank results of the one spawn of ``world_size`` ranks (every case of that size), shared by the tests."""
+    return spawn_once(f"tp_parity_{world_size}", _run_cases, world_size, TP2_CASES if world_size == 2 else DP_TP_CASES)
 
 
 @functools.lru_cache(maxsize=None)

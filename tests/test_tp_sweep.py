@@ -10,12 +10,11 @@ fp32; ``assert_parity``: losses, gradient norms, the first step's gradients and 
 
 from __future__ import annotations
 
-import functools
 import tempfile
 
 import pytest
 
-from dist_utils import run_distributed
+from dist_utils import spawn_once
 from hf_dist.tensor_parallel.support import TP_TESTED_MODEL_TYPES, TP_TESTED_MOE_TYPES, tp_refusal
 from parity import cases
 from tp_sweep_cases import TP_VARIANTS, VARIANTS, dense_plan_types, sweep_config
@@ -25,21 +24,10 @@ SWEEP_TYPES = list(cases("tp")["tests/test_tp_sweep.py"])
 """The registry's TP-proven dense, classic and hybrid types, and the variants TP must run (``TP_VARIANTS``)."""
 
 
-@functools.lru_cache(maxsize=None)
-def _spawn() -> list[dict] | RuntimeError:
-    """The one spawn's per-rank results, or its failure (cached too: a crashed spawn is not rerun by every test)."""
-    with tempfile.TemporaryDirectory() as output_dir:
-        try:
-            return run_distributed(sweep_rank, 2, SWEEP_TYPES, output_dir, timeout_s=900)
-        except RuntimeError as err:
-            return err
-
-
 def _sweep() -> list[dict]:
-    result = _spawn()
-    if isinstance(result, RuntimeError):
-        raise result
-    return result
+    """The one spawn's per-rank results (its failure raised again by every test, not rerun)."""
+    with tempfile.TemporaryDirectory() as output_dir:  # used by the first call only
+        return spawn_once("tp_sweep", sweep_rank, 2, SWEEP_TYPES, output_dir, timeout_s=900)
 
 
 @pytest.mark.parametrize("model_type", SWEEP_TYPES)

@@ -65,7 +65,8 @@ def default_output_dir(model, suffix: str = "SFT") -> str:
 
 class DistSFTTrainer(SFTTrainer, DistTrainer):
     """``trl.SFTTrainer`` with hf_dist's parallel layouts (DDP, FSDP2, TP, PP, EP, CP, LoRA) and batch contract.
-    Under CP TRL's fused LM head scores each rank's slice of the shifted labels (``hf_dist.trainer.context``)."""
+    Under CP TRL's fused LM head scores each rank's slice of the shifted labels
+    (``hf_dist.trainer.trl_context_parallel``)."""
 
     def __init__(self, model, args: TrainingArguments | None = None, *positional, **kwargs):
         if args is None:  # where SFTTrainer would write, not the Trainer's "trainer_output"
