@@ -37,7 +37,9 @@ seq 2048, full activation checkpointing, bf16 parameters with fp32 reduction; py
 reported active 22.73 GiB and reserved 31.02 GiB; this model's allocated peak there is 23.40 GiB (+2.9 %) of
 which 10.85 GiB transient, so slack = (31.02 - 23.40) / 10.85 = 0.70 of the transient. It is then checked against
 the Harbor 13B figure (``bench/planner_anchors.py``). With ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-freed pages coalesce; ``EXPANDABLE_SLACK`` (0.10) is an assumption, not calibrated against a published run.
+freed pages coalesce; ``EXPANDABLE_SLACK`` (0.10) is an assumption, not calibrated against a published run. A layout
+that gathers nothing (DDP, one process) reuses its cached blocks step after step: ``UNSHARDED_SLACK`` (0.10), from
+one H200 run (0.06 measured, rounded up).
 ``MemoryAssumptions(device="cpu")`` drops slack and framework for the CPU benchmark.
 
 Not here: which layout to pick (``chooser.py``), time (``throughput.py``).
@@ -59,7 +61,13 @@ _MIB = 2**20
 
 
 CACHING_SLACK = 0.70
-"""Reserved-but-unallocated memory as a fraction of the transient allocated bytes (see the module docstring)."""
+"""Reserved-but-unallocated memory as a fraction of the transient allocated bytes, for a sharded layout (FSDP,
+ZeRO: gathered units and reduce buffers of many sizes; see the module docstring)."""
+UNSHARDED_SLACK = 0.10
+"""The same for a layout that gathers nothing (DDP, one process): each step allocates the same activations and
+gradients again, and the cache serves them from the blocks the step before freed. Measured on one H200 (a 1B Llama,
+4,096 tokens, bf16 autocast, ``docs/gpu_check.md``): 31.0 GiB reserved at 30.0 allocated, 0.06 of the 16.1 GiB
+transient (0.02 with the chunked loss); rounded up."""
 EXPANDABLE_SLACK = 0.10
 """The same with ``expandable_segments:True`` (assumed)."""
 HOST_BUFFER_FACTOR = 1.5
@@ -82,11 +90,13 @@ class MemoryAssumptions:
     host_buffer_factor: float = HOST_BUFFER_FACTOR
     """Host RAM headroom factor over offloaded and loaded bytes."""
 
-    @property
-    def slack(self) -> float:
+    def slack(self, layout: Layout) -> float:
+        """The allocator slack fraction for ``layout`` (``CACHING_SLACK``, ``UNSHARDED_SLACK``, ...)."""
         if self.device == "cpu":
             return 0.0
-        return EXPANDABLE_SLACK if self.expandable_segments else CACHING_SLACK
+        if self.expandable_segments:
+            return EXPANDABLE_SLACK
+        return UNSHARDED_SLACK if layout.strategy == "ddp" else CACHING_SLACK
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -253,7 +263,7 @@ def _stage_breakdown(model: ModelSpec, workload: Workload, layout: Layout, assum
     persistent = sum(phases[peak][t] for t in ("parameters", "master_params", "gradients", "optimizer_states",
                                                "comm_buffers"))  # gradients pack like states where they exist
     transient = totals[peak] - persistent - reference
-    terms["allocator_slack"] = int(assumptions.slack * transient)
+    terms["allocator_slack"] = int(assumptions.slack(layout) * transient)
     if assumptions.device == "cuda":
         terms["framework"] = assumptions.cuda_context_bytes + (
             assumptions.nccl_bytes if layout.dims.world_size > 1 else 0)
