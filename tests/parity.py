@@ -11,8 +11,9 @@
   ``hf_dist.models.reference.reference_step``, the reference the before-launch layout canary uses, so the tests
   and the canary define "one process" (the MoE router aux loss per micro-batch included) the same way.
 - ``layout_run(model, steps)``: its counterpart on the ranks of a model a layout parallelised outside a Trainer
-  (dense models: each step one global batch, sliced by data-parallel rank, the loss over the whole batch's tokens);
-  returns what ``reference_run`` returns, gathered whole (``full_grads``, ``full_state_dict``).
+  (dense models: each step one global batch, sliced by data-parallel rank, the loss over the whole batch's tokens;
+  under context parallelism ``token_weighted_loss`` inside the cp split); returns what ``reference_run`` returns,
+  gathered whole (``full_grads``, ``full_state_dict``).
 - ``pipelined_run(pipe, steps, recipe)``: the same training with a ``PipelinedCausalLM`` (the PP layout side, in the
   shape ``assert_parity`` reads).
 - ``trl_run`` / ``assert_trl_parity``: a TRL trainer's logged figures and weights in ``assert_parity``'s shape, for
@@ -200,9 +201,9 @@ MOE_ADAMW = Recipe(lr=1e-3, weight_decay=0.1, max_norm=0.05)
 """The EP / MoE-TP tests: 3 AdamW steps, clipping active (``max_norm`` below every step's norm)."""
 MOE_STEPS, MOE_GLOBAL_BATCH = 3, 8
 TP_SGD = Recipe(lr=0.5, optimizer="sgd", max_norm=0.1)
-"""The dense TP tests: plain SGD (parameters after it compare gradients), clipping active (every step's norm above
-``max_norm``; the TP sweep's smallest, granite's and OPT's, are about 0.2), so each update is ``lr x max_norm`` = 0.05
-long."""
+"""The dense TP tests and the ``parallelize``-level CP tests: plain SGD (parameters after it compare gradients),
+clipping active (every step's norm above ``max_norm``; the TP sweep's smallest, granite's and OPT's, are about 0.2,
+the CP cases' about 0.13), so each update is ``lr x max_norm`` = 0.05 long."""
 PP_SGD = Recipe(optimizer="sgd", lr=1.0, max_norm=0.05)
 """The PP coverage sweep, the PP MoE test and the PP layout tests (``pp_sweep_cases.LAYOUTS``): plain SGD, clipping
 active on every step (every case's gradient norm stays above ``max_norm``), so the global norm across stages matters
@@ -268,25 +269,32 @@ def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recip
     ``apply_tensor_parallel``; every rank calls it). Each step is one global batch: this rank runs data-parallel rank
     ``dp_rank``'s consecutive rows (``slice_rows``), its loss summed over their label tokens over the whole batch's
     and scaled by ``dp`` (the layout averages gradients over the dp ranks), so the dp ranks' losses add up to the
-    reference's and their gradient is its. The norm clipped is the HF Trainer's (``Trainer._mixed_mesh_grad_norm``:
-    every mesh and plain tensor). Returns ``reference_run``'s keys, gradients and state whole (collectives); the
-    losses summed over ``dp_group``. Dense models (no router aux term per micro-batch)."""
+    reference's and their gradient is its. Under context parallelism (``context_parallel_state(model)``) the cp ranks
+    of a dp rank share its rows: the loss is ``token_weighted_loss`` inside ``split()`` (tokens counted over
+    ``dp_group``, which is then the dp x cp ranks' group, ``dims.get_mesh("dp_cp")``; default the cp group, for
+    ``dp=1``). The norm clipped is the HF Trainer's (``Trainer._mixed_mesh_grad_norm``: every mesh and plain tensor).
+    Returns ``reference_run``'s keys, gradients and state whole (collectives); the losses summed over ``dp_group``.
+    Dense models (no router aux term per micro-batch)."""
     import torch.distributed as dist
     from transformers import Trainer
 
+    from hf_dist.context_parallel import context_parallel_state
     from hf_dist.state_dict import full_state_dict
 
+    cp = context_parallel_state(model)
+    if cp is not None and dp_group is None:
+        if dp > 1:
+            raise ValueError(f"layout_run under context parallelism with dp={dp}: pass dp_group, the dp x cp ranks' "
+                             "group (dims.get_mesh('dp_cp').get_group())")
+        dp_group = cp.group
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = recipe.optimizer_for(params)
     out: dict = {"losses": [], "norms": []}
     for index, batch in enumerate(steps):
-        tokens = max(int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()), 1)
-        loss = model(**slice_rows(batch, dp_rank, dp), num_items_in_batch=tokens).loss
-        (loss * dp).backward()
-        value = loss.detach().clone()
+        share = _layout_loss(model, batch, slice_rows(batch, dp_rank, dp), dp, dp_group, cp)
         if dp_group is not None:
-            dist.all_reduce(value, group=dp_group)
-        out["losses"].append(float(value))
+            dist.all_reduce(share, group=dp_group)
+        out["losses"].append(float(share))
         if grads and index == 0:
             out["grads"] = full_grads(model)
         if recipe.max_norm is not None:
@@ -295,6 +303,22 @@ def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recip
         optimizer.zero_grad()
     out["state"] = full_state_dict(model)
     return out
+
+
+def _layout_loss(model, batch, rows, dp: int, group, cp) -> torch.Tensor:
+    """``layout_run``'s forward and backward of this rank's ``rows`` of ``batch``; returns its share of the step's
+    loss (the shares of the ``group`` ranks add up to the reference's loss)."""
+    if cp is None:
+        tokens = max(int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()), 1)
+        loss = model(**rows, num_items_in_batch=tokens).loss
+        (loss * dp).backward()
+        return loss.detach().clone()
+    from hf_dist.context_parallel import token_weighted_loss
+
+    with cp.split():  # the share of the dp x cp token mean, scaled by dp x cp (the layout averages over them)
+        scaled = token_weighted_loss(model, rows, cp, reduce_group=group, reduce_size=dp * cp.size)
+        scaled.backward()
+    return scaled.detach() / (dp * cp.size)
 
 
 def pipelined_run(pipe, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recipe, *, dp_rank: int = 0,

@@ -1,6 +1,8 @@
-"""Context parallelism (``cp_size=2``) on 2 gloo ranks against one process, 3 AdamW steps at 2,048 tokens.
+"""Context parallelism (``cp_size=2``) on 2 gloo ranks against one process, 3 steps at 2,048 tokens.
 
-One spawn runs every case:
+Each ``parallelize``-level case trains through the parity harness (``parity.layout_run`` against
+``parity.reference_run``: plain SGD, clipping active on every step) and compares losses, gradient norms, the first
+step's gradients and the parameters after the last step (``parity.assert_parity``). One spawn runs every case:
 
 - llama, mistral (sliding_window=64, sdpa), gemma2 (eager, attention and final soft-capping, alternating windows of
   64) and qwen3 (q/k norms), each with CP alone (gradients averaged over ``dp_cp``) and CP x FSDP2 (sharded over
@@ -9,9 +11,9 @@ One spawn runs every case:
 - packed rows (several documents per row, ``position_ids`` restarting, first label of each document -100) under
   CP against the same documents trained unpacked, one by one, in one process.
 
-Also: dp=2 x cp=2 x FSDP2 on 4 ranks (one case), ``DistTrainer`` with ``--cp_size 2`` (alone and x FSDP2, with an
-evaluation) against the one-process Trainer, and the pure rules: ``Layout`` refusals, the model support decision,
-the accelerate request mapping, the planner.
+Also, through the harness too: dp=2 x cp=2 x FSDP2, tp=2 x cp=2 and tp=2 x cp=2 x FSDP2 in one 4-rank spawn;
+``DistTrainer`` with ``--cp_size 2`` (alone and x FSDP2, with an evaluation) against the one-process Trainer, and the
+pure rules: ``Layout`` refusals, the model support decision, the accelerate request mapping, the planner.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from parity import CP_CASES, Recipe, assert_parity, reference_run
+from parity import CP_CASES, TP_SGD, assert_parity, layout_run, reference_run
 
-SEQ, ROWS, STEPS, LR, VOCAB = 2048, 2, 3, 1e-3, 128
+SEQ, ROWS, STEPS, VOCAB = 2048, 2, 3, 128
 MODELS = CP_CASES
 PACKED_DOCS = ((700, 500, 848), (1000, 1048))
 """Document lengths of the two packed rows (each sums to SEQ)."""
@@ -78,42 +80,36 @@ def packed_batches() -> tuple[list[dict], list[list[dict]]]:
     return packed, unpacked
 
 
+RECIPE = TP_SGD
+"""Plain SGD with clipping active on every step (the references' norms are about 0.13, ``max_norm`` 0.1)."""
+
+
 def _train_reference(model, step_batches: list[list[dict]]) -> dict:
     """One process (the parity harness's reference): each step's token-mean loss over all of its sequences
-    (unpacked documents included)."""
-    return reference_run(model, step_batches, Recipe(lr=LR))
+    (unpacked documents included), the first step's gradients kept."""
+    return reference_run(model, step_batches, RECIPE, grads=True)
 
 
 def _train_cp(model_type: str, fsdp: bool, step_batches: list[dict], state: dict, world: int = 2, tp: int = 1,
               **overrides) -> dict:
+    """The harness's ``layout_run`` on this rank of ``parallelize``'s CP layout (``token_weighted_loss`` inside the
+    cp split, the losses summed over the dp x cp ranks; the tp ranks hold the same share)."""
     from hf_dist import FsdpRequest, parallelize
-    from hf_dist.context_parallel import context_parallel_state, token_weighted_loss
-    from hf_dist.state_dict import full_state_dict
     from hf_dist.strategy import Layout
 
     layout = Layout(strategy="fsdp_full_shard" if fsdp else "ddp", num_gpus=world, cp=2, tp=tp)
     dims = layout.dims
     dims.build_mesh("cpu")
-    share, dp_rank = ROWS // dims.dp, dims.dp_rank(dist.get_rank())  # the cp ranks of a dp rank share its rows
-    step_batches = [{k: v[dp_rank * share:(dp_rank + 1) * share] for k, v in b.items()} for b in step_batches]
     model = tiny_model(model_type, **overrides)
     model.load_state_dict(state)
     model = parallelize(model, dims, fsdp=FsdpRequest() if fsdp else None)
-    cp = context_parallel_state(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for batch in step_batches:
-        with cp.split():
-            loss = token_weighted_loss(model, batch, cp, reduce_group=dims.get_mesh("dp_cp").get_group(),
-                                       reduce_size=dims.dp_cp)
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach() / dims.dp_cp
-        dist.all_reduce(total, group=dims.get_mesh("dp_cp").get_group())  # the shares of the token mean (tp ranks
-        # hold the same share: summed over dp x cp only)
-        losses.append(float(total))
-    return {"losses": losses, "state": full_state_dict(model)}
+    return layout_run(model, step_batches, RECIPE, dp_rank=dims.dp_rank(dist.get_rank()), dp=dims.dp,
+                      dp_group=dims.get_mesh("dp_cp").get_group(), grads=True)
+
+
+def _assert_cp_parity(got: dict, ref: dict, what: str) -> None:
+    assert min(ref["norms"]) > RECIPE.max_norm, (what, ref["norms"])  # clipping was active on every step
+    assert_parity(got, ref, rtol=1e-5, state_rtol=1e-5, what=what)
 
 
 def _cp_ranks(rank, world_size, states):
@@ -165,7 +161,7 @@ def four_rank_runs():
 def test_four_rank_cp_products_equal_one_process(four_rank_runs, case):
     reference, results = four_rank_runs
     for got in (r[case] for r in results):
-        assert_parity(got, reference[case], rtol=1e-5, state_rtol=1e-5, what=case)
+        _assert_cp_parity(got, reference[case], case)
 
 
 @pytest.mark.parametrize("model_type", MODELS)
@@ -174,13 +170,13 @@ def test_cp_equals_one_process(runs, model_type, fsdp):
     reference, results = runs
     for rank in (0, 1):
         got = results[rank][(model_type, fsdp)]
-        assert_parity(got, reference[model_type], rtol=1e-5, state_rtol=1e-5, what=f"rank {rank} {model_type}")
+        _assert_cp_parity(got, reference[model_type], f"rank {rank} {model_type}")
 
 
 def test_packed_with_cp_equals_documents_unpacked(runs):
     reference, results = runs
-    got = results[0][("packed", False)]
-    assert_parity(got, reference["packed"], rtol=1e-5, state_rtol=1e-5, what="packed")
+    for rank in (0, 1):
+        _assert_cp_parity(results[rank][("packed", False)], reference["packed"], f"rank {rank} packed")
 
 
 def test_sliding_window_bites_at_this_length():

@@ -2,8 +2,10 @@
 
 Every case builds the reference the ordinary way (transformers' ``from_pretrained`` on the rank, then the layout
 DistTrainer applies) and the streamed model with ``hf_dist.from_pretrained``, then compares every local shard
-exactly (LoRA adapters included: both paths draw them from the run's seed), the logits, and the logits after one
-AdamW step (1e-6). Models: an untied Llama, a tied-embedding Llama, and Phi-3 (fused ``qkv_proj`` /
+exactly (LoRA adapters included: both paths draw them from the run's seed), the logits (1e-6), and one step of the
+parity harness on both, laid out alike (``parity.layout_run``; ``parity.pipelined_run`` under PP), plain SGD with
+clipping active: losses, gradient norms, the first step's gradients and the state after it, exactly
+(``parity.assert_parity``, atol 0). Models: an untied Llama, a tied-embedding Llama, and Phi-3 (fused ``qkv_proj`` /
 ``gate_up_proj``), the parity harness's tiny configs (``parity.tiny_config``: non-default values), saved as several
 safetensors shards. One spawn per world size runs all its cases.
 """
@@ -60,7 +62,7 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
 
 
-def _reference(directory: str, args, dtype, lora: bool):
+def _reference(directory: str, args, dims, dtype, lora: bool):
     from transformers import AutoModelForCausalLM
 
     from hf_dist.trainer.trainer import apply_owned_layout
@@ -70,7 +72,7 @@ def _reference(directory: str, args, dtype, lora: bool):
         from hf_dist.models import add_adapters
 
         model = add_adapters(model, _lora(), seed=args.seed)  # what the plain path (one process, DDP) does
-    return apply_owned_layout(model, args, args.layout.dims)
+    return apply_owned_layout(model, args, dims)
 
 
 def _local_state(model) -> dict[str, torch.Tensor]:
@@ -85,27 +87,34 @@ def _logits(model, batch: torch.Tensor) -> torch.Tensor | None:
         return model(input_ids=batch).logits.float()
 
 
-def _step(model, batch: torch.Tensor) -> None:
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+def _step(model, batch: torch.Tensor, dims) -> dict:
+    """One step of the parity harness on this rank of ``model`` (``pipelined_run`` for a pipeline, else
+    ``layout_run``), the first step's gradients kept; the state where this rank holds it (a pipeline gathers it on
+    rank 0 only)."""
+    import torch.distributed as dist
+
+    from parity import TP_SGD, layout_run, pipelined_run
+
+    steps, dp_rank = [{"input_ids": batch, "labels": batch}], dims.dp_rank(dist.get_rank())
     if hasattr(model, "pipeline"):
-        model.pipeline.train_step({"input_ids": batch, "labels": batch})
+        run = pipelined_run(model.pipeline, steps, TP_SGD, dp_rank=dp_rank, dp=dims.dp, grads=True)
     else:
-        model.train()
-        model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.step()
-    model.eval()
+        group = dims.get_mesh("dp").get_group() if dims.dp > 1 else None
+        run = layout_run(model, steps, TP_SGD, dp_rank=dp_rank, dp=dims.dp, dp_group=group, grads=True)
+    return {k: v for k, v in run.items() if v is not None}
 
 
 def _case(directory: str, output_dir: str, layout: dict) -> dict:
     import hf_dist
+    from hf_dist.trainer.laid_out import laid_out_by_hf_dist
     from hf_dist.trainer.pretrained import layout_dtype
 
     args = _args(output_dir, layout)
     lora = layout.get("lora", False)
     dtype = layout_dtype(args, lora=lora)
     batch = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-    reference = _reference(directory, args, dtype, lora)
+    dims = args.layout.dims  # its mesh built by the layout (the streamed model's: its mark's)
+    reference = _reference(directory, args, dims, dtype, lora)
     streamed = hf_dist.from_pretrained(directory, args, peft_config=_lora() if lora else None)
     ref_state, got_state = _local_state(reference), _local_state(streamed)
     assert sorted(ref_state) == sorted(got_state), (set(ref_state) - set(got_state), set(got_state) - set(ref_state))
@@ -116,10 +125,8 @@ def _case(directory: str, output_dir: str, layout: dict) -> dict:
     assert all(got_state[n].abs().sum() == 0 for n in lora_b)
     if set(layout) == {"fsdp"}:
         _check_holds_its_shard_only(streamed)
-    result = {"logits": (_logits(reference, batch), _logits(streamed, batch))}
-    _step(reference, batch)
-    _step(streamed, batch)
-    result["after_step"] = (_logits(reference, batch), _logits(streamed, batch))
+    result = {"logits": (_logits(reference, batch), _logits(streamed, batch)),
+              "step": (_step(reference, batch, dims), _step(streamed, batch, laid_out_by_hf_dist(streamed, dims).dims))}
     if not layout.get("pp") and not lora:
         _check_streaming_save(reference, streamed, f"{output_dir}/saved")
     return result
@@ -230,9 +237,16 @@ CASES_4 = {
 
 
 def _check(per_rank: list[dict]) -> None:
+    from parity import TP_SGD, assert_parity
+
     for rank, cases in enumerate(per_rank):
         for name, result in cases.items():
             for what, (want, got) in result.items():
+                if what == "step":  # the same numbers: losses, norms, first-step gradients and state exactly
+                    assert min(want["norms"]) > TP_SGD.max_norm, (rank, name, want["norms"])  # clipping bites
+                    assert got["norms"] == want["norms"], (rank, name, got["norms"], want["norms"])
+                    assert_parity(got, want, atol=0, what=f"rank {rank} {name} step")
+                    continue
                 if want is None:
                     assert got is None, (rank, name, what)
                     continue
