@@ -2,11 +2,14 @@
 
 ``first_layers_copy`` cuts the model to its first layers once. ``train_real(model_dir, out, layout)`` trains 3
 optimizer steps (fp32, 24-token rows of the synthetic support transcripts in SmolLM2's own tokenizer and chat
-template, loss on every token), saves a checkpoint through the Trainer, exports it with ``hf-dist checkpoint export``
-(main process; DDP's Trainer checkpoint is already a model folder and loads directly, and a LoRA ZeRO-3 one holds
-the adapter, which loads with ``AutoPeftModelForCausalLM`` and is merged) and returns the per-step
-losses and the greedy tokens the exported model generates after ``from_pretrained``. One call per layout; several
-calls share one spawned process group.
+template, loss on every token, gradient clipping at ``MAX_GRAD_NORM``), saves a checkpoint through the Trainer,
+exports it with ``hf-dist checkpoint export`` (main process; DDP's Trainer checkpoint is already a model folder and
+loads directly, and a LoRA ZeRO-3 one holds the adapter, which loads with ``AutoPeftModelForCausalLM`` and is merged
+and saved) and returns the run in ``parity.assert_parity``'s shape: the per-step losses and the Trainer's logged
+gradient norms, ``state``: the weights of the exported model folder (read with safetensors; the one-process reference
+saves its model, a LoRA one merged into its base, as the export does with ``--adapter merged``), and the greedy
+tokens the exported model generates after ``from_pretrained``. Only the main process returns weights and tokens.
+One call per layout; several calls share one spawned process group.
 
 Cost: the model keeps its pretrained embeddings (vocab 49,152, tied to the head), its 9 query / 3 KV heads and
 its tokenizer, but only its first ``LAYERS`` decoder layers, so that 11 layouts fit in minutes on 2 CPU cores.
@@ -20,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from launch_harness import saved_weights
+
 LAYERS = 4
 SEQ = 24
 ROWS = 16
@@ -27,6 +32,9 @@ GLOBAL_BATCH = 4
 STEPS = 3
 PROMPT = "Where is my payout?"
 NEW_TOKENS = 8
+MAX_GRAD_NORM = 1.0
+"""Every layout's gradient clipping: below every step's norm (2026-11-28: full 31 to 47, LoRA 3.5 to 4.2; the test's
+reference fixture checks it), so each update depends on the norm reduced across the layout's ranks."""
 # Each layout as DistTrainingArguments overrides (world size comes from the process group).
 LAYOUTS: dict[str, dict] = {
     "ddp": {},
@@ -114,7 +122,8 @@ def greedy_tokens(model, tokenizer) -> list[int]:
 
 
 def train_real(model_dir: str, out: str, layout: str, *, micro: int = 1) -> dict:
-    """Train ``layout`` for ``STEPS`` steps, save, export (main process); ``{"losses", "tokens", "layout"}``."""
+    """Train ``layout`` for ``STEPS`` steps, save, export (main process); ``{"losses", "norms", "state", "tokens",
+    "layout"}`` (``state`` and ``tokens`` None on the other ranks)."""
     from accelerate.state import AcceleratorState
     from transformers import AutoTokenizer
 
@@ -131,25 +140,38 @@ def _train(model_dir: str, out: str, layout: str, tokenizer, micro: int) -> dict
         output_dir=out, max_steps=STEPS, global_batch_size=GLOBAL_BATCH, per_device_train_batch_size=micro,
         learning_rate=1e-3 if layout.startswith("lora") else 2e-4, lr_scheduler_type="constant", logging_steps=1,
         save_strategy="steps", save_steps=STEPS, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, max_grad_norm=1.0, use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1, **LAYOUTS[layout],
+        dataloader_num_workers=0, max_grad_norm=MAX_GRAD_NORM,
+        use_cpu=int(os.environ.get("WORLD_SIZE", "1")) == 1, **LAYOUTS[layout],
     )
     trainer = DistTrainer(model=load_model(model_dir, lora=layout.startswith("lora")), args=args,
                           train_dataset=dataset(tokenizer), processing_class=tokenizer)
     trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    logs = [log for log in trainer.state.log_history if "loss" in log]
     layout_line = next(line for line in trainer.describe().splitlines() if line.startswith("layout"))
-    result = {"losses": losses, "layout": layout_line, "tokens": None}
-    if not torch.distributed.is_initialized():  # the one-process reference: the in-memory model's tokens
+    result = {"losses": [log["loss"] for log in logs], "norms": [log["grad_norm"] for log in logs],
+              "layout": layout_line, "tokens": None, "state": None}
+    if not torch.distributed.is_initialized():  # the one-process reference: the in-memory model
         result["tokens"] = greedy_tokens(trainer.model, tokenizer)
+        result["state"] = saved_model_weights(trainer.model, Path(out) / "final")
     elif trainer.is_world_process_zero():
-        result["tokens"] = exported_tokens(Path(out), layout, model_dir, tokenizer)
+        result["tokens"], result["state"] = exported(Path(out), layout, model_dir, tokenizer)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return result
 
 
-def exported_tokens(out: Path, layout: str, model_dir: str, tokenizer) -> list[int]:
-    """``hf-dist checkpoint export`` of the step-``STEPS`` checkpoint -> ``from_pretrained`` -> greedy tokens."""
+def saved_model_weights(model, folder: Path) -> dict[str, torch.Tensor]:
+    """``model`` (a PEFT model merged into its base first) saved with ``save_pretrained`` and read back: the tensors
+    a model folder holds (a tied head not repeated), as an exported checkpoint holds them."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(folder)
+    return saved_weights(folder)
+
+
+def exported(out: Path, layout: str, model_dir: str, tokenizer) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """``hf-dist checkpoint export`` of the step-``STEPS`` checkpoint -> ``from_pretrained`` -> greedy tokens; and
+    the exported folder's weights."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -157,14 +179,15 @@ def exported_tokens(out: Path, layout: str, model_dir: str, tokenizer) -> list[i
 
     unset_hf_deepspeed_config()
     ckpt = out / f"checkpoint-{STEPS}"
+    folder = out / "exported"
     if layout == "ddp":  # not a layout hf_dist owns: the Trainer's own checkpoint is already a model folder
-        return greedy_tokens(AutoModelForCausalLM.from_pretrained(ckpt), tokenizer)
-    if layout == "lora_zero3":  # the Trainer saved the adapter gathered by PEFT; export reads no ZeRO LoRA folder
+        folder = ckpt
+    elif layout == "lora_zero3":  # the Trainer saved the adapter gathered by PEFT; export reads no ZeRO LoRA folder
         from peft import AutoPeftModelForCausalLM
 
-        return greedy_tokens(AutoPeftModelForCausalLM.from_pretrained(ckpt).merge_and_unload(), tokenizer)
-    extra = ["--trust-deepspeed-pickles", "--config", str(ckpt)] if "zero" in layout else []
-    extra += ["--adapter", "merged"] if layout.startswith("lora") else []
-    exported = out / "exported"
-    assert main(["checkpoint", "export", str(ckpt), str(exported), *extra]) == 0
-    return greedy_tokens(AutoModelForCausalLM.from_pretrained(exported), tokenizer)
+        saved_model_weights(AutoPeftModelForCausalLM.from_pretrained(ckpt), folder)
+    else:
+        extra = ["--trust-deepspeed-pickles", "--config", str(ckpt)] if "zero" in layout else []
+        extra += ["--adapter", "merged"] if layout.startswith("lora") else []
+        assert main(["checkpoint", "export", str(ckpt), str(folder), *extra]) == 0
+    return greedy_tokens(AutoModelForCausalLM.from_pretrained(folder), tokenizer), saved_weights(folder)

@@ -83,7 +83,7 @@ def _train_lora_fsdp_and_save(rank, world, root):
 
     layout = ParallelDims(world_size=world, dp_shard=world)
     mesh = layout.build_mesh("cpu")["dp_shard"]
-    model = get_peft_model(build_tiny_model(seed=0, **MODEL_KWARGS),
+    model = get_peft_model(build_tiny_model(seed=0, tie_word_embeddings=True, **MODEL_KWARGS),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     for block in model.base_model.model.model.layers:
         fully_shard(block, mesh=mesh)
@@ -113,6 +113,11 @@ def test_lora_export_adapter_and_merged(tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     assert not any("lora" in name for name, _ in merged.named_parameters())
+    # the tied head once, as save_pretrained writes the merged model (and the plain export a tied pair)
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    merged.save_pretrained(tmp_path / "resaved")
+    assert set(load_file(str(tmp_path / "merged" / "model.safetensors"))) == set(
+        load_file(str(tmp_path / "resaved" / "model.safetensors")))
 
 
 def _zero3_train_and_save(rank, world, root):

@@ -30,6 +30,7 @@ from hf_dist.checkpoint.api import HF_DIR
 from hf_dist.checkpoint.export.dcp import (
     check_complete_tensor,
     copy_hf_files,
+    drop_tied,
     read_tensors,
     tensor_metadata,
     verify_checksums,
@@ -86,6 +87,16 @@ def _check_adapter(metas: dict, pairs: dict, config: dict) -> None:
 
 def _base_name(key: str) -> str:
     return without_base_layers(key[len(BASE_PREFIX) :] if key.startswith(BASE_PREFIX) else key)
+
+
+def _merged_names(ckpt: Path, base: list[str], pairs: dict) -> dict[str, str]:
+    """``{model name: checkpoint key}`` of the merged folder's weights: every base weight, a tied alias (a tied
+    ``lm_head.weight``) once, as ``save_pretrained`` and the plain export (``drop_tied``) write it, unless an adapter
+    targets the alias."""
+    names = {_base_name(key): key for key in base}
+    kept = drop_tied(names, ckpt / HF_DIR)
+    targeted = {_base_name(module) for module in pairs}
+    return {n: k for n, k in names.items() if n in kept or n.rpartition(".")[0] in targeted}
 
 
 def _scale(config: dict) -> float:
@@ -182,7 +193,7 @@ def export_peft(
     if mode == "adapter":
         _write_adapter(ckpt, out, metas, pairs, adapter_dir, report)
     else:
-        base_keys = {_base_name(key): key for key in base}
+        base_keys = _merged_names(ckpt, base, pairs)
         entries = {n: (tuple(metas[k].size), metas[k].properties.dtype) for n, k in base_keys.items()}
         write_model_weights(out, entries, _merged_producer(ckpt, metas, pairs, base_keys, config), max_shard_size,
                             report)
@@ -194,7 +205,6 @@ def export_peft(
     if check == "tensors" and mode == "adapter":
         report.tensors_verified = verify_adapter(ckpt, out, metas, pairs, adapter_dir.name)
     elif check == "tensors":
-        base_keys = {_base_name(key): key for key in base}
         report.tensors_verified = verify_merged(ckpt, out, metas, pairs, base_keys, adapter_dir.name, adapter_dir)
     elif check == "logits":
         report.max_logit_diff = _verify(ckpt, out, adapter_dir, metas, base, mode)
