@@ -20,11 +20,13 @@ from parity import assert_parity
 from real_model_harness import MAX_GRAD_NORM, first_layers_copy, train_real
 
 pytestmark = pytest.mark.real_model
-STATE_ATOL = 1e-5
+STATE_ATOL = 2e-5
 """Measured 2026-11-28 (CPU, fp32, AdamW's default epsilon 1e-8): the exported weights within 9.3e-6 of one process's
-(TP3 and FSDP2 x TP3), 4.8e-6 (PP2, PP3), 3.3e-6 (ZeRO), 6.3e-7 (DDP, FSDP2, LoRA). Epsilon 1e-6 (as the launch tests
-use, ``launch_harness.ADAM_EPSILON``) brings every layout's weights within 6e-7 but moved TP3's third loss 1.05e-5 from
-one process's (losses at 14 to 24: a few float32 roundings), so the recipe keeps the default."""
+(TP3 and FSDP2 x TP3), 4.8e-6 (PP2, PP3), 3.3e-6 (ZeRO), 6.3e-7 (DDP, FSDP2, LoRA): AdamW turns rounding-level
+gradient differences into parameter differences of up to its step size, so the bound is about twice the largest
+measured (a layout that trains wrongly moves weights by the learning rate, 2e-4 a step). Epsilon 1e-6 (as the launch
+tests use, ``launch_harness.ADAM_EPSILON``) brings every layout's weights within 6e-7 but moved TP3's third loss
+1.05e-5 from one process's (losses at 14 to 24: a few float32 roundings), so the recipe keeps the default."""
 
 
 def _group(rank, world_size, model_dir, root, layouts):
