@@ -16,8 +16,6 @@
   gathered whole (``full_grads``, ``full_state_dict``).
 - ``pipelined_run(pipe, steps, recipe)``: the same training with a ``PipelinedCausalLM`` (the PP layout side, in the
   shape ``assert_parity`` reads).
-- ``trl_run`` / ``assert_trl_parity``: a TRL trainer's logged figures and weights in ``assert_parity``'s shape, for
-  the TRL files, whose one-process reference is TRL's own trainer.
 - ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
   the same keys on both sides, router and expert weights named so a comparison that skipped them fails.
 - ``matrix()``: the (model type, parallelism) cells the harness has cases for, generated from the case lists
@@ -26,7 +24,8 @@
 Importable by spawned ranks (module level only). The Trainer-level runs are ``trainer_harness``'s (``train_tiny``;
 ``trainer_run``: a ``DistTrainer`` run with the first optimizer step's gradients of a ``train()`` call or of a resumed
 run), compared with one process through ``assert_parity`` too; ``test_parity_harness`` ties its one-process run to
-``reference_run``.
+``reference_run``. The TRL trainers' runs are compared through ``trl_parity.assert_trl_parity`` (their logs and
+weights in ``assert_parity``'s shape).
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ from hf_dist.models.reference import IGNORE_INDEX, reference_step, split_rows
 __all__ = [
     "CP_CASES", "EP_PP_CASES", "EP_TP_AUX", "EP_TP_CASES", "LEFT_AT_DEFAULT", "MOE_ADAMW", "MOE_CP_CASES",
     "MOE_GLOBAL_BATCH", "MOE_STEPS", "PP_SGD", "Recipe", "TP_MOE_CASES", "TP_SGD", "assert_parity",
-    "assert_trl_parity", "case_type", "cases", "default_fields", "full_grads", "layout_run", "masked_batches",
-    "matrix", "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model", "trl_run",
+    "case_type", "cases", "default_fields", "full_grads", "layout_run", "masked_batches",
+    "matrix", "pipelined_run", "reference_run", "slice_rows", "split_rows", "tiny_config", "tiny_model",
 ]
 
 # -- the case lists (each parity test runs its list; ``matrix`` reads them all) ---------------------------------
@@ -391,35 +390,3 @@ def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float
     if config is not None:
         for role, names in roles(compared, config).items():
             assert names, f"{label}no {role} weight compared"
-
-
-# -- TRL trainers: their logs and weights through the one comparison ----------------------------------------
-
-TRL_PARITY_LOGS = ("loss", "eval_loss", "grad_norm")
-"""The logged figures ``trl_run`` hands to ``assert_parity`` (the rest are compared by ``assert_trl_parity``)."""
-
-
-def trl_run(metrics: Mapping, state: Mapping[str, torch.Tensor]) -> dict:
-    """``assert_parity``'s run of a TRL trainer from its logs (``{name: per-step values}``, an evaluation's figures
-    as scalars) and its weights: ``loss`` per step then ``eval_loss`` where logged, ``grad_norm`` as the norms."""
-    losses = list(metrics["loss"]) + ([metrics["eval_loss"]] if "eval_loss" in metrics else [])
-    run = {"losses": losses, "state": state}
-    if "grad_norm" in metrics:
-        run["norms"] = list(metrics["grad_norm"])
-    return run
-
-
-def assert_trl_parity(metrics: Mapping, state: Mapping[str, torch.Tensor], ref_metrics: Mapping,
-                      ref_state: Mapping[str, torch.Tensor], *, names: Sequence[str] | None = None,
-                      atol: float = 1e-5, config=None, what: str = "") -> None:
-    """A TRL trainer's run equals ``ref``'s: the same logged figures; losses, grad norms and every weight through
-    ``assert_parity`` (``config``: a MoE's router and expert weights required); then each other figure in ``names``
-    (default: every one ``ref_metrics`` has; rewards, log-probabilities, KL) within ``atol``."""
-    label = f"{what}: " if what else ""
-    assert set(metrics) == set(ref_metrics), f"{label}logged figures differ: {sorted(set(metrics) ^ set(ref_metrics))}"
-    assert_parity(trl_run(metrics, state), trl_run(ref_metrics, ref_state), atol=atol, config=config, what=what)
-    for name in (ref_metrics if names is None else names):
-        if name not in TRL_PARITY_LOGS:
-            assert_close(torch.tensor(metrics[name], dtype=torch.float64),
-                         torch.tensor(ref_metrics[name], dtype=torch.float64), atol=atol, rtol=0,
-                         msg=lambda m, name=name: f"{label}{name}: {m}")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from parity import assert_trl_parity
+from trl_parity import assert_trl_parity
 
 STEPS = 3
 GLOBAL_BATCH = 8

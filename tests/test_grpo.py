@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from parity import assert_trl_parity
+from trl_parity import assert_trl_parity
 from test_dpo import _pairs, _tokenizer
 
 STEPS = 3

@@ -103,7 +103,7 @@ def test_the_trainer_harness_one_process_is_the_reference(tmp_path):
 def test_a_trl_run_is_compared_through_assert_parity(qwen3_moe):
     """``assert_trl_parity`` (the TRL trainers' tests): losses, the evaluation loss, grad norms, every weight with the
     router and experts required, and the other logged figures; each of these off, or missing on one side, fails."""
-    from parity import assert_trl_parity
+    from trl_parity import assert_trl_parity
 
     first, second, _ = qwen3_moe
     config = moe_config("qwen3_moe")

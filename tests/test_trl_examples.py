@@ -5,7 +5,7 @@ GRPO: DDP).
 
 Each example runs once uninterrupted. Then a second run starts from an output folder holding only that run's step-1
 checkpoint, as a run stopped after that checkpoint leaves it, and is launched again with
-``--resume_from_checkpoint true``: it must train only step 2 and, through ``parity.assert_trl_parity``, end with the
+``--resume_from_checkpoint true``: it must train only step 2 and, through ``trl_parity.assert_trl_parity``, end with the
 uninterrupted run's logged figures (the same names) for every step (every figure logged but ``NOT_RESTORED``: loss
 and gradient norm, DPO rewards and margins, GRPO reward mean and std, KL, completion lengths...) and its final weights
 within 1e-6 (gradient norms 1e-5 relative).
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from launch_harness import saved_weights
-from parity import assert_trl_parity
+from trl_parity import assert_trl_parity
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]

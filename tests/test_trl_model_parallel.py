@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from parity import assert_trl_parity
+from trl_parity import assert_trl_parity
 import test_dpo
 import test_grpo
 
