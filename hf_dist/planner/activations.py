@@ -36,9 +36,9 @@ the lm_head weight cast, the fp32 log-softmax output ``4·N·V`` and the labels.
 more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax input gradient): ``8·N·V``.
 With the chunked loss (``Workload.chunked_loss``, ``hf_dist.loss.chunked``) no ``N x V`` tensor exists: the loss
 keeps the head weight's fp32 gradient ``4·V·h`` (made in forward) and the labels; one chunk of ``g`` tokens
-(``chunk_tokens_for(V, h)``, at least h) holds its logits ``c·g·V`` (overwritten with their gradient), and one piece of
-``k`` of them (``piece_tokens_for(V)``) the fp32 upcast, the log-softmax and two fp32 gradients at once:
-``k·V·(4 + 4 + 8)`` bytes (``k·V·12`` in fp32, where the upcast is the logits themselves), then the chunk's
+(``chunk_tokens_for(V, h)``, at least h) holds its logits ``c·g·V`` (overwritten with their gradient), and one
+piece of ``k`` of them (``piece_tokens_for(V)``) the fp32 log-softmax output and two fp32 gradients at once,
+``k·V·12`` bytes (a compute-dtype piece's fp32 upcast is freed once the log-softmax has run), then the chunk's
 product for the head's gradient (``c·V·h``) before it is added into the fp32 sum; the lm_head input term
 stands for the hidden states' gradient the loss keeps instead (the same ``c·N·h``). Its backward multiplies the kept
 gradients by the incoming one, making new ones (``4·V·h + c·N·h``) while the kept ones are still held.
