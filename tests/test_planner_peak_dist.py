@@ -7,8 +7,9 @@ untied embedding and lm_head units of their own, a tied pair in the root; the ch
 around itself), DDP through torch's ``DistributedDataParallel`` as accelerate wraps it (default buckets, whose sizes
 DDP reports); EP2 x FSDP2 on a qwen3_moe as ``tests/test_expert_parallel.py`` lays it out. After warm-up steps (DDP
 rebuilds its buckets in the second forward) ``allocated_peak`` measures one AdamW step (forward, backward,
-``optimizer.step()``, ``zero_grad()``), and the model states (DTensor local shards) and buckets are added. gloo's own threads are not profiled: what they allocate inside a collective is not in the count; FSDP2's
-all-gather outputs and reduce-scatter buffers are (FSDP2 allocates them on the training thread).
+``optimizer.step()``, ``zero_grad()``), and the model states (DTensor local shards) and buckets are added. gloo's
+own threads are not profiled: what they allocate inside a collective is not in the count; FSDP2's all-gather outputs
+and reduce-scatter buffers are (FSDP2 allocates them on the training thread).
 
 FSDP2 frees its sharded gradients at ``zero_grad()`` as DDP does, so none exist while forward runs; the forecast still
 counts them there (``memory.gradients_kept``): without them the two published FSDP2 runs it is checked against

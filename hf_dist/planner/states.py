@@ -230,7 +230,9 @@ def _sharded_terms(workload, layout, edges: _Edges, unit_el: int, gathered: list
     layer, where it is one) and the root. Unsharded gradients: the unit's and its fp32 reduce-scatter input; in the
     root, the head's (the tied weight's) gradient, made by the first backward and reduced at the end. Last, the
     buffer of forward's last all-gather (``ModelStates.last_gather_buffer``)."""
-    n = lambda shapes: sum(_numel(x) for x in shapes)  # noqa: E731
+    def n(shapes: list) -> int:
+        return sum(_numel(x) for x in shapes)
+
     gb, rb = gathered_itemsize(workload, layout), itemsize(tensor_dtypes(layout, workload.precision).reduction)
     if layout.strategy == "fsdp_shard_grad_op":  # every unit gathered from forward to backward
         at_loss = in_backward = gb * n(gathered)
