@@ -60,10 +60,10 @@ def test_harbor_fsdp_full_shard_lands_within_10_percent_of_41_gb():
 
     What sits in memory at the peak (backward of the last layer), as the planner counts it:
       * fp32 parameter, gradient and Adam shards (the shards are the master): 16 B/8;
-      * bf16 gathered units: the layer in backward, the one prefetched and the root unit (embeddings, norm,
-        lm_head, never resharded after forward);
-      * the layer's bf16 unsharded gradient and its fp32 reduce-scatter input, and lm_head's bf16 gradient,
-        held until the root's reduce-scatter at the end of backward;
+      * bf16 gathered units: the layer in backward, the one prefetched and the root (the final norm; the untied
+        embedding and lm_head are units of their own, gathered only around their forward and backward);
+      * the layer's bf16 unsharded gradient and its fp32 reduce-scatter input (lm_head's was reduced after its own
+        backward);
       * 40 checkpointed bf16 layer inputs and the recomputed layer's saved set;
       * the caching allocator's slack over the transient bytes, 1 GiB of CUDA context + NCCL buffers.
     """
@@ -79,10 +79,10 @@ def test_harbor_fsdp_full_shard_lands_within_10_percent_of_41_gb():
     tensors = len(list(model.param_shapes()))
     assert b.parameters == b.gradients and b.optimizer_states == 2 * b.parameters + 4 * tensors
     assert b.parameters == 4 * sum(-(-s[0] // 8) * (s[1] if len(s) > 1 else 1) for _, s in model.param_shapes())
-    # ...two bf16 decoder layers and the bf16 root unit gathered; one layer's bf16 gradient + fp32 reduce input
-    root = model.embedding_params + model.lm_head_params + model.hidden_size
-    assert b.gathered_params == 2 * (2 * model.layer_params + root)
-    assert b.unsharded_grads == (2 + 4) * model.layer_params + 2 * model.lm_head_params
+    # ...two bf16 decoder layers and the bf16 root (the final norm) gathered; one layer's bf16 gradient + fp32 reduce
+    # input
+    assert b.gathered_params == 2 * (2 * model.layer_params + model.hidden_size)
+    assert b.unsharded_grads == (2 + 4) * model.layer_params
     # ...40 checkpointed bf16 layer inputs (plus the input ids) and one recomputed layer
     assert b.activations == 40 * 2 * 4096 * 5120 + 8 * 4096
     assert b.recomputed_layer == activation_model(model, HARBOR, layout).layer.total

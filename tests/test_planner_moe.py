@@ -81,8 +81,14 @@ def test_expert_states_are_divided_over_ep_and_efsdp_dense_over_dp(strategy, ep)
     if strategy == "fsdp_full_shard":  # a layer's experts gathered: E / ep of them (efsdp shards each)
         per_layer = sum(math.prod(s) for _, s in spec.expert_param_shapes()) // ep
         dense_unit = sum(math.prod(s) for n, s in spec.layer_param_shapes() if not n.startswith("mlp.experts."))
-        root = spec.embedding_params + spec.lm_head_params + spec.hidden_size
-        assert states.gathered_in_backward == 2 * (2 * (per_layer + dense_unit) + root)
+        # the layer in backward and the one prefetched (by the first layer: the untied embedding's own unit), and
+        # the root (the final norm); under EP the experts are units of their own, beside each layer's dense unit
+        if ep > 1:
+            dense = dense_unit + max(dense_unit, spec.embedding_params)
+            assert states.gathered_in_backward == 2 * (dense + 2 * per_layer + spec.hidden_size)
+        else:
+            unit = per_layer + dense_unit
+            assert states.gathered_in_backward == 2 * (unit + max(unit, spec.embedding_params) + spec.hidden_size)
 
 
 def test_routed_tokens_and_the_exchange_buffers_count_in_activations():

@@ -123,10 +123,22 @@ def allocated_peak(fn, device: str | torch.device = "cpu") -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
+    # The allocator's running total (``total_allocated``) is not reset between profiles: a tensor allocated while
+    # an earlier profile ran and freed after it stays in the total for good. So the total is rebuilt from this
+    # profile's own records: each allocation made inside ``fn`` added, and subtracted again when it is freed.
+    records, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # in tree order (an op's records inside it), which the stable sort keeps for equal times
         event = stack.pop()
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            peak = max(peak, event.extra_fields.total_allocated)
-        stack.extend(event.children)
+            records.append((event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.ptr))
+        stack.extend(reversed(event.children))
+    held: dict[int, int] = {}
+    total = peak = 0
+    for _, size, ptr in sorted(records, key=lambda r: r[0]):
+        if size > 0:
+            held[ptr] = size
+            total += size
+            peak = max(peak, total)
+        else:
+            total -= held.pop(ptr, 0)
     return peak

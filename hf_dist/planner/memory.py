@@ -231,8 +231,11 @@ def _phases(states: ModelStates, acts: ActivationModel, workload: Workload, layo
                                                  last_stage=False)
     head = acts.head + acts.loss if last else 0
     loss_peak = max(acts.logits_forward, acts.loss_backward) if last else 0
+    # the chunked loss runs inside the root's forward, before FSDP2 frees its last all-gather's buffer
+    inside_forward = workload.chunked_loss and not layout.vocab_parallel and last
     loss = dict(common, gradients=states.gradients if gradients_kept(workload, layout) else 0,
-                gathered_params=states.gathered_at_loss, activations=saved + head + acts.attention_mask,
+                gathered_params=states.gathered_at_loss + (states.last_gather_buffer if inside_forward else 0),
+                activations=saved + head + acts.attention_mask,
                 logits=loss_peak)
     in_backward = dict(common, gathered_params=states.gathered_in_backward, unsharded_grads=states.unsharded_grads,
                        activation_grads=acts.grad_working_set)

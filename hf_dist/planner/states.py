@@ -18,11 +18,15 @@ Assumptions, by strategy (``p`` = module parameter bytes, ``g`` = gradient bytes
   * FSDP2: fp32 shards of parameters and gradients (the shard is the master; ``pure_bf16``: bf16 shards and
     bf16 Adam states), Adam over the shards; during
     forward/backward one layer unit gathered plus ``prefetch`` units ahead (``limit_all_gathers`` /
-    FSDP2's default of one), the root unit (embeddings, final norm, lm_head) gathered from forward to the end
-    of backward, the unsharded gradient of the unit in backward, and the lm_head gradient, which exists from
-    the start of backward until the root's reduce-scatter at its end. The unit's reduce-scatter input is a
-    separate fp32 buffer (``reduce_dtype=float32``) the gradients are copied into before they are freed, so
-    both are alive at once. SHARD_GRAD_OP keeps every unit gathered between forward and backward.
+    FSDP2's default of one), and the last layer kept gathered from its forward to its backward (explicit prefetch).
+    The root (final norm; with a tied head the embedding too) stays gathered from forward to the end of backward;
+    an untied embedding and lm_head are units of their own (``hf_dist.parallelism._shard_edges``; not in a
+    pipeline stage, whose root holds them): the embedding freed after forward and prefetched again by the first
+    layer's backward, the head gathered from its forward to its backward and its gradient reduced right after. In
+    the root the head's (tied: the embedding's) unsharded gradient waits for the root's reduce-scatter at the end.
+    The unit's reduce-scatter input is a separate fp32 buffer (``reduce_dtype=float32``) the gradients are copied
+    into before they are freed, so both are alive at once. SHARD_GRAD_OP keeps every unit gathered between forward
+    and backward. Traced against the CPU allocator on 2 gloo ranks (``tests/test_planner_peak_dist.py``).
   * ZeRO: ``reduce_bucket_size = h²`` and ``stage3_prefetch_bucket_size = 0.9 h²`` (the Trainer's "auto");
     stage 1/2 double-buffer the reduce bucket (``overlap_comm``); stage 3 holds the largest linear being
     used, the prefetch bucket and parameters under ``10 h`` elements (persistent). The optimizer step builds
@@ -85,6 +89,10 @@ class ModelStates:
     """Offloaded to NVMe by this rank."""
     largest_transient: int = 0
     """The largest single transient buffer: a gathered unit, a reduce-scatter input, a bucket."""
+    last_gather_buffer: int = 0
+    """FSDP2's buffer of forward's last all-gather, kept (``AllGatherState``) until the next all-gather or the root's
+    post-forward: the head's unit where it is one, else the last decoder layer. A loss computed inside the root's
+    forward (the chunked loss) peaks while it is alive."""
     head_gradients: int = 0
     """Gradients made before the first decoder layer's backward: the untied lm_head's (a tied head's: the
     embedding's), as this rank keeps them (``memory.gradients_kept`` says when the rest do not exist yet)."""
@@ -178,13 +186,71 @@ def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers
         return _moe_torch(model, workload, layout, base, adapters, layers=layers, first=first, last=last)
     unit = [s for _, s in local_param_shapes(model, layout, layers=1, first=False, last=False)]
     root = [s for n, s in base if n in ("embed_tokens", "norm", "lm_head")]
-    lm_head = [s for n, s in base if n == "lm_head"]
     if layout.is_deepspeed:
         return _deepspeed(model, workload, layout, trainable, frozen, unit, root)
-    return _torch(workload, layout, trainable, frozen, unit, root, lm_head)
+    return _torch(workload, layout, trainable, frozen, unit, _edges(base, layout))
 
 
-def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelStates:
+@dataclass(frozen=True)
+class _Edges:
+    """The parameters outside the decoder layers, as FSDP2 groups them (``hf_dist.parallelism._shard_edges``)."""
+
+    embed: list
+    norm: list
+    lm_head: list
+    """Empty where the head is tied to the embedding (one weight: ``embed``) or on another pipeline stage."""
+    own_units: bool
+    """The untied embedding and head are FSDP units of their own (whole model, no pipeline): the embedding freed after
+    forward, the head gathered from its forward to its backward and its gradient reduced right after; else they stay
+    in the root, gathered through the step, their gradients reduced at the end of backward."""
+
+    @property
+    def root(self) -> list:
+        return self.norm if self.own_units else self.embed + self.norm + self.lm_head
+
+
+def _edges(base, layout) -> _Edges:
+    embed = [s for n, s in base if n == "embed_tokens"]
+    lm_head = [s for n, s in base if n == "lm_head"]
+    norm = [s for n, s in base if n == "norm"]
+    return _Edges(embed=embed, norm=norm, lm_head=lm_head,
+                  own_units=layout.dims.pp == 1 and bool(embed) and bool(lm_head))
+
+
+NO_EDGES = _Edges(embed=[], norm=[], lm_head=[], own_units=False)
+
+
+def _sharded_terms(workload, layout, edges: _Edges, unit_el: int, gathered: list, trained: bool,
+                   keep_last_unit: bool) -> tuple[int, int, int, int]:
+    """FULL_SHARD / HYBRID_SHARD: bytes gathered when forward ends and in backward, and unsharded gradients.
+
+    When forward ends: the root, the head's unit, and the last decoder layer (``keep_last_unit``: with explicit
+    prefetch, ``hf_dist.data_parallel.fsdp_prefetch``, the last block is not resharded after forward, backward needs it
+    first). In backward: the unit in backward, the one prefetched (the embedding's unit, prefetched by the first
+    layer, where it is one) and the root. Unsharded gradients: the unit's and its fp32 reduce-scatter input; in the
+    root, the head's (the tied weight's) gradient, made by the first backward and reduced at the end. Last, the
+    buffer of forward's last all-gather (``ModelStates.last_gather_buffer``)."""
+    def n(shapes: list) -> int:
+        return sum(_numel(x) for x in shapes)
+
+    gb, rb = gathered_itemsize(workload, layout), itemsize(tensor_dtypes(layout, workload.precision).reduction)
+    if layout.strategy == "fsdp_shard_grad_op":  # every unit gathered from forward to backward
+        at_loss = in_backward = gb * n(gathered)
+    else:
+        last = unit_el if keep_last_unit else 0
+        head_unit = n(edges.lm_head) if edges.own_units else 0
+        at_loss = gb * (n(edges.root) + head_unit + last)
+        prefetched = max(unit_el, n(edges.embed)) if edges.own_units else unit_el
+        in_backward = gb * (unit_el + prefetched + n(edges.root))
+    last_buffer = gb * (n(edges.lm_head) if edges.own_units else unit_el)
+    unsharded = 0
+    if trained:
+        head_in_root = 0 if edges.own_units else n(edges.lm_head) or (n(edges.embed) if edges.norm else 0)  # tied
+        unsharded = (gb + rb) * unit_el + gb * head_in_root
+    return at_loss, in_backward, unsharded, last_buffer
+
+
+def _torch(workload, layout, trainable, frozen, unit, edges: _Edges, keep_last_unit: bool = True) -> ModelStates:
     s = layout.shard_degree
     sharded = layout.strategy in FSDP_STRATEGIES
     train_el = shard_elements(trainable, s, "fsdp2")
@@ -196,34 +262,32 @@ def _torch(workload, layout, trainable, frozen, unit, root, lm_head) -> ModelSta
     else:
         params, master, grads = w * train_el + frozen_bytes, 0, g * train_el
     optim = 2 * o * train_el + 4 * len(trainable)
-    gb, rb = gathered_itemsize(workload, layout), itemsize(dtypes.reduction)
-    at_loss = in_backward = unsharded = 0
+    gb = gathered_itemsize(workload, layout)
+    at_loss = in_backward = unsharded = last_buffer = 0
     if sharded:
         unit_el = sum(_numel(x) for x in unit)
-        root_el = sum(_numel(x) for x in root)
-        if layout.strategy == "fsdp_shard_grad_op":
-            at_loss = in_backward = gb * sum(_numel(x) for x in (frozen or trainable))
-        else:  # the unit in backward, the next one prefetched, the root
-            at_loss, in_backward = gb * root_el, gb * (2 * unit_el + root_el)
-        trained_unit = unit_el if not frozen else 0
-        # the unit's gradients and its fp32 reduce-scatter input, while lm_head's gradient waits for the root
-        unsharded = gb * trained_unit + rb * trained_unit + (gb * sum(_numel(x) for x in lm_head) if not frozen else 0)
+        at_loss, in_backward, unsharded, last_buffer = _sharded_terms(workload, layout, edges, unit_el,
+                                                                      frozen or trainable, not frozen, keep_last_unit)
     buckets = grads if layout.strategy == "ddp" and layout.dims.dp > 1 else 0  # one process: no reducer
     step_temp = 0  # fused AdamW (the Trainer's default, adamw_torch_fused) updates in place
     cpu = 0
     if layout.offload == "cpu":
         cpu = params + grads + optim
         params = grads = optim = step_temp = 0
-    head_grads = 0 if frozen or layout.offload == "cpu" else g * shard_elements(lm_head or root, s, "fsdp2")
+    # the head's gradient before the first layer's backward: sharded where the head is a unit of its own; in FSDP's
+    # root it is unsharded until the end (``unsharded_grads``); whole under DDP (a tied head's: the embedding's)
+    head = edges.lm_head or (edges.embed if edges.norm else [])
+    head_grads = 0 if frozen or layout.offload == "cpu" or (sharded and not edges.own_units) else (
+        g * shard_elements(head, s, "fsdp2"))
     largest = 0
     if sharded:
         largest = max(gb, 4) * sum(_numel(x) for x in unit)
         if layout.strategy == "fsdp_shard_grad_op":
-            largest = max(largest, gb * sum(_numel(x) for x in root))
+            largest = max(largest, gb * sum(_numel(x) for x in edges.embed + edges.norm + edges.lm_head))
     return ModelStates(parameters=params, master_params=master, gradients=grads, optimizer_states=optim,
                        comm_buffers=buckets, gathered_at_loss=at_loss, gathered_in_backward=in_backward,
                        unsharded_grads=unsharded, optimizer_step_temp=step_temp, cpu_bytes=cpu,
-                       largest_transient=largest, head_gradients=head_grads)
+                       largest_transient=largest, last_gather_buffer=last_buffer, head_gradients=head_grads)
 
 
 def _expert(name: str) -> bool:
@@ -240,14 +304,13 @@ def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) 
     unit_all = list(local_param_shapes(model, layout, layers=1, first=False, last=False))
     unit_dense = [s for n, s in unit_all if not _expert(n)]
     unit_experts = [s for n, s in unit_all if _expert(n)]
-    root = [s for n, s in dense if n in ("embed_tokens", "norm", "lm_head")]
-    lm_head = [s for n, s in dense if n == "lm_head"]
     dense_trainable = [s for _, s in (adapters or dense)]
-    part = _torch(workload, layout, dense_trainable, [s for _, s in dense] if adapters else [], unit_dense, root,
-                  lm_head)
+    part = _torch(workload, layout, dense_trainable, [s for _, s in dense] if adapters else [], unit_dense,
+                  _edges(dense, layout))
     expert_layout = replace(layout, num_gpus=layout.efsdp, num_nodes=1, ep=1, tp=1, pp=1, cp=1)
+    # each layer's experts are a unit of their own, resharded after forward (the last layer's too)
     expert = _torch(workload, expert_layout, [] if adapters else experts, experts if adapters else [],
-                    unit_experts, [], [])
+                    unit_experts, NO_EDGES, keep_last_unit=False)
     sums = {f.name: getattr(part, f.name) + getattr(expert, f.name) for f in fields(ModelStates)}
     sums["largest_transient"] = max(part.largest_transient, expert.largest_transient)
     return ModelStates(**sums)
