@@ -47,7 +47,9 @@ commit of this file):
 
 Since 2026-11-27 the "assumed" column is 1343 and 1789: the planner's step is compute at an assumed 0.50 plus the
 communication timed from its bytes over the links (data-parallel traffic overlapping compute), instead of a
-per-strategy efficiency table; the other columns are unchanged.
+per-strategy efficiency table; the other columns are unchanged. Since 2026-11-28 (the FSDP2 terms traced against
+the CPU allocator on 2 gloo ranks, ``tests/test_planner_peak_dist.py``) the memory rows read: Harbor 37.50 (-8.5%),
+torchtitan 23.53 (+3.5%) allocated and 31.22 (+0.6%) reserved, NeMo 43.56 (-9.4%).
 """
 
 from __future__ import annotations

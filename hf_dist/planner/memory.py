@@ -34,8 +34,9 @@ largest single transient allocation, which a fragmented cache may have to take a
 
 The slack fraction's basis (``CACHING_SLACK``): torchtitan's Llama-2-7B FSDP2 run on 8 x H100 (local batch 8,
 seq 2048, full activation checkpointing, bf16 parameters with fp32 reduction; pytorch/torchtitan PR #165)
-reported active 22.73 GiB and reserved 31.02 GiB; this model's allocated peak there is 23.40 GiB (+2.9 %) of
-which 10.85 GiB transient, so slack = (31.02 - 23.40) / 10.85 = 0.70 of the transient. It is then checked against
+reported active 22.73 GiB and reserved 31.02 GiB; this model's allocated peak there was 23.40 GiB (+2.9 %) of
+which 10.85 GiB transient, so slack = (31.02 - 23.40) / 10.85 = 0.70 of the transient (with the FSDP2 terms traced
+on CPU since: 23.53 GiB, 10.98 transient, 0.68; the constant is kept). It is then checked against
 the Harbor 13B figure (``bench/planner_anchors.py``). With ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
 freed pages coalesce; ``EXPANDABLE_SLACK`` (0.10) is an assumption, not calibrated against a published run. A layout
 that gathers nothing (DDP, one process) reuses its cached blocks step after step: ``UNSHARDED_SLACK`` (0.10), from
