@@ -273,10 +273,9 @@ def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recip
     of a dp rank share its rows: the loss is ``token_weighted_loss`` inside ``split()`` (tokens counted over
     ``dp_group``, which is then the dp x cp ranks' group, ``dims.get_mesh("dp_cp")``; default the cp group, for
     ``dp=1``). The norm clipped is the HF Trainer's (``Trainer._mixed_mesh_grad_norm``: every mesh and plain tensor).
-    A MoE model's router aux term counts once per dp rank (``token_weighted_loss``'s rule): the reference is
-    ``reference_run`` on ``split_rows(batch, dp)``, the aux per micro-batch. ``optimizer``: the caller's (default
-    ``recipe``'s). Returns ``reference_run``'s keys, gradients and state whole (collectives); the losses summed over
-    ``dp_group``."""
+    A MoE's router aux counts once per dp rank (as ``token_weighted_loss`` weighs it; reference: ``split_rows(batch,
+    dp)``). ``optimizer``: default ``recipe``'s. Returns ``reference_run``'s keys, whole (collectives); the losses
+    summed over ``dp_group``."""
     import torch.distributed as dist
     from transformers import Trainer
 
