@@ -11,9 +11,9 @@
   ``hf_dist.models.reference.reference_step``, the reference the before-launch layout canary uses, so the tests
   and the canary define "one process" (the MoE router aux loss per micro-batch included) the same way.
 - ``layout_run(model, steps)``: its counterpart on the ranks of a model a layout parallelised outside a Trainer
-  (dense models: each step one global batch, sliced by data-parallel rank, the loss over the whole batch's tokens;
-  under context parallelism ``token_weighted_loss`` inside the cp split); returns what ``reference_run`` returns,
-  gathered whole (``full_grads``, ``full_state_dict``).
+  (each step one global batch, sliced by data-parallel rank, the loss over the whole batch's tokens, a MoE's router
+  aux per dp rank's micro-batch; under context parallelism ``token_weighted_loss`` inside the cp split); returns
+  what ``reference_run`` returns, gathered whole (``full_grads``, ``full_state_dict``).
 - ``pipelined_run(pipe, steps, recipe)``: the same training with a ``PipelinedCausalLM`` (the PP layout side, in the
   shape ``assert_parity`` reads).
 - ``assert_parity(run, ref)``: the one comparison: losses, then every parameter (or the first step's gradients) with
@@ -263,7 +263,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recipe, *, dp_rank: int = 0, dp: int = 1,
-               dp_group=None, grads: bool = False) -> dict:
+               dp_group=None, grads: bool = False, optimizer=None) -> dict:
     """``reference_run`` on one rank of a model a layout parallelised (``hf_dist.parallelize``,
     ``apply_tensor_parallel``; every rank calls it). Each step is one global batch: this rank runs data-parallel rank
     ``dp_rank``'s consecutive rows (``slice_rows``), its loss summed over their label tokens over the whole batch's
@@ -272,8 +272,9 @@ def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recip
     of a dp rank share its rows: the loss is ``token_weighted_loss`` inside ``split()`` (tokens counted over
     ``dp_group``, which is then the dp x cp ranks' group, ``dims.get_mesh("dp_cp")``; default the cp group, for
     ``dp=1``). The norm clipped is the HF Trainer's (``Trainer._mixed_mesh_grad_norm``: every mesh and plain tensor).
-    Returns ``reference_run``'s keys, gradients and state whole (collectives); the losses summed over ``dp_group``.
-    Dense models (no router aux term per micro-batch)."""
+    A MoE's router aux counts once per dp rank (as ``token_weighted_loss`` weighs it; reference: ``split_rows(batch,
+    dp)``). ``optimizer``: default ``recipe``'s. Returns ``reference_run``'s keys, whole (collectives); the losses
+    summed over ``dp_group``."""
     import torch.distributed as dist
     from transformers import Trainer
 
@@ -286,8 +287,7 @@ def layout_run(model, steps: Sequence[Mapping[str, torch.Tensor]], recipe: Recip
             raise ValueError(f"layout_run under context parallelism with dp={dp}: pass dp_group, the dp x cp ranks' "
                              "group (dims.get_mesh('dp_cp').get_group())")
         dp_group = cp.group
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = recipe.optimizer_for(params)
+    optimizer = optimizer or recipe.optimizer_for([p for p in model.parameters() if p.requires_grad])
     out: dict = {"losses": [], "norms": []}
     for index, batch in enumerate(steps):
         share = _layout_loss(model, batch, slice_rows(batch, dp_rank, dp), dp, dp_group, cp)
@@ -308,10 +308,14 @@ def _layout_loss(model, batch, rows, dp: int, group, cp) -> torch.Tensor:
     """``layout_run``'s forward and backward of this rank's ``rows`` of ``batch``; returns its share of the step's
     loss (the shares of the ``group`` ranks add up to the reference's loss)."""
     if cp is None:
+        from hf_dist.trainer.router_loss import router_aux_parts
+
         tokens = max(int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()), 1)
-        loss = model(**rows, num_items_in_batch=tokens).loss
-        (loss * dp).backward()
-        return loss.detach().clone()
+        out = model(**rows, num_items_in_batch=tokens)
+        coef, aux = router_aux_parts(model, out) or (0.0, torch.zeros(()))
+        aux = coef * aux.to(out.loss.device)  # in ``out.loss`` once per dp rank: not scaled by dp (averaged)
+        ((out.loss - aux) * dp + aux).backward()
+        return (out.loss - aux + aux / dp).detach()
     from hf_dist.context_parallel import token_weighted_loss
 
     with cp.split():  # the share of the dp x cp token mean, scaled by dp x cp (the layout averages over them)

@@ -7,7 +7,8 @@ non-default router, shared experts, dense layers or mixers; aux loss on wherever
 qwen3_moe also with activation checkpointing and with SHARD_GRAD_OP. A second spawn of 4 ranks runs qwen3_moe and
 mixtral at ep=2 with expert-FSDP degree 2 (experts sharded, or their gradients summed, over 2 ranks). Every case:
 3 AdamW steps with gradient clipping active (``MAX_NORM`` below every step's norm, so the norm over the dense and
-expert meshes decides the update).
+expert meshes decides the update), run by the parity harness's ``layout_run``; losses, gradient norms, the first
+step's gradients and every parameter compared (``assert_parity``: router and expert weights among them).
 
 The reference is the parity harness's one process (``parity.reference_run``) running the same micro-batches per
 step (each rank's slice of the global batch): the router aux term per micro-batch, as the models define it and as the
@@ -17,11 +18,10 @@ layout canary's reference weighs it.
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 from ep_cases import AUX_CASES, CASES, SWEEP_CASES, moe_config, moe_model, token_batches
-from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, reference_run, slice_rows, split_rows
+from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, layout_run, reference_run, split_rows
 
 MAX_NORM = MOE_ADAMW.max_norm
 LAYOUTS = ("fsdp", "ddp")
@@ -32,33 +32,23 @@ gathered between forward and backward) -> FsdpRequest fields."""
 
 def _reference(name: str, batches: list[dict], world: int, aux: float | None = None) -> dict:
     model = moe_model(name) if aux is None else moe_model(name, aux=aux)
-    return reference_run(model, [split_rows(batch, world) for batch in batches], MOE_ADAMW)
+    return reference_run(model, [split_rows(batch, world) for batch in batches], MOE_ADAMW, grads=aux is None)
 
 
 def _parallel(name: str, layout: str, batches: list[dict], rank: int, world: int, ep: int = 2) -> dict:
-    from transformers import Trainer
-
+    """The harness's ``layout_run`` on this rank of EP=``ep`` x FSDP2 (or x replicated dp) over ``world`` ranks, with
+    how many experts of each MoE layer the rank holds."""
     from hf_dist import FsdpRequest, ParallelDims, parallelize
     from hf_dist.expert_parallel import expert_modules
-    from hf_dist.state_dict import full_state_dict
 
     fsdp = layout != "ddp"
     dims = ParallelDims(world_size=world, dp_shard=world if fsdp else 1, dp_replicate=1 if fsdp else world, ep=ep)
     dims.build_mesh("cpu")
     model = parallelize(moe_model(name), dims, fsdp=FsdpRequest(**EXTRA.get(layout, {})) if fsdp else None)
     local_experts = {m.num_experts for m in expert_modules(model)}
-    optimizer = MOE_ADAMW.optimizer_for(model.parameters())
-    losses, norms = [], []
-    for batch in batches:
-        loss = model(**slice_rows(batch, rank, world)).loss
-        loss.backward()
-        norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(float(loss) / world)
-    return {"losses": losses, "norms": norms, "state": full_state_dict(model), "local_experts": local_experts}
+    run = layout_run(model, batches, MOE_ADAMW, dp_rank=dims.dp_rank(rank), dp=dims.dp,
+                     dp_group=dims.get_mesh("dp").get_group(), grads=True)
+    return {**run, "local_experts": local_experts}
 
 
 def _two_ranks(rank, world):

@@ -9,8 +9,9 @@ transformers' fallback loop: also counted).
 
 One 2-rank spawn: tiny qwen3_moe (top-k 2, router aux loss on with coefficient ``ep_cases.AUX``) saved and loaded
 from disk with each implementation; EP=2 x FSDP2 against one process running both ranks' micro-batches, TP=2
-against one process on the whole batch, the same implementation in both. 3 AdamW steps with clipping active;
-losses, gradient norms and every parameter (router and expert weights included) within 1e-5.
+against one process on the whole batch, the same implementation in both. 3 AdamW steps with clipping active (the
+parity harness's ``layout_run``); losses, gradient norms, the first step's gradients and every parameter (router and
+expert weights included) within 1e-5.
 
 hf_dist's EP names transformers' ``all_to_all`` dispatch: each rank's experts run on the pairs sent to them, top-1
 with unit weights, and the router's weights are applied on the sender after the return exchange -- no sentinel ids
@@ -21,11 +22,10 @@ shared batch and which hf_dist never selects). The router weights after 3 steps 
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 from ep_cases import moe_config, moe_model, token_batches
-from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, reference_run, slice_rows, split_rows
+from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, layout_run, reference_run, split_rows
 from trainer_harness import as_loaded
 
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
@@ -75,49 +75,33 @@ def _loaded(implementation: str):
     return as_loaded(moe_model("qwen3_moe"), experts_implementation=implementation)
 
 
-def _train(model, step_fn, batches, clip) -> dict:
-    """AdamW steps of ``step_fn`` (forward and backward, returns the loss), ``clip`` returning the gradient norm."""
-    optimizer = MOE_ADAMW.optimizer_for(model.parameters())
-    losses, norms, ops = [], [], {}
+def _counted(run) -> dict:
+    """``run()``'s result with the experts forwards transformers handed out and the grouped-mm ops it called."""
+    ops = {}
     with _Calls() as calls, _count_grouped_mm(ops):
-        for batch in batches:
-            losses.append(step_fn(model, batch))
-            norms.append(float(clip(model)))
-            optimizer.step()
-            optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "calls": calls.counts, "ops": ops}
+        out = run()
+    return {**out, "calls": calls.counts, "ops": ops}
 
 
 def _one_process(implementation: str, batches: list[dict], micro: int) -> dict:
     """The parity harness's reference, each step as ``micro`` micro-batches, its expert calls counted."""
-    ops = {}
-    with _Calls() as calls, _count_grouped_mm(ops):
-        out = reference_run(_loaded(implementation), [split_rows(batch, micro) for batch in batches], MOE_ADAMW)
-    return {**out, "calls": calls.counts, "ops": ops}
+    return _counted(lambda: reference_run(_loaded(implementation), [split_rows(batch, micro) for batch in batches],
+                                          MOE_ADAMW, grads=True))
 
 
 def _parallel(implementation: str, layout: str, batches: list[dict], rank: int, world: int) -> dict:
-    from transformers import Trainer
-
+    """The harness's ``layout_run`` on this rank of EP=2 x FSDP2 or TP=2, its expert calls counted."""
     from hf_dist import FsdpRequest, ParallelDims, parallelize
-    from hf_dist.state_dict import full_state_dict
 
     if layout == "ep_fsdp":
-        dims, part, parts = ParallelDims(world_size=world, dp_shard=world, ep=world), rank, world
+        dims = ParallelDims(world_size=world, dp_shard=world, ep=world)
     else:
-        dims, part, parts = ParallelDims(world_size=world, tp=world), 0, 1
+        dims = ParallelDims(world_size=world, tp=world)
     dims.build_mesh("cpu")
     model = parallelize(_loaded(implementation), dims, fsdp=FsdpRequest() if layout == "ep_fsdp" else None)
-
-    def step(model, batch):
-        loss = model(**slice_rows(batch, part, parts)).loss
-        loss.backward()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        return float(loss) / world
-
-    out = _train(model, step, batches, lambda m: Trainer._mixed_mesh_grad_norm(None, m, MOE_ADAMW.max_norm))
-    return {**out, "state": full_state_dict(model)}
+    group = dims.get_mesh("dp").get_group() if dims.dp > 1 else None
+    return _counted(lambda: layout_run(model, batches, MOE_ADAMW, dp_rank=dims.dp_rank(rank), dp=dims.dp,
+                                       dp_group=group, grads=True))
 
 
 def _two_ranks(rank, world):

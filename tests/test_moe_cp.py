@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from parity import MOE_CP_CASES, assert_parity, tiny_config
+from parity import MOE_CP_CASES, Recipe, assert_parity, layout_run, reference_run, tiny_config
 from trainer_harness import VOCAB, as_loaded, train_tiny, trainer_run
 
 CASES = MOE_CP_CASES
@@ -47,6 +47,8 @@ CP_RUNS = {"qwen3_moe": dict(chunked_loss=False, dist_logging=True),
            "gpt_oss": dict(fsdp2=True), "deepseek_v3": {}}
 """2 ranks, ``cp_size=2``: the extra arguments per model type (the model's own loss, which the pooled aux is added
 to, and the chunked loss, which adds the returned aux itself, are both run; ``--dist_logging``'s expert load)."""
+SGD_1 = Recipe(lr=1.0, optimizer="sgd")
+"""The API path's one step: plain SGD at learning rate 1 (the parameters then differ by the gradients themselves)."""
 EP_CP_FLAVOURS = {"fsdp2": FSDP2, "ddp": {}}
 LOCAL_EXPERTS = {"fsdp2": 1, "ddp": 2}
 """Experts of each layer per rank: 4 over ep=2, and FSDP2 shards the 2 over the 2 cp ranks that hold the same ones."""
@@ -117,35 +119,20 @@ def _local_experts(trainer) -> set[int]:
     return {p.to_local().shape[0] if isinstance(p, DTensor) else 0 for p in experts}
 
 
-def _sgd_step(model, step) -> dict:
-    """One SGD step at learning rate 1 (the parameters then differ by the gradients themselves)."""
-    from hf_dist.state_dict import full_state_dict
-
-    step()
-    torch.optim.SGD(model.parameters(), lr=1.0).step()
-    return full_state_dict(model)
-
-
 def _micro_batch() -> dict:
     return {k: torch.tensor(v) for k, v in _dataset()[:2].items()}
 
 
 def _token_weighted(rank, world) -> dict:
-    """``hf_dist.parallelize`` + ``token_weighted_loss`` (the API without the Trainer), cp=2: one step."""
+    """``hf_dist.parallelize`` + ``token_weighted_loss`` (the API without the Trainer, run by the harness's
+    ``layout_run``), cp=2: one step."""
     from hf_dist import parallelize
-    from hf_dist.context_parallel import context_parallel_state, token_weighted_loss
     from hf_dist.strategy import Layout
 
     dims = Layout(strategy="ddp", num_gpus=world, cp=2).dims
     dims.build_mesh("cpu")
-    model = parallelize(_model("qwen3_moe"), dims)
-    state = context_parallel_state(model)
-
-    def step():
-        with state.split():
-            token_weighted_loss(model, _micro_batch(), state, reduce_group=dims.get_mesh("dp_cp").get_group(),
-                                reduce_size=dims.dp_cp).backward()
-    return _sgd_step(model, step)
+    return layout_run(parallelize(_model("qwen3_moe"), dims), [_micro_batch()], SGD_1, dp=dims.dp,
+                      dp_group=dims.get_mesh("dp_cp").get_group(), grads=True)
 
 
 def _two_ranks(rank, world, root):
@@ -234,15 +221,12 @@ def test_ep_cp_equals_one_process(ep_cp_runs, references, name, flavour):
 
 
 def test_token_weighted_loss_weighs_the_aux_once(cp_runs):
-    """The API path (``parallelize`` + ``token_weighted_loss``): its gradients equal ``reference_step``'s (the one
-    definition of a step the layouts are compared with), router and experts included."""
-    from hf_dist.models.reference import reference_step
-
-    model = _model("qwen3_moe")
-    reference = _sgd_step(model, lambda: reference_step(model, [_micro_batch()]))
-    got = cp_runs[0]["token_weighted"]
-    for name, value in reference.items():
-        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    """The API path (``parallelize`` + ``token_weighted_loss``): its loss and gradients equal ``reference_step``'s
+    (``parity.reference_run``: the one definition of a step the layouts are compared with), router and experts
+    included."""
+    reference = reference_run(_model("qwen3_moe"), [[_micro_batch()]], SGD_1, grads=True)
+    for rank, result in enumerate(cp_runs):
+        assert_parity(result["token_weighted"], reference, config=_config("qwen3_moe"), what=f"rank {rank}")
 
 
 def test_a_slice_alone_has_another_aux_gradient():

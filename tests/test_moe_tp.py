@@ -4,8 +4,9 @@ One 2-rank spawn runs TP=2 on qwen3_moe, mixtral, gpt_oss (router aux loss on, c
 non-default top-k / ``norm_topk_prob``; gpt_oss: expert biases, clamped SwiGLU, attention sinks split by head) and
 deepseek_v3 (grouped routing, shared expert, first layer dense; its latent attention kept whole on every rank by its
 plan): routed experts split along their intermediate dimension, router whole. A 4-rank spawn runs TP=2 x FSDP2 and
-TP=2 x replicated dp=2 (qwen3_moe, gpt_oss). Every case: 3 AdamW steps with gradient clipping active; losses,
-gradient norms and every parameter within 1e-5 of one process. Also: the final save reloads with from_pretrained,
+TP=2 x replicated dp=2 (qwen3_moe, gpt_oss). Every case: 3 AdamW steps with gradient clipping active (the parity
+harness's ``layout_run``); losses, gradient norms, the first step's gradients and every parameter within 1e-5 of one
+process. Also: the final save reloads with from_pretrained,
 and every layout's sharded checkpoint (split [gate_r | up_r] written block by block) loads into a fresh model and
 optimizer of the same layout equal in every value. DistTrainer with checkpoints: ``test_moe_tp_checkpoint.py``.
 """
@@ -14,12 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
 from dist_utils import run_distributed
 from ep_cases import moe_config, moe_model, token_batches
-from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, reference_run, slice_rows, split_rows
+from parity import MOE_ADAMW, MOE_GLOBAL_BATCH, MOE_STEPS, assert_parity, layout_run, reference_run, split_rows
 from parity import TP_MOE_CASES as TP_CASES
 
 MAX_NORM = MOE_ADAMW.max_norm
@@ -27,14 +27,13 @@ MAX_NORM = MOE_ADAMW.max_norm
 
 def _reference(name: str, batches: list[dict], micro: int) -> dict:
     """One process (the parity harness's reference) running each step as ``micro`` micro-batches."""
-    return reference_run(moe_model(name), [split_rows(batch, micro) for batch in batches], MOE_ADAMW)
+    return reference_run(moe_model(name), [split_rows(batch, micro) for batch in batches], MOE_ADAMW, grads=True)
 
 
 def _tp(name: str, batches: list[dict], rank: int, world: int, ckpt: str, tp: int = 2, layout: str = "tp",
         save_to: str | None = None) -> dict:
-    """TP over ``tp`` ranks; the other ``world // tp`` ranks data-parallel (``layout``: FSDP2 or replicated)."""
-    from transformers import Trainer
-
+    """The harness's ``layout_run`` on TP over ``tp`` ranks; the other ``world // tp`` ranks data-parallel (``layout``:
+    FSDP2 or replicated). Then the final save, the checkpoint round trip and (TP alone) a one-process checkpoint."""
     from hf_dist import FsdpRequest, ParallelDims, parallelize
     from hf_dist.state_dict import full_state_dict
 
@@ -48,25 +47,15 @@ def _tp(name: str, batches: list[dict], rank: int, world: int, ckpt: str, tp: in
         return model, MOE_ADAMW.optimizer_for(model.parameters())
 
     model, optimizer = build()
-    losses, norms = [], []
-    for batch in batches:
-        loss = model(**slice_rows(batch, rank // tp, dp)).loss  # tp is the innermost mesh dimension
-        loss.backward()
-        norms.append(float(Trainer._mixed_mesh_grad_norm(None, model, MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(float(loss) / world)
+    out = layout_run(model, batches, MOE_ADAMW, dp_rank=dims.dp_rank(rank), dp=dp, grads=True, optimizer=optimizer,
+                     dp_group=dims.get_mesh("dp").get_group() if dp > 1 else None)
     if save_to is not None:  # the final save (DistTrainer.save_model): gathered, in the model's own key format
         from hf_dist.state_dict import save_gathered
 
         save_gathered(model, save_to)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     local = {(tuple(m.gate_up_proj.shape), tuple(m.gate_up_proj.to_local().shape)) for m in experts}
-    state = full_state_dict(model)
-    out = {"losses": losses, "norms": norms, "state": state, "experts": local,
-           "reloaded": _checkpoint_round_trip(f"{ckpt}/{name}_{layout}", model, optimizer, dims, build)}
+    out.update(experts=local, reloaded=_checkpoint_round_trip(f"{ckpt}/{name}_{layout}", model, optimizer, dims, build))
     if layout == "tp":  # a one-process checkpoint (other weights: seed 1) read into the split experts
         from hf_dist.checkpoint import load_checkpoint
 
