@@ -3,8 +3,8 @@ them out.
 
 Each rank builds the small Llama of ``test_planner_peak.py`` and lays it out the way training does: FSDP2 through
 ``hf_dist.parallelize`` (every decoder layer a unit, the last kept gathered after forward for explicit prefetch, an
-untied embedding and lm_head units of their own, a tied pair in the root; the chunked loss gathering the head's unit
-around itself), DDP through torch's ``DistributedDataParallel`` as accelerate wraps it (default buckets, whose sizes
+untied embedding and lm_head units of their own -- the head in the root where TRL's trainers keep it --, a tied pair
+in the root; the chunked loss gathering the head's unit around itself), DDP through torch's ``DistributedDataParallel`` as accelerate wraps it (default buckets, whose sizes
 DDP reports); EP2 x FSDP2 on a qwen3_moe as ``tests/test_expert_parallel.py`` lays it out. After warm-up steps (DDP
 rebuilds its buckets in the second forward) ``allocated_peak`` measures one AdamW step (forward, backward,
 ``optimizer.step()``, ``zero_grad()``), and the model states (DTensor local shards) and buckets are added. gloo's
@@ -32,6 +32,7 @@ CASES = {  # name: (strategy, config fields, workload fields)
     "fsdp_untied_chunked": ("fsdp_full_shard", {}, {"chunked_loss": True}),
     "fsdp_tied_chunked": ("fsdp_full_shard", {"tie_word_embeddings": True}, {"chunked_loss": True}),
     "fsdp_untied_checkpointed": ("fsdp_full_shard", {}, {"activation_checkpointing": True}),
+    "fsdp_untied_head_in_root": ("fsdp_full_shard", {}, {"head_unit": False}),  # as under TRL's trainers
     "ep2_fsdp_qwen3_moe": ("fsdp_full_shard", {"model_type": "qwen3_moe"}, {}),
 }
 MOE = dict(head_dim=64, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
@@ -61,7 +62,8 @@ def _lay_out(model, strategy: str, workload, world: int, ep: int):
         return torch.nn.parallel.DistributedDataParallel(model)
     dims = ParallelDims(world_size=world, dp_shard=world, ep=ep)
     dims.build_mesh("cpu")
-    return parallelize(model, dims, fsdp=FsdpRequest(activation_checkpointing=workload.activation_checkpointing))
+    return parallelize(model, dims, fsdp=FsdpRequest(activation_checkpointing=workload.activation_checkpointing,
+                                                     head_unit=workload.head_unit))
 
 
 def _one_case(rank: int, world: int, name: str) -> dict:

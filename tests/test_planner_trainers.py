@@ -52,7 +52,8 @@ def test_dpo_runs_chosen_and_rejected_in_one_forward():
     dpo = _candidate(choose_layout(_request(trainer="dpo")), "fsdp_full_shard")
     assert dpo.batch.micro_batch_size == 1
     sft2 = estimate_memory(TINY, Workload(seq_len=32, micro_batch_size=2, precision="fp32", chunked_loss=True,
-                                          gradient_accumulation_steps=dpo.batch.gradient_accumulation_steps), FSDP2)
+                                          gradient_accumulation_steps=dpo.batch.gradient_accumulation_steps,
+                                          head_unit=False), FSDP2)  # TRL's head stays in FSDP's root
     assert dpo.memory.activations == sft2.activations and dpo.memory.logits == sft2.logits
     assert dpo.memory.allocated == sft2.allocated + 213_632
     sft = _candidate(choose_layout(_request()), "fsdp_full_shard").throughput
@@ -69,7 +70,7 @@ def test_grpo_holds_the_kv_cache_of_the_completions_it_generates():
     65,536 bytes. The generation phase holds the states, the units a forward gathers and the cache."""
     plan = choose_layout(_request(trainer="grpo", num_generations=4))
     c = _candidate(plan, "fsdp_full_shard")
-    work = Workload(seq_len=32, precision="fp32", generation_sequences=4)
+    work = Workload(seq_len=32, precision="fp32", generation_sequences=4, head_unit=False)  # TRL: head in the root
     assert kv_cache_bytes(TINY, work, FSDP2, layers=2) == 65_536
     states = model_states(TINY, work, FSDP2, layers=2)
     generation = c.memory.phase_totals["generation"]
@@ -134,3 +135,21 @@ def test_plan_cli_trainer(capsys):
     assert "trainer dpo: micro batch 1 pairs = 2 sequences per forward" in capsys.readouterr().out
     assert main([*args, "--num-generations", "4"]) == 2
     assert "--num-generations applies to --trainer grpo only" in capsys.readouterr().err
+
+
+def test_trls_trainers_keep_the_head_in_fsdps_root_and_the_plan_counts_it_through_backward():
+    """DistTrainer makes an untied head an FSDP2 unit of its own; TRL's trainers keep it in the root (their fused LM
+    head reads its weight), so from its backward on the root holds its whole weight and its unsharded gradient too
+    (``tests/test_planner_peak_dist.py`` measures the head-in-root layout's peak at the end of forward)."""
+    from hf_dist.batch import BatchContract
+    from hf_dist.planner.chooser import _workload
+
+    batch = BatchContract(world_size=2, global_batch_size=8, micro_batch_size=1)
+    assert [_workload(_request(trainer=t), FSDP2, batch).head_unit for t in ("sft", "dpo", "grpo")] == [
+        True, False, False]
+    untied = dataclasses.replace(TINY, tie_word_embeddings=False)
+    as_unit = estimate_memory(untied, Workload(seq_len=32, precision="fp32", activation_checkpointing=False), FSDP2, CPU)
+    in_root = estimate_memory(untied, Workload(seq_len=32, precision="fp32", activation_checkpointing=False,
+                                               head_unit=False), FSDP2, CPU)
+    head = 4 * untied.vocab_size * untied.hidden_size  # fp32, whole
+    assert in_root.phase_totals["backward"] - as_unit.phase_totals["backward"] == 2 * head

@@ -307,8 +307,10 @@ def _evaluate(req: PlanRequest, tier: int, strategy: str, kwargs: dict, lora_ran
 def _workload(req: PlanRequest, layout: Layout, batch: BatchContract) -> Workload:
     """What one rank runs per micro step under ``req.trainer``: DPO's micro batch of pairs is a forward of
     2 x micro sequences (chosen and rejected concatenated); TRL's fused LM head never holds the ``N x V`` logits
-    (counted as the chunked loss); GRPO generates the rank's share of a global batch at once (one generation batch
-    is one global batch, ``hf_dist.trainer.grpo``)."""
+    (counted as the chunked loss) and keeps the head in FSDP's root; GRPO generates the rank's share of a global
+    batch at once (one generation batch is one global batch, ``hf_dist.trainer.grpo``). ``sft`` plans DistTrainer's
+    layout (DistSFTTrainer, whose fused LM head also keeps the head in the root, holds the head's weight and gradient
+    through the step as well)."""
     trl = req.trainer != "sft"
     return Workload(seq_len=req.seq_len, micro_batch_size=req.micro_batch * (2 if req.trainer == "dpo" else 1),
                     precision=precision_that_runs(layout, req.precision), attention=req.attention,
@@ -317,7 +319,7 @@ def _workload(req: PlanRequest, layout: Layout, batch: BatchContract) -> Workloa
                     chunked_loss=trl or layout_refusal(layout) is None,  # as DistTrainer will compute the loss
                     reference_model=req.has_reference,
                     generation_sequences=req.micro_batch * batch.gradient_accumulation_steps
-                    if req.trainer == "grpo" else 0)
+                    if req.trainer == "grpo" else 0, head_unit=not trl)
 
 
 def _loading_warning(host: HostMemory, layout: Layout, req: PlanRequest) -> str:

@@ -188,7 +188,7 @@ def model_states(model: ModelSpec, workload: Workload, layout: Layout, *, layers
     root = [s for n, s in base if n in ("embed_tokens", "norm", "lm_head")]
     if layout.is_deepspeed:
         return _deepspeed(model, workload, layout, trainable, frozen, unit, root)
-    return _torch(workload, layout, trainable, frozen, unit, _edges(base, layout))
+    return _torch(workload, layout, trainable, frozen, unit, _edges(base, layout, workload))
 
 
 @dataclass(frozen=True)
@@ -199,25 +199,28 @@ class _Edges:
     norm: list
     lm_head: list
     """Empty where the head is tied to the embedding (one weight: ``embed``) or on another pipeline stage."""
-    own_units: bool
-    """The untied embedding and head are FSDP units of their own (whole model, no pipeline): the embedding freed after
-    forward, the head gathered from its forward to its backward and its gradient reduced right after; else they stay
-    in the root, gathered through the step, their gradients reduced at the end of backward."""
+    embed_unit: bool
+    """The untied embedding is an FSDP unit of its own (whole model, no pipeline): freed after forward, gathered again
+    for its backward; else it stays in the root, gathered through the step, its gradient reduced at the end."""
+    head_unit: bool = False
+    """The untied head is a unit of its own too (``Workload.head_unit``: not under TRL's trainers, whose fused LM head
+    reads its weight in the root's forward): gathered from its forward to its backward, its gradient reduced right
+    after; else it stays in the root like the embedding would."""
 
     @property
     def root(self) -> list:
-        return self.norm if self.own_units else self.embed + self.norm + self.lm_head
+        return self.norm + ([] if self.embed_unit else self.embed) + ([] if self.head_unit else self.lm_head)
 
 
-def _edges(base, layout) -> _Edges:
+def _edges(base, layout, workload) -> _Edges:
     embed = [s for n, s in base if n == "embed_tokens"]
     lm_head = [s for n, s in base if n == "lm_head"]
     norm = [s for n, s in base if n == "norm"]
-    return _Edges(embed=embed, norm=norm, lm_head=lm_head,
-                  own_units=layout.dims.pp == 1 and bool(embed) and bool(lm_head))
+    units = layout.dims.pp == 1 and bool(embed) and bool(lm_head)
+    return _Edges(embed=embed, norm=norm, lm_head=lm_head, embed_unit=units, head_unit=units and workload.head_unit)
 
 
-NO_EDGES = _Edges(embed=[], norm=[], lm_head=[], own_units=False)
+NO_EDGES = _Edges(embed=[], norm=[], lm_head=[], embed_unit=False)
 
 
 def _sharded_terms(workload, layout, edges: _Edges, unit_el: int, gathered: list, trained: bool,
@@ -238,14 +241,14 @@ def _sharded_terms(workload, layout, edges: _Edges, unit_el: int, gathered: list
         at_loss = in_backward = gb * n(gathered)
     else:
         last = unit_el if keep_last_unit else 0
-        head_unit = n(edges.lm_head) if edges.own_units else 0
+        head_unit = n(edges.lm_head) if edges.head_unit else 0
         at_loss = gb * (n(edges.root) + head_unit + last)
-        prefetched = max(unit_el, n(edges.embed)) if edges.own_units else unit_el
+        prefetched = max(unit_el, n(edges.embed)) if edges.embed_unit else unit_el
         in_backward = gb * (unit_el + prefetched + n(edges.root))
-    last_buffer = gb * (n(edges.lm_head) if edges.own_units else unit_el)
+    last_buffer = gb * (n(edges.lm_head) if edges.head_unit else unit_el)
     unsharded = 0
     if trained:
-        head_in_root = 0 if edges.own_units else n(edges.lm_head) or (n(edges.embed) if edges.norm else 0)  # tied
+        head_in_root = 0 if edges.head_unit else n(edges.lm_head) or (n(edges.embed) if edges.norm else 0)  # tied
         unsharded = (gb + rb) * unit_el + gb * head_in_root
     return at_loss, in_backward, unsharded, last_buffer
 
@@ -277,7 +280,7 @@ def _torch(workload, layout, trainable, frozen, unit, edges: _Edges, keep_last_u
     # the head's gradient before the first layer's backward: sharded where the head is a unit of its own; in FSDP's
     # root it is unsharded until the end (``unsharded_grads``); whole under DDP (a tied head's: the embedding's)
     head = edges.lm_head or (edges.embed if edges.norm else [])
-    head_grads = 0 if frozen or layout.offload == "cpu" or (sharded and not edges.own_units) else (
+    head_grads = 0 if frozen or layout.offload == "cpu" or (sharded and not edges.head_unit) else (
         g * shard_elements(head, s, "fsdp2"))
     largest = 0
     if sharded:
@@ -306,7 +309,7 @@ def _moe_torch(model, workload, layout, base, adapters, *, layers, first, last) 
     unit_experts = [s for n, s in unit_all if _expert(n)]
     dense_trainable = [s for _, s in (adapters or dense)]
     part = _torch(workload, layout, dense_trainable, [s for _, s in dense] if adapters else [], unit_dense,
-                  _edges(dense, layout))
+                  _edges(dense, layout, workload))
     expert_layout = replace(layout, num_gpus=layout.efsdp, num_nodes=1, ep=1, tp=1, pp=1, cp=1)
     # each layer's experts are a unit of their own, resharded after forward (the last layer's too)
     expert = _torch(workload, expert_layout, [] if adapters else experts, experts if adapters else [],

@@ -62,6 +62,9 @@ class Workload:
     with its adapters disabled and holds nothing more."""
     generation_sequences: int = 0
     """Sequences this rank generates at once (GRPO's completions): a KV cache of ``seq_len`` tokens each."""
+    head_unit: bool = True
+    """Under FSDP an untied lm_head is a unit of its own (DistTrainer); TRL's trainers keep it in the root, gathered
+    through the step (their fused LM head reads its weight in the root's forward; ``hf_dist.parallelism``)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps"):
