@@ -212,10 +212,11 @@ def gradients_kept(workload: Workload, layout: Layout) -> bool:
     step (gradient accumulation, a pipeline's micro-batches): the Trainer's ``model.zero_grad()`` (``set_to_none``)
     frees them after each optimizer step, and backward makes them anew as it frees the activations (one H200, a 1B
     Llama at 4,096 tokens, no accumulation: 30.0 GiB measured, 29.95 forecast this way, 34.6 with them counted).
-    DeepSpeed keeps them in flat buffers from step to step. Under FSDP they are counted: the two published FSDP2
-    runs the planner is checked against (``bench/planner_anchors.py``: torchtitan Llama-2-7B, NeMo Qwen3-30B-A3B)
-    measured 2.5 GiB (allocated) and 7.5 GiB (reserved) above the terms without them; until a trace names what
-    FSDP2 holds there, the counted gradients stand for it (forecasts within 3 % and 5 % of those runs).
+    DeepSpeed keeps them in flat buffers from step to step. Under FSDP they are counted, though FSDP2 frees its
+    gradient shards at ``zero_grad()`` too (traced on 2 gloo ranks, ``tests/test_planner_peak_dist.py``): without
+    them the two published FSDP2 runs the planner is checked against (``bench/planner_anchors.py``: torchtitan
+    Llama-2-7B, NeMo Qwen3-30B-A3B) fall outside their targets (-10.3 % allocated, -19.8 % reserved); until a GPU
+    trace names what FSDP2 holds there, the counted gradients stand for it (+3.5 % and -9.4 % with them).
     ``tests/test_planner.py`` checks the Trainer frees them as assumed."""
     return workload.gradient_accumulation_steps > 1 or layout.strategy != "ddp"
 
