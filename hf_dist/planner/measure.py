@@ -107,9 +107,9 @@ def peak_rss_bytes() -> int:
 def allocated_peak(fn, device: str | torch.device = "cpu") -> int:
     """Run ``fn()``; the most bytes it held allocated at once on ``device``, above what was allocated before.
 
-    On CUDA ``torch.cuda.max_memory_allocated``; on CPU the running total the CPU allocator reports to the profiler
-    (``profile_memory=True``) at each allocation, which counts the allocations made inside ``fn`` only (a tensor
-    allocated before and freed inside is not subtracted)."""
+    On CUDA ``torch.cuda.max_memory_allocated``; on CPU the allocations and frees the CPU allocator reports to the
+    profiler (``profile_memory=True``) while ``fn`` runs, added up in order: only allocations made inside ``fn`` count
+    (a tensor allocated before and freed inside is not subtracted)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
