@@ -61,6 +61,9 @@ from hf_dist.precision import itemsize, tensor_dtypes
 _MIB = 2**20
 
 
+PERSISTENT_TERMS = ("parameters", "master_params", "gradients", "optimizer_states", "comm_buffers")
+"""The terms allocated once or in the same sizes every step, which pack tightly: not in the slack's transient bytes
+(gradients where a phase holds them)."""
 CACHING_SLACK = 0.70
 """Reserved-but-unallocated memory as a fraction of the transient allocated bytes, for a sharded layout (FSDP,
 ZeRO: gathered units and reduce buffers of many sizes; see the module docstring)."""
@@ -265,8 +268,7 @@ def _stage_breakdown(model: ModelSpec, workload: Workload, layout: Layout, assum
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=totals.get)
     terms = {t: 0 for t in MemoryBreakdown.TERMS} | phases[peak]
-    persistent = sum(phases[peak][t] for t in ("parameters", "master_params", "gradients", "optimizer_states",
-                                               "comm_buffers"))  # gradients pack like states where they exist
+    persistent = sum(phases[peak][t] for t in PERSISTENT_TERMS)
     transient = totals[peak] - persistent - reference
     terms["allocator_slack"] = int(assumptions.slack(layout) * transient)
     if assumptions.device == "cuda":

@@ -97,9 +97,6 @@ class ModelStates:
     """Gradients made before the first decoder layer's backward: the untied lm_head's (a tied head's: the
     embedding's), as this rank keeps them (``memory.gradients_kept`` says when the rest do not exist yet)."""
 
-    @property
-    def persistent(self) -> int:
-        return self.parameters + self.master_params + self.gradients + self.optimizer_states + self.comm_buffers
 
 
 @functools.lru_cache(maxsize=None)
