@@ -1,22 +1,21 @@
 """hf_dist vs the plain stack on the same work: DistTrainer FSDP2 (and EP2 x FSDP2) vs transformers' native
 ``DistributedConfig`` on 2 gloo ranks, and DistTrainer vs the plain ``Trainer`` on one process.
 
-    flock /tmp/hf_dist_cpu.lock python bench/native.py [--rounds 4] [--steps 8] [--pairs fsdp2,ep2,one]
+    flock /tmp/hf_dist_cpu.lock python bench/native.py [--rounds 4] [--steps 8] [--pairs fsdp2,ep2,one] [--ledger]
 
-Every run is a fresh spawn that loads the model as its users do (a checkpoint written with ``save_pretrained``):
-  * ``native``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=2[,
-    ep_size=2]))`` (transformers shards it while loading) trained by ``transformers.Trainer``;
-  * ``hf_dist``: ``hf_dist.from_pretrained(dir, args)`` trained by ``DistTrainer`` (``fsdp="full_shard"``, FSDP2,
-    ``ep_size=2``; the chunked loss on, its default);
-  * ``one``: the same tiny Llama on one process, ``Trainer`` vs ``DistTrainer``; ``one_whole``: the same with
-    DistTrainer's ``chunked_loss=False`` (the Trainer's loss path), which separates the chunked loss's cost.
-The same arguments otherwise (micro batch 4 per rank, AdamW, constant lr, no accumulation), the same data.
+Every run is a fresh spawn that loads the model as its users do (a checkpoint written with ``save_pretrained``); the
+sides, models and data are ``tests/native_cases.py``'s: ``native`` (transformers' ``DistributedConfig`` and
+``Trainer``), ``hf_dist`` (``hf_dist.from_pretrained`` and ``DistTrainer``: FSDP2, ``ep_size=2`` for the MoE, the
+chunked loss on, its default), ``plain`` (``Trainer`` on one process). Pairs: ``fsdp2``, ``ep2`` (2 gloo ranks);
+``one`` (one process, DistTrainer vs Trainer); ``*_whole``: DistTrainer with ``chunked_loss=False`` (the
+Trainer's loss path), which separates the chunked loss's cost; ``load``: the FSDP2 pair on a 254 M-parameter Llama
+(vocabulary 32,000), one step only (its time is the first step's, warm-up included): what loading costs.
 A round runs each pair once, the pair's order alternating between rounds, so both sides share the machine's
 noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
-median and range over rounds. ``load`` is the FSDP2 pair on a 254 M-parameter Llama (vocabulary 32,000), one step
-only (its time is the first step's, warm-up included): what loading costs. ``load MiB``: the rank's peak RSS
-(``VmHWM``) once the model is loaded and laid out, before training; ``peak MiB``: after the last step; both the
-worst rank's. Not a test: nothing is asserted.
+median and range over rounds. ``load MiB``: the rank's peak RSS (``VmHWM``) once the model is loaded and laid out,
+before training; ``peak MiB``: after the last step; both the worst rank's. ``--ledger`` adds, per pair, what each
+side's step communicates and computes (round 1's last warm-up step, rank 0): the counts that explain a ratio.
+Not a test: the timings are not asserted; the ledger's comparison is, in ``tests/test_native_ledger.py``.
 Figures are in docs/benchmarks.md.
 """
 
@@ -35,11 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-VOCAB, SEQ, MICRO, WARMUP = 2048, 128, 4, 2
-LLAMA = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-MOE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-           head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-           tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.01)
+from native_cases import LLAMA, MICRO, MOE, SEQ, build_trainer, ledger_rows, write_models  # noqa: E402
+
+WARMUP = 2
 PAIRS = {
     "fsdp2": {"world": 2, "model": "llama", "sides": ("native", "hf_dist")},
     "fsdp2_whole": {"world": 2, "model": "llama", "sides": ("native", "hf_dist"), "args": {"chunked_loss": False}},
@@ -53,69 +50,11 @@ PAIRS = {
 LABELS = {"fsdp2": "FSDP2, 2 ranks", "fsdp2_whole": "FSDP2, whole loss", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
           "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks",
           "load_whole": "load, whole loss"}
-BIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
-           num_key_value_heads=8)
-"""The ``load`` pair's Llama: 254 M parameters (1.0 GB in fp32), vocabulary 32,000."""
-
-
-def write_models(folder: str, router_aux_loss_coef: float = MOE["router_aux_loss_coef"],
-                 names: tuple[str, ...] = ("llama", "moe")) -> dict[str, str]:
-    """The tiny Llama and Qwen3-MoE (and the ``big`` Llama) written as checkpoints; ``{name: directory}``."""
-    from transformers import Qwen3MoeConfig
-
-    from hf_dist.models.tiny import build_tiny_model, tiny_llama_config
-
-    dirs = {}
-    moe = Qwen3MoeConfig(**{**MOE, "router_aux_loss_coef": router_aux_loss_coef})
-    configs = {"llama": tiny_llama_config(vocab_size=VOCAB, **LLAMA), "moe": moe,
-               "big": tiny_llama_config(vocab_size=32000, **BIG)}
-    for name in names:
-        config = configs[name]
-        dirs[name] = os.path.join(folder, name)
-        build_tiny_model(config, seed=0).save_pretrained(dirs[name])
-    return dirs
-
-
-def _dataset(rows: int, seq: int = SEQ):
-    from datasets import Dataset
-
-    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0)).tolist()
-    return Dataset.from_dict({"input_ids": ids, "labels": ids})
-
-
-def _common(out: str, steps: int, world: int) -> dict:
-    # use_cpu=True on every side: without it the plain Trainer on gloo ranks does not shard the data (each rank
-    # trained on the same batch, measured with transformers 5.24 under DistributedConfig(fsdp_size=2))
-    return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=MICRO, learning_rate=1e-4,
-                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=0,
-                data_seed=0, disable_tqdm=True, dataloader_num_workers=0, use_cpu=True,
-                dataloader_pin_memory=False)
 
 
 def _trainer(side: str, pair: str, model_dir: str, out: str, steps: int, world: int, callbacks: list):
-    """The trainer of ``side`` with its model loaded and laid out."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    import hf_dist
-    from hf_dist import DistTrainer, DistTrainingArguments
-
-    common = _common(out, steps, world)
-    if side == "hf_dist":
-        layout = {} if world == 1 else {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
-        if pair == "ep2":
-            layout["ep_size"] = 2
-        layout.update(PAIRS[pair].get("args", {}))
-        args = DistTrainingArguments(**common, global_batch_size=MICRO * world, **layout)
-        model = hf_dist.from_pretrained(model_dir, args) if world > 1 else AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32)
-        return DistTrainer(model=model, args=args, train_dataset=_dataset(64), callbacks=callbacks)
-    kwargs = {"dtype": torch.float32}
-    if side == "native":
-        from transformers import DistributedConfig
-
-        kwargs["distributed_config"] = DistributedConfig(fsdp_size=world, **({"ep_size": 2} if pair == "ep2" else {}))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    return Trainer(model=model, args=TrainingArguments(**common), train_dataset=_dataset(64), callbacks=callbacks)
+    """The trainer of ``side`` with its model loaded and laid out (``tests/native_cases.py``)."""
+    return build_trainer(side, model_dir, out, steps, world, callbacks, ep=pair == "ep2", args=PAIRS[pair].get("args"))
 
 
 def peak_rss_mib() -> float:
@@ -134,10 +73,14 @@ def _max_over_ranks(value: float) -> float:
     return float(t)
 
 
-def timed_train(make_trainer, steps: int, warmup: int = WARMUP) -> dict:
+def timed_train(make_trainer, steps: int, warmup: int = WARMUP, ledger: bool = False) -> dict:
     """Build a trainer with ``make_trainer(output_dir, max_steps, callbacks)`` and train it ``warmup + steps`` optimizer
-    steps: the measured steps' times (each the slowest rank's), load and final peak RSS (the worst rank's), losses."""
+    steps: the measured steps' times (each the slowest rank's), load and final peak RSS (the worst rank's), losses.
+    ``ledger``: also count the last warm-up step's collectives and FLOPs on this rank (``attach_ledger``; the timed
+    steps run without it)."""
     from transformers import TrainerCallback, logging as hf_logging
+
+    from hf_dist.metrics.ledger import attach_ledger
 
     hf_logging.set_verbosity_error()
     times: list[float] = []
@@ -151,26 +94,32 @@ def timed_train(make_trainer, steps: int, warmup: int = WARMUP) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         trainer = make_trainer(out, warmup + steps, [Timer()])
+        counted = attach_ledger(trainer, step=warmup) if ledger and warmup >= 2 else None
         load = _max_over_ranks(peak_rss_mib())
         trainer.train()
     slowest = [_max_over_ranks(t) for t in times[warmup:]]
     peak = _max_over_ranks(peak_rss_mib())
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    return {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
+    out = {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
+    if counted is not None:
+        out["ledger"] = ledger_rows(counted.ledger)
+    return out
 
 
-def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int, warmup: int = WARMUP) -> dict:
+def run_side(rank: int, world: int, side: str, pair: str, model_dir: str, steps: int, warmup: int = WARMUP,
+             ledger: bool = False) -> dict:
     """One fresh run of ``side``: step times (the slowest rank's), load and final peak RSS (the worst rank's)."""
     return timed_train(lambda out, max_steps, callbacks: _trainer(side, pair, model_dir, out, max_steps, world,
-                                                                  callbacks), steps, warmup)
+                                                                  callbacks), steps, warmup, ledger)
 
 
-def _alone(side: str, pair: str, model_dir: str, steps: int) -> dict:
+def _alone(side: str, pair: str, model_dir: str, steps: int, ledger: bool = False) -> dict:
     torch.set_num_threads(1)  # as run_distributed's ranks
-    return run_side(0, 1, side, pair, model_dir, steps)
+    return run_side(0, 1, side, pair, model_dir, steps, ledger=ledger)
 
 
-def run_pair(pair: str, dirs: dict[str, str], steps: int, order: tuple[str, str]) -> dict[str, dict]:
+def run_pair(pair: str, dirs: dict[str, str], steps: int, order: tuple[str, str],
+             ledger: bool = False) -> dict[str, dict]:
     """Each side of ``pair`` in fresh processes: gloo ranks, or one process with no process group."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -182,10 +131,10 @@ def run_pair(pair: str, dirs: dict[str, str], steps: int, order: tuple[str, str]
     for side in order:
         if spec["world"] == 1:
             with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-                out[side] = pool.submit(_alone, side, pair, dirs[spec["model"]], steps).result()
+                out[side] = pool.submit(_alone, side, pair, dirs[spec["model"]], steps, ledger).result()
         else:
             out[side] = run_distributed(run_side, spec["world"], side, pair, dirs[spec["model"]], steps, warmup,
-                                        timeout_s=1800)[0]
+                                        ledger, timeout_s=1800)[0]
     return out
 
 
@@ -223,6 +172,29 @@ def table(results: dict[str, dict], rounds: int) -> list[str]:
     return lines
 
 
+def ledger_table(first_round: dict[str, dict[str, dict]]) -> list[str]:
+    """Rank 0's counted step (the last warm-up step) side by side: per collective, count and MiB of the calls of
+    1 KiB or more, and the small calls' count; then the executed FLOPs."""
+    lines = [f"{'work':<22}{'collective':<24}{'count other / hf_dist':>24}{'MiB other / hf_dist':>22}"
+             f"{'small other / hf_dist':>23}"]
+    for pair, sides in first_round.items():
+        base = PAIRS[pair]["sides"][0]
+        if "ledger" not in sides[base]:
+            continue
+        a, b = sides[base]["ledger"], sides["hf_dist"]["ledger"]
+        label = LABELS[pair]
+        for key in sorted(set(a["comms"]) | set(b["comms"])):
+            ca, cb = a["comms"].get(key, (0, 0, 0)), b["comms"].get(key, (0, 0, 0))
+            lines.append(f"{label:<22}{' '.join(key):<24}{f'{ca[0]} / {cb[0]}':>24}"
+                         f"{f'{ca[1] / 2**20:.2f} / {cb[1] / 2**20:.2f}':>22}{f'{ca[2]} / {cb[2]}':>23}")
+            label = ""
+        flops = f"{a['flops'] / 1e9:.3f} / {b['flops'] / 1e9:.3f}"
+        lines.append(f"{label:<22}{'FLOPs (GFLOP)':<24}{flops:>24}")
+    lines.append("the ledger: rank 0's last warm-up step (hf_dist.metrics.ledger.attach_ledger), round 1, every "
+                 "process group together (all are both ranks here); small: calls under 1 KiB")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
@@ -230,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-aux-loss-coef", type=float, default=MOE["router_aux_loss_coef"],
                         help="the MoE's router aux loss weight (0: the losses then compare the language-model part)")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}")
+    parser.add_argument("--ledger", action="store_true",
+                        help="also count each side's collectives and FLOPs in one warm-up step (round 1) and print "
+                             "them side by side: what one side does that the other does not")
     opts = parser.parse_args(argv)
     pairs = [p for p in opts.pairs.split(",") if p]
     unknown = sorted(set(pairs) - set(PAIRS))
@@ -243,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(opts.rounds):
             for pair in pairs:
                 sides = PAIRS[pair]["sides"]
-                per_pair[pair].append(run_pair(pair, dirs, opts.steps, sides if i % 2 == 0 else sides[::-1]))
+                per_pair[pair].append(run_pair(pair, dirs, opts.steps, sides if i % 2 == 0 else sides[::-1],
+                                               ledger=opts.ledger and i == 0))
                 print(f"round {i + 1} {pair} done", flush=True)
     results = {p: summarise(r, PAIRS[p]["sides"][0]) for p, r in per_pair.items()}
     print(f"\n{datetime.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -252,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{opts.steps} measured steps per run")
     for line in table(results, opts.rounds):
         print(line)
+    if opts.ledger:
+        print()
+        for line in ledger_table({p: r[0] for p, r in per_pair.items()}):
+            print(line)
 
 
 if __name__ == "__main__":
