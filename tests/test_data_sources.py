@@ -5,7 +5,14 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from hf_dist.data import build_datasets, detect_shape, load_examples, prepare_demo_data, tokenize_examples
+from hf_dist.data import (
+    build_datasets,
+    detect_shape,
+    held_out_prompts,
+    load_examples,
+    prepare_demo_data,
+    tokenize_examples,
+)
 
 PAIRS = [
     {"prompt": f"Where is my refund for order {i}?", "completion": f"Refund {i} lands in five days."} for i in range(20)
@@ -106,3 +113,50 @@ def test_bad_inputs_name_the_fix(tok, tmp_path):
         tokenize_examples(bad_role, tok, max_seq_len=32)
     with pytest.raises(ValueError, match="row 0: 'text' must be a string"):
         tokenize_examples(Dataset.from_list([{"text": 3}]), tok, max_seq_len=32)
+
+
+def test_held_out_prompts_are_the_eval_rows_in_their_trained_form(tok, tmp_path):
+    """--show_answers on your data: the prompts of the rows build_datasets held out (same fraction and seed), a chat
+    up to its first reply, a prompt string as plain text, the first half of a text."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PAIRS))
+    prompts = held_out_prompts(path, 3, eval_fraction=0.2, seed=1)
+    _, held = build_datasets(path, tok, max_seq_len=64, eval_fraction=0.2, seed=1)
+    expected = [tok(p["prompt"])["input_ids"] for p in PAIRS if p["prompt"] in prompts]
+    assert len(prompts) == 3 and all(isinstance(p, str) for p in prompts) and len(expected) == 3
+    held_prompts = [row["input_ids"][:len(e)] for row in held for e in expected if row["input_ids"][:len(e)] == e]
+    assert len(held_prompts) == 3, "every prompt is a held-out row's"
+    assert held_out_prompts(path, 50, eval_fraction=0.2, seed=1) == held_out_prompts(path, 4, eval_fraction=0.2,
+                                                                                     seed=1)  # 4 held out of 20
+    assert len(held_out_prompts(path, 50, eval_fraction=0.0)) == 20  # nothing held out: the training rows
+
+    chats = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": p["prompt"]},
+                           {"role": "assistant", "content": p["completion"]},
+                           {"role": "user", "content": "Thanks"}]} for p in PAIRS]
+    for prompt in held_out_prompts(Dataset.from_list(chats), 2, eval_fraction=0.2):
+        assert [m["role"] for m in prompt] == ["system", "user"] and prompt[1]["content"].startswith("Where is")
+    lists = [{"prompt": [{"role": "user", "content": p["prompt"]}],
+              "completion": [{"role": "assistant", "content": p["completion"]}]} for p in PAIRS]
+    assert all(len(p) == 1 and p[0]["role"] == "user" for p in held_out_prompts(Dataset.from_list(lists), 2))
+    texts = Dataset.from_list([{"text": "word " * 100}, {"text": "abcdef"}])
+    assert held_out_prompts(texts, 2, eval_fraction=0.0) in (["word " * 40, "abc"], ["abc", "word " * 40])
+    with pytest.raises(ValueError, match=r"n=0: ask for at least one prompt"):
+        held_out_prompts(path, 0)
+
+
+def test_greedy_answer_continues_plain_text_as_trained(tok):
+    """A model trained on prompt/completion strings or text continues plain text (no chat template around it)."""
+    import torch
+
+    from hf_dist.models import build_tiny_model, greedy_answer, tiny_llama_config
+
+    model = build_tiny_model(tiny_llama_config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1), seed=0)
+    prompt = PAIRS[0]["prompt"]
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                              pad_token_id=tok.pad_token_id)
+    answer = greedy_answer(model, tok, prompt, max_new_tokens=5, chat=False)
+    assert answer == tok.decode(expected[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    with pytest.raises(ValueError, match=r"chat=False takes plain text, not list"):
+        greedy_answer(model, tok, [{"role": "user", "content": prompt}], chat=False)

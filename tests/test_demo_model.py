@@ -153,3 +153,5 @@ def test_the_real_model_answers_from_a_plain_directory(demo_model):
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     answer = greedy_answer(model, tokenizer, "What is the capital of France?", max_new_tokens=12)
     assert "Paris" in answer, answer
+    continued = greedy_answer(model, tokenizer, "The capital of France is", max_new_tokens=8, chat=False)
+    assert "Paris" in continued, continued  # plain text, continued as a prompt/completion or text run trains it

@@ -86,8 +86,9 @@ class ScriptArguments:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
     show_answers: int = field(
-        default=0, metadata={"help": "print greedy answers to this many new customer messages before and after "
-                                     "training, and from the saved model reloaded (which must give the same)"}
+        default=0, metadata={"help": "print greedy answers to this many held-out prompts (of --data_path; else new "
+                                     "synthetic customer messages) before and after training, and from the saved "
+                                     "model reloaded (which must give the same)"}
     )
     answer_tokens: int = field(default=32, metadata={"help": "new tokens per answer (--show_answers)"})
 
@@ -319,22 +320,32 @@ def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | No
     return line, answers(model, tokenizer, prompts or [], answer_tokens)
 
 
-def held_out_prompts(script: ScriptArguments, args: DistTrainingArguments) -> list[list[dict]]:
-    """System + first customer message of ``--show_answers`` new synthetic conversations (another seed)."""
+def held_out_prompts(script: ScriptArguments, args: DistTrainingArguments) -> list[list[dict] | str]:
+    """``--show_answers`` prompts. Your ``--data_path``: the prompts of its held-out rows, in the form they were
+    trained on (``data.held_out_prompts``: a chat up to its first reply, or a plain-text prompt). The synthetic
+    transcripts: system + first customer message of new conversations (another seed)."""
+    if script.data_path is not None:
+        return data.held_out_prompts(script.data_path, script.show_answers, eval_fraction=script.eval_fraction,
+                                     seed=args.seed)
     conversations = data.generate_conversations(script.show_answers, seed=args.seed + 1)
     return [[m for m in c["messages"] if m["role"] != "assistant"][:2] for c in conversations]
 
 
 def answers(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
-    """Greedy answers; on a sharded (FSDP2) model every rank must call this with the same prompts."""
+    """Greedy answers (a chat through the chat template, a string continued as plain text); on a sharded (FSDP2)
+    model every rank must call this with the same prompts."""
     from hf_dist.models import greedy_answer
 
-    return [greedy_answer(model, tokenizer, p, max_new_tokens=max_new_tokens) for p in prompts]
+    return [greedy_answer(model, tokenizer, p, max_new_tokens=max_new_tokens, chat=not isinstance(p, str))
+            for p in prompts]
 
 
 def print_answers(prompts: list, columns: dict[str, list[str]]) -> None:
     for i, prompt in enumerate(prompts):
-        print(f"\n[{i + 1}] customer: {prompt[-1]['content']}")
+        if isinstance(prompt, str):
+            print(f"\n[{i + 1}] prompt: {prompt}")
+        else:
+            print(f"\n[{i + 1}] {prompt[-1]['role']}: {prompt[-1]['content']}")
         for label, texts in columns.items():
             print(f"    {label:>9}: {texts[i]}")
 
@@ -377,7 +388,8 @@ def main(argv: list[str]) -> int:
         }
         (Path(args.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         print("\n== Harbor fine-tune summary ==")
-        print(f"loss: {' -> '.join(str(l) for l in losses)}")
+        logged = " -> ".join(str(l) for l in losses) if losses else "none logged (--logging_steps > the steps run)"
+        print(f"loss: {logged}; mean over the run {result.training_loss:.4f}")
         if before:
             print(f"eval perplexity: {summary['perplexity_before']:.2f} before -> {summary['perplexity_after']:.2f} after")
         print(f"model saved to: {final_dir}  ({summary['reload']})")

@@ -31,7 +31,7 @@ from hf_dist.data.packing import (
     pack_dataset,
     packing_stats,
 )
-from hf_dist.data.sources import build_datasets, detect_shape, load_examples, tokenize_examples
+from hf_dist.data.sources import build_datasets, detect_shape, held_out_prompts, load_examples, tokenize_examples
 from hf_dist.data.synthetic import LengthProfile, generate_conversations, write_jsonl
 from hf_dist.data.tokenizer import special_token_ids, train_tokenizer, train_tokenizer_from_texts
 from hf_dist.data.transcripts import (
@@ -53,6 +53,7 @@ __all__ = [
     "compute_metrics",
     "data_collator",
     "detect_shape",
+    "held_out_prompts",
     "first_fit_bins",
     "generate_conversations",
     "load_examples",

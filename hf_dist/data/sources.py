@@ -204,3 +204,39 @@ def build_datasets(
 
         out = [None if part is None else pack_dataset(part, max_seq_len=max_seq_len) for part in out]
     return out[0], out[1]
+
+
+def held_out_prompts(source, n: int, *, eval_fraction: float = 0.1, seed: int = 0) -> list[list[dict] | str]:
+    """The prompts of ``n`` examples ``build_datasets`` (same ``source``, ``eval_fraction``, ``seed``) holds out, to
+    see what a model answers before and after training (``hf_dist.models.greedy_answer``).
+
+    Each prompt is what the model is trained to continue, in the form it was trained on: a chat (``messages``, or
+    ``prompt`` / ``completion`` given as messages) gives its messages up to the first assistant turn, a list for
+    the chat template; ``prompt`` / ``completion`` strings give the prompt string, and ``text`` the first half of a
+    text (at most 200 characters), both continued as plain text (``greedy_answer(..., chat=False)``). Rows come from
+    the eval split, or, when nothing is held out (``eval_fraction=0``, no eval split), from the training rows.
+    """
+    if n < 1:
+        raise ValueError(f"n={n}: ask for at least one prompt")
+    where = str(source) if isinstance(source, (str, Path)) else "the dataset"
+    train, held_out = _split(load_examples(source), eval_fraction=eval_fraction, seed=seed, where=where)
+    rows = held_out if held_out is not None and len(held_out) > 0 else train
+    shape = detect_shape(rows.column_names, where)
+    prompts: list[list[dict] | str] = []
+    for row in rows:
+        if shape == "text":
+            text = row["text"] if isinstance(row["text"], str) else ""
+            prompt = text[:min(len(text) // 2, 200)]
+        elif shape == "prompt_completion" and isinstance(row["prompt"], str):
+            prompt = row["prompt"]
+        else:
+            messages = row["messages"] if shape == "messages" else list(row["prompt"])
+            first_reply = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+            prompt = list(messages[:first_reply])
+            if not any(m.get("role") == "user" for m in prompt):
+                continue
+        if prompt:
+            prompts.append(prompt)
+        if len(prompts) == n:
+            break
+    return prompts
