@@ -30,9 +30,9 @@ def tiny_model_dir(tmp_path_factory):
     return out / "model"
 
 
-def _train(tiny_model_dir: Path, data_path: Path, out: Path) -> dict:
+def _train(tiny_model_dir: Path, data_path: Path, out: Path, *more: str) -> dict:
     assert load_recipe().main([*COMMON, "--model_name_or_path", str(tiny_model_dir), "--data_path", str(data_path),
-                           "--output_dir", str(out)]) == 0
+                           "--output_dir", str(out), *more]) == 0
     return json.loads((out / "summary.json").read_text())
 
 
@@ -52,9 +52,16 @@ def test_trains_from_a_prompt_completion_file(tiny_model_dir, tmp_path):
     turns = [[m["content"] for m in c["messages"] if m["role"] != "system"] for c in generate_conversations(60, seed=3)]
     rows = [{"prompt": t[0], "completion": t[1]} for t in turns]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = _train(tiny_model_dir, tmp_path / "pairs.jsonl", tmp_path / "run")
+    summary = _train(tiny_model_dir, tmp_path / "pairs.jsonl", tmp_path / "run", "--show_answers", "2",
+                     "--answer_tokens", "4")
     assert len(summary["losses"]) == 4
     assert summary["perplexity_after"] < 0.9 * summary["perplexity_before"], summary
+    # --show_answers answers the file's own held-out prompts (the eval split's, as plain text), not Harbor's
+    from hf_dist.data import held_out_prompts
+
+    assert summary["prompts"] == held_out_prompts(tmp_path / "pairs.jsonl", 2, eval_fraction=0.2, seed=0)
+    assert len(summary["prompts"]) == 2 and all(p in {r["prompt"] for r in rows} for p in summary["prompts"])
+    assert len(summary["answers_after"]) == 2 and summary["reload_same_answers"], summary
 
 
 def test_data_without_a_model_is_refused_before_anything_runs(tmp_path):

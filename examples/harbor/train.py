@@ -382,7 +382,7 @@ def main(argv: list[str]) -> int:
             "preset": script.preset, "lora": script.lora, "layout": layout_line(trainer),
             "losses": losses, "train_loss": result.training_loss,
             "perplexity_before": before.get("before_perplexity"), "perplexity_after": after.get("after_perplexity"),
-            "final_dir": str(final_dir), "reload": reload_line, "answers_before": answers_before,
+            "final_dir": str(final_dir), "reload": reload_line, "prompts": prompts, "answers_before": answers_before,
             "answers_after": answers_after, "answers_reloaded": answers_reloaded,
             "reload_same_answers": answers_reloaded == answers_after,
         }
