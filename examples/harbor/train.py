@@ -321,9 +321,8 @@ def reload_check(final_dir: Path, lora: bool, tokenizer=None, prompts: list | No
 
 
 def held_out_prompts(script: ScriptArguments, args: DistTrainingArguments) -> list[list[dict] | str]:
-    """``--show_answers`` prompts. Your ``--data_path``: the prompts of its held-out rows, in the form they were
-    trained on (``data.held_out_prompts``: a chat up to its first reply, or a plain-text prompt). The synthetic
-    transcripts: system + first customer message of new conversations (another seed)."""
+    """``--show_answers`` prompts: ``--data_path``'s held-out ones (``data.held_out_prompts``), else system + first
+    customer message of new synthetic conversations (another seed)."""
     if script.data_path is not None:
         return data.held_out_prompts(script.data_path, script.show_answers, eval_fraction=script.eval_fraction,
                                      seed=args.seed)
@@ -332,8 +331,7 @@ def held_out_prompts(script: ScriptArguments, args: DistTrainingArguments) -> li
 
 
 def answers(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
-    """Greedy answers (a chat through the chat template, a string continued as plain text); on a sharded (FSDP2)
-    model every rank must call this with the same prompts."""
+    """Greedy answers (a string continued as plain text); on FSDP2 every rank must call this with the same prompts."""
     from hf_dist.models import greedy_answer
 
     return [greedy_answer(model, tokenizer, p, max_new_tokens=max_new_tokens, chat=not isinstance(p, str))
@@ -342,10 +340,8 @@ def answers(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
 
 def print_answers(prompts: list, columns: dict[str, list[str]]) -> None:
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            print(f"\n[{i + 1}] prompt: {prompt}")
-        else:
-            print(f"\n[{i + 1}] {prompt[-1]['role']}: {prompt[-1]['content']}")
+        who, what = ("prompt", prompt) if isinstance(prompt, str) else (prompt[-1]["role"], prompt[-1]["content"])
+        print(f"\n[{i + 1}] {who}: {what}")
         for label, texts in columns.items():
             print(f"    {label:>9}: {texts[i]}")
 
