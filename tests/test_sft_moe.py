@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from parity import assert_parity
+from parity import ADAM_NOISE, assert_parity
 
 STEPS, SAVE_AT, GLOBAL_BATCH, MICRO = 3, 2, 8, 2
 EP = {"ep_size": 2}
@@ -251,5 +251,6 @@ def test_sft_on_packed_rows_of_a_dense_model_under_cp_equals_one_process(referen
     trained = four_ranks[0]["dense_cp"]["trained"]
     for rank, result in enumerate(four_ranks):
         assert (result["dense_cp"]["ep"], result["dense_cp"]["cp"]) == (1, 2)
+        # one weight element of a barely trained row: parity.ADAM_NOISE (measured 3.3e-5, head row 257)
         assert_parity({"losses": result["dense_cp"]["losses"], "state": trained}, _run_of(reference),
-                      what=f"dense_cp rank {rank}")
+                      state_atol=ADAM_NOISE, what=f"dense_cp rank {rank}")
