@@ -74,9 +74,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(rows, weight, bias).detach()  # becomes the logits' gradient, piece by piece
             for at in range(0, rows.shape[0], piece_tokens):
                 end = min(at + piece_tokens, rows.shape[0])  # the chunk's last piece may be short
-                # autograd's own log-softmax backward, as the model's loss: a closed form (softmax - one_hot) was
-                # 1.6x faster per piece on CPU but rounds differently, and Adam turned 1-ulp differences on rarely
-                # hit rows into > 1e-5 weight differences from one process within a few steps (2026-11-28)
+                # autograd's own log-softmax backward, as the model's loss; a closed form (softmax - one_hot) runs a
+                # piece 1.6x faster on CPU and is waiting for a full-suite run (commit 7189cae, reverted 2026-11-28)
                 with torch.enable_grad():
                     piece = logits[at:end].detach().requires_grad_()
                     loss = F.cross_entropy(transform(piece).float(), targets[start + at : start + end], reduction="sum")
