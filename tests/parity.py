@@ -374,7 +374,8 @@ norms and first gradients agree (a real layout error moves every element). 1.7e-
 
 
 def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float = 0.0,
-                  state_atol: float | None = None, state_rtol: float = 0.0, config=None, what: str = "") -> None:
+                  state_atol: float | None = None, state_rtol: float = 0.0, norm_rtol: float | None = None, config=None,
+                  what: str = "") -> None:
     """``run`` equals ``ref``: losses within ``atol``; ``norms`` (when both have them) within ``rtol`` or 1e-5
     relative; ``grads`` and ``state`` (whichever both have) every tensor within ``state_atol`` (default ``atol``)
     and ``state_rtol``, with the same keys. ``config``: for a MoE config, also require a router and an expert weight
@@ -383,7 +384,7 @@ def assert_parity(run: Mapping, ref: Mapping, *, atol: float = 1e-5, rtol: float
     assert_close(torch.tensor(run["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64),
                  atol=atol, rtol=rtol, msg=lambda m: f"{label}losses: {m}")
     if run.get("norms") and ref.get("norms"):
-        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=rtol or 1e-5,
+        assert_close(torch.tensor(run["norms"]), torch.tensor(ref["norms"]), atol=0, rtol=norm_rtol or rtol or 1e-5,
                      msg=lambda m: f"{label}grad norms: {m}")
     tol = atol if state_atol is None else state_atol
     compared = []

@@ -55,7 +55,11 @@ def _check(results: dict, references: dict, expected_layout: dict) -> None:
     for name, result in results.items():
         reference = references["lora" if name.startswith("lora") else "full"]
         assert all(part in result["layout"] for part in expected_layout[name].split("+")), (name, result["layout"])
-        assert_parity(result, reference, atol=1e-5, state_atol=STATE_ATOL, what=name)
+        # DeepSpeed sums its partitions' squared gradient norms in its own order: ZeRO-3's norm was 1.05e-5 relative
+        # off one process on the 2026-11-28 VM (passing in the run before); 2e-5 for its norms only
+        deepspeed = "ZeRO" in expected_layout[name]
+        assert_parity(result, reference, atol=1e-5, state_atol=STATE_ATOL, norm_rtol=2e-5 if deepspeed else None,
+                      what=name)
         assert result["tokens"] == reference["tokens"], name
 
 
