@@ -89,13 +89,17 @@ def build_trainer(side: str, model_dir: str, out: str, steps: int, world: int, c
 
 def ledger_rows(ledger) -> dict:
     """``{(kind, dtype): (count, bytes, small count)}`` of one rank's step ledger, and ``"flops"``; calls under 1 KiB
-    (control: token counts, stop flags) counted apart, as ``bench/ledger.py`` does. Groups are not told apart: the
-    two sides name them differently, and on 2 ranks every group of these layouts is both ranks."""
+    (control: token counts, stop flags) counted apart (``ledger_minimum.measured_rows``, as ``bench/ledger.py``).
+    Groups are not told apart: the two sides name them differently, and on 2 ranks every group here is both ranks."""
+    from hf_dist.metrics.ledger_minimum import measured_rows
+
     rows: dict[tuple[str, str], tuple[int, int, int]] = {}
-    for key, tally in ledger.comms.items():
-        big = [b for b in tally.sizes if b >= 1024]
-        count, nbytes, small = rows.get((key.kind, key.dtype), (0, 0, 0))
-        rows[(key.kind, key.dtype)] = (count + len(big), nbytes + sum(big), small + len(tally.sizes) - len(big))
+    for row in measured_rows([ledger.plain()]):
+        count, nbytes, small = rows.get((row.kind, row.dtype), (0, 0, 0))
+        if row.small:
+            rows[(row.kind, row.dtype)] = (count, nbytes, small + int(row.count))
+        else:
+            rows[(row.kind, row.dtype)] = (count + int(row.count), nbytes + int(row.bytes), small)
     return {"comms": rows, "flops": ledger.flops}
 
 

@@ -1,7 +1,7 @@
 """hf_dist's step against transformers' own ``DistributedConfig`` on the same work, counted: what one optimizer step
 communicates and computes on each side (2 gloo ranks, one spawn, ``tests/native_cases.py``: the models and trainers
 ``bench/native.py`` times). Counts and bytes are exact, so the test pins them: hf_dist moves no more bytes than
-native in any collective, executes no more FLOPs, and the one call it adds is named.
+native in any collective, executes no more FLOPs, and the two calls it adds are named.
 """
 
 from __future__ import annotations
