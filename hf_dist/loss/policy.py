@@ -20,7 +20,8 @@ def chunk_tokens_for(vocab: int, hidden: int, chunk_elements: int = DEFAULT_CHUN
     are held once, in the compute dtype (about the head weight's size), and go through the fp32 cross-entropy piece
     by piece. Measured on an H200 (``docs/benchmarks.md``, a 1B Llama, vocab 128,256, hidden 2,048, 4,096 tokens a
     step, bf16): one level of 130-token chunks took 1.53x the whole loss's step time (1.38x once the gradient's sum
-    was made in place); these chunks 1.07x, at 26.4 GiB against the whole loss's 30.0."""
+    was made in place); these chunks 1.07x, at 26.4 GiB against the whole loss's 30.0 (with autograd's piece
+    gradient, since replaced by the closed form: not yet measured on a GPU)."""
     return max(piece_tokens_for(vocab, chunk_elements), hidden)
 
 

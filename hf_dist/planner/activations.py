@@ -37,8 +37,8 @@ more fp32 ``N x V`` tensors at once (the incoming gradient and the log-softmax i
 With the chunked loss (``Workload.chunked_loss``, ``hf_dist.loss.chunked``) no ``N x V`` tensor exists: the loss
 keeps the head weight's fp32 gradient ``4·V·h`` (made in forward) and the labels; one chunk of ``g`` tokens
 (``chunk_tokens_for(V, h)``, at least h) holds its logits ``c·g·V`` (overwritten with their gradient), and one
-piece of ``k`` of them (``piece_tokens_for(V)``) the fp32 log-softmax output and two fp32 gradients at once,
-``k·V·12`` bytes (a compute-dtype piece's fp32 upcast is freed once the log-softmax has run), then the chunk's
+piece of ``k`` of them (``piece_tokens_for(V)``) its fp32 copy and the log-sum-exp's fp32 temporary, ``k·V·8``
+bytes (``k·V·4`` for fp32 logits, worked on in place: the gradient is written in closed form), then the chunk's
 product for the head's gradient (``c·V·h``) before it is added into the fp32 sum; the lm_head input term
 stands for the hidden states' gradient the loss keeps instead (the same ``c·N·h``). Its backward multiplies the kept
 gradients by the incoming one, making new ones (``4·V·h + c·N·h``) while the kept ones are still held.
@@ -203,9 +203,10 @@ def _chunked_loss_terms(n: int, h: int, v: int, c: int) -> dict[str, int]:
     compute dtype, overwritten with their gradient), going through the fp32 cross-entropy one piece at a time."""
     g = min(n, chunk_tokens_for(v, h))
     k = min(g, piece_tokens_for(v))
-    # log-softmax output, its gradient and its input's, fp32 (a compute-dtype piece's fp32 upcast is freed once the
-    # log-softmax has run: measured on CPU, ``tests/test_planner_peak.py``)
-    piece = 12 * k * v
+    # the closed-form gradient (``chunked._piece_loss_into_grad``) works on a compute-dtype piece's fp32 copy (an
+    # fp32 piece in place) beside the log-sum-exp's one fp32 temporary: 8 bytes a logit, 4 for fp32 (measured on CPU,
+    # ``tests/test_planner_peak.py``; a model's logit transform goes through autograd, a little more, not counted)
+    piece = 4 * k * v + (4 * k * v if c != 4 else 0)
     # backward scales the kept gradients by the incoming one: a new fp32 head gradient and hidden-state gradient
     # while the kept ones are still held
     # after its pieces, a chunk's product for the head's gradient (``[V, h]`` in the compute dtype) is made before it
