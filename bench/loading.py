@@ -122,10 +122,10 @@ def worker(directory: str, method: str, overrides: dict, out: str, save: bool) -
     else:
         from transformers import AutoModelForCausalLM
 
-        from hf_dist.trainer.trainer import apply_owned_layout, trainer_dims
+        from hf_dist.trainer.layout import apply_owned_layout
 
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        model = apply_owned_layout(model, args, trainer_dims(args))
+        model = apply_owned_layout(model, args, args.layout.dims)
     dist.barrier()
     result = {"base": base, "peak": _status("VmHWM"), "seconds": time.perf_counter() - start}
     if save:

@@ -61,7 +61,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-import native  # noqa: E402  (bench/native.py: the model, the data, the timing and transformers' EP side)
+import native  # noqa: E402  (bench/native.py: the timing and transformers' EP side)
+import native_cases  # noqa: E402  (tests/native_cases.py: the model, the data, the common arguments)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +71,8 @@ class Row:
     world: int
     args: dict = field(default_factory=dict)
     """``DistTrainingArguments`` layout fields; empty for the native row."""
-    micro: int = native.MICRO
-    seq: int = native.SEQ
+    micro: int = native_cases.MICRO
+    seq: int = native_cases.SEQ
 
 
 FSDP2 = dict(fsdp2=True)
@@ -106,10 +107,10 @@ def _hf_dist_trainer(row: Row, model_dir: str, out: str, max_steps: int, callbac
     import hf_dist
     from hf_dist import DistTrainer, DistTrainingArguments
 
-    common = {**native._common(out, max_steps, row.world), "per_device_train_batch_size": row.micro}
+    common = {**native_cases.common_args(out, max_steps), "per_device_train_batch_size": row.micro}
     args = DistTrainingArguments(**common, global_batch_size=row.micro * _dp(row), **row.args)
     return DistTrainer(model=hf_dist.from_pretrained(model_dir, args), args=args,
-                       train_dataset=native._dataset(64, row.seq), callbacks=callbacks)
+                       train_dataset=native_cases.dataset(64, row.seq), callbacks=callbacks)
 
 
 def _rank(rank: int, world: int, name: str, model_dir: str, steps: int) -> dict:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="hf_dist_moe_") as folder:
-        model_dir = native.write_models(folder, names=("moe",))["moe"]
+        model_dir = native_cases.write_models(folder, names=("moe",))["moe"]
         for i in range(opts.rounds):
             for name in names:
                 runs[name].append(run_distributed(_rank, LAYOUTS[name].world, name, model_dir, opts.steps,

@@ -110,4 +110,6 @@ def install(root: Path) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit(f"usage: python {sys.argv[0]} FOLDER  (writes the stand-ins there)\n\n{__doc__}")
     build(Path(sys.argv[1]))

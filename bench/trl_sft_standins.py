@@ -273,6 +273,8 @@ def build_models() -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or sys.argv[1:2] and sys.argv[1].startswith("-"):
+        sys.exit(f"usage: python {sys.argv[0]} [FOLDER]  (default /tmp/trl_standins)\n\n{__doc__}")
     os.environ.setdefault("TRL_STANDINS", sys.argv[1] if len(sys.argv) > 1 else "/tmp/trl_standins")
     build_datasets()
     for model, state in build_models().items():
