@@ -1,8 +1,8 @@
-"""The bench scripts still call what exists: no test runs them whole (they take minutes and print tables), so a
-helper moved or renamed elsewhere broke them silently (2026-11-28: ``bench/moe.py`` called ``native._common`` after it
-moved to ``tests/native_cases.py``; ``bench/loading.py`` imported ``trainer_dims``, gone from
-``hf_dist.trainer.trainer``). Each script's source is read, not run: every ``from M import name`` of hf_dist or a
-sibling module (``bench/``, ``tests/``), wherever it sits (imports inside functions too), and every ``M.name`` read
+"""The bench scripts (and the examples) still call what exists: no test runs the benches whole (they take minutes
+and print tables), so a helper moved or renamed elsewhere broke them silently (2026-11-28: ``bench/moe.py`` called
+``native._common`` after it moved to ``tests/native_cases.py``; ``bench/loading.py`` imported ``trainer_dims``, gone
+from ``hf_dist.trainer.trainer``). Each script's source is read, not run: every ``from M import name`` of hf_dist or
+a sibling module (``bench/``, ``tests/``), wherever it sits (imports inside functions too), and every ``M.name`` read
 from such a module imported whole, must exist."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("bench", "tests")
 SIBLINGS = {f[:-3] for d in FOLDERS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")}
-SCRIPTS = sorted(os.path.join(d, f) for d in FOLDERS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py"))
+SCRIPTS = sorted([os.path.join(d, f) for d in FOLDERS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")]
+                 + [os.path.relpath(os.path.join(top, f), ROOT)
+                    for top, _, files in os.walk(os.path.join(ROOT, "examples")) for f in files if f.endswith(".py")])
 
 
 def _ours(module: str | None) -> bool:
