@@ -13,7 +13,9 @@ Trainer's loss path), which separates the chunked loss's cost; ``load``: the FSD
 A round runs each pair once, the pair's order alternating between rounds, so both sides share the machine's
 noise; the ratio is hf_dist's median step over the other side's median step in the same round, reported as the
 median and range over rounds. ``load MiB``: the rank's peak RSS (``VmHWM``) once the model is loaded and laid out,
-before training; ``peak MiB``: after the last step; both the worst rank's. ``--ledger`` adds, per pair, what each
+before training; ``peak MiB``: after the last step; both the worst rank's. ``CPU ms/step``: each step's
+``process_time`` summed over the ranks, the work done without the waits (a gloo rank waits asleep), which other jobs'
+noise moves less than the wall time. ``--ledger`` adds, per pair, what each
 side's step communicates and computes (round 1's last warm-up step, rank 0): the counts that explain a ratio.
 Not a test: the timings are not asserted; the ledger's comparison is, in ``tests/test_native_ledger.py``.
 Figures are in docs/benchmarks.md.
@@ -47,7 +49,8 @@ PAIRS = {
     "load_whole": {"world": 2, "model": "big", "sides": ("native", "hf_dist"), "warmup": 0, "steps": 1,
                    "args": {"chunked_loss": False}},
 }
-LABELS = {"fsdp2": "FSDP2, 2 ranks", "fsdp2_whole": "FSDP2, whole loss", "ep2": "EP2 x FSDP2, 2 ranks", "one": "one process",
+LABELS = {"fsdp2": "FSDP2, 2 ranks", "fsdp2_whole": "FSDP2, whole loss", "ep2": "EP2 x FSDP2, 2 ranks",
+          "one": "one process",
           "one_whole": "one, whole loss", "load": "FSDP2 load, 2 ranks",
           "load_whole": "load, whole loss"}
 
@@ -64,18 +67,20 @@ def peak_rss_mib() -> float:
     return peak_rss_bytes() / 2**20
 
 
-def _max_over_ranks(value: float) -> float:
+def _max_over_ranks(value: float, op: str = "MAX") -> float:
     import torch.distributed as dist
 
     t = torch.tensor(float(value))
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return float(t)
 
 
 def timed_train(make_trainer, steps: int, warmup: int = WARMUP, ledger: bool = False) -> dict:
     """Build a trainer with ``make_trainer(output_dir, max_steps, callbacks)`` and train it ``warmup + steps`` optimizer
-    steps: the measured steps' times (each the slowest rank's), load and final peak RSS (the worst rank's), losses.
+    steps: the measured steps' times (each the slowest rank's) and CPU times (``process_time``, summed over the ranks:
+    the work done, without the time spent waiting for a peer, which gloo spends asleep), load and final peak RSS (the
+    worst rank's), losses.
     ``ledger``: also count the last warm-up step's collectives and FLOPs on this rank (``attach_ledger``; the timed
     steps run without it)."""
     from transformers import TrainerCallback, logging as hf_logging
@@ -84,13 +89,15 @@ def timed_train(make_trainer, steps: int, warmup: int = WARMUP, ledger: bool = F
 
     hf_logging.set_verbosity_error()
     times: list[float] = []
+    cpu: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.start = time.perf_counter()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.start)
+            cpu.append(time.process_time() - self.cpu)
 
     with tempfile.TemporaryDirectory() as out:
         trainer = make_trainer(out, warmup + steps, [Timer()])
@@ -98,9 +105,10 @@ def timed_train(make_trainer, steps: int, warmup: int = WARMUP, ledger: bool = F
         load = _max_over_ranks(peak_rss_mib())
         trainer.train()
     slowest = [_max_over_ranks(t) for t in times[warmup:]]
+    work = [_max_over_ranks(t, "SUM") for t in cpu[warmup:]]
     peak = _max_over_ranks(peak_rss_mib())
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    out = {"times": slowest, "load_mib": load, "peak_mib": peak, "losses": losses}
+    out = {"times": slowest, "cpu": work, "load_mib": load, "peak_mib": peak, "losses": losses}
     if counted is not None:
         out["ledger"] = ledger_rows(counted.ledger)
     return out
@@ -140,10 +148,14 @@ def run_pair(pair: str, dirs: dict[str, str], steps: int, order: tuple[str, str]
 
 def summarise(rounds: list[dict[str, dict]], base: str) -> dict:
     """Median step per side (pooled), the per-round ratio hf_dist/base (median, min, max), memory (worst run)."""
-    ratios = [statistics.median(r["hf_dist"]["times"]) / statistics.median(r[base]["times"]) for r in rounds]
-    out = {"ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios)}
+    out = {}
+    for key, prefix in (("times", ""), ("cpu", "cpu_")):
+        ratios = [statistics.median(r["hf_dist"][key]) / statistics.median(r[base][key]) for r in rounds]
+        out.update({f"{prefix}ratio": statistics.median(ratios), f"{prefix}lo": min(ratios),
+                    f"{prefix}hi": max(ratios)})
     for side in (base, "hf_dist"):
         out[side] = {"step_ms": 1e3 * statistics.median([t for r in rounds for t in r[side]["times"]]),
+                     "cpu_ms": 1e3 * statistics.median([t for r in rounds for t in r[side]["cpu"]]),
                      "load_mib": max(r[side]["load_mib"] for r in rounds),
                      "peak_mib": max(r[side]["peak_mib"] for r in rounds),
                      "loss": rounds[0][side]["losses"][0]}
@@ -169,6 +181,15 @@ def table(results: dict[str, dict], rounds: int) -> list[str]:
         lines.append("load pairs: one step only, the first (its time includes the warm-up)")
     lines.append(f"ratio: median step of hf_dist over the other side's in the same round, median (min-max) of "
                  f"{rounds} interleaved rounds")
+    lines.append("")
+    lines.append(f"{'work':<22}{'side':<10}{'CPU ms/step':>12}{'hf_dist/other (range)':>24}")
+    for pair, s in results.items():
+        base = PAIRS[pair]["sides"][0]
+        for side in (base, "hf_dist"):
+            ratio = f"{s['cpu_ratio']:.2f} ({s['cpu_lo']:.2f}-{s['cpu_hi']:.2f})" if side == "hf_dist" else ""
+            lines.append(f"{LABELS[pair] if side == base else '':<22}{side:<10}{s[side]['cpu_ms']:>12.1f}{ratio:>24}")
+    lines.append("CPU ms/step: process_time per step summed over the ranks (median): the work each side does; time "
+                 "a rank waits for its peer is not in it (gloo waits asleep), so another job's noise moves it less")
     return lines
 
 
