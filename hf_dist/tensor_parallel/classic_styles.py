@@ -34,7 +34,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from hf_dist.tensor_parallel.styles import ReplicatedWithGradReduce
+from hf_dist.tensor_parallel.styles import ReplicatedWithGradReduce, WritableOutput
 
 
 def _check_conv1d(module: nn.Module, style: str) -> None:
@@ -126,16 +126,8 @@ class Conv1DFusedSlice(ParallelStyle):
         return f"Conv1DFusedSlice(parts={self.parts})"
 
 
-class RowwiseParallelWritableOutput(RowwiseParallel):
-    """``RowwiseParallel`` whose local output is a fresh tensor the model may modify in place."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return outputs.clone() if use_local_output else outputs
-
-    def __repr__(self) -> str:
-        return "RowwiseParallelWritableOutput()"
+class RowwiseParallelWritableOutput(WritableOutput, RowwiseParallel):
+    """``RowwiseParallel`` whose local output the model may modify in place."""
 
 
 class LocalAttributes(ParallelStyle):

@@ -92,16 +92,21 @@ class FusedColwiseParallel(ColwiseParallel):
         return f"FusedColwiseParallel(parts={self.parts})"
 
 
-class ColwiseParallelWritableOutput(ColwiseParallel):
-    """``ColwiseParallel`` whose local output is a fresh tensor the model may modify in place."""
+class WritableOutput:
+    """Mixin before a torch style (``ColwiseParallel``, ``RowwiseParallel``): its local output is a fresh tensor the
+    model may modify in place, not a view DTensor's autograd still needs."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        outputs = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+    @classmethod
+    def _prepare_output_fn(cls, output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = super()._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
         return outputs.clone() if use_local_output else outputs
 
     def __repr__(self) -> str:
-        return "ColwiseParallelWritableOutput()"
+        return f"{type(self).__name__}()"
+
+
+class ColwiseParallelWritableOutput(WritableOutput, ColwiseParallel):
+    """``ColwiseParallel`` whose local output the model may modify in place."""
 
 
 def _reduce_partial_grad(param: torch.Tensor) -> None:
