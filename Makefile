@@ -10,7 +10,7 @@ LATEST_PY := $(LATEST_VENV)/bin/python
 # the suite's fast part: everything but the real-model runs (override to pick files: LATEST_PYTEST_ARGS="tests/test_tp_plans.py")
 LATEST_PYTEST_ARGS ?= -m "not real_model" tests
 
-.PHONY: setup demo test test-latest gpu-check clean
+.PHONY: setup demo test test-latest gpu-check gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ demo: setup
 # docs/gpu_check.md (bench/gpu_check.py; without CUDA it refuses, --cpu-smoke runs it at toy sizes).
 gpu-check: setup
 	$(PY) bench/gpu_check.py
+
+# For a GPU machine whose image has torch, accelerate and peft but an older transformers (the device lent to this
+# project's sessions, Python 3.12): the transformers wheel this .venv runs, in .whl/, for bench/gpu_session.sh.
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+		"transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
 
 test: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -ra $(PYTEST_ARGS) tests

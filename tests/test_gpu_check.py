@@ -56,3 +56,25 @@ def test_without_cuda_it_refuses_unless_asked_for_the_smoke_run(capsys):
     assert _gpu_check().main([]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "--cpu-smoke" in err
+
+
+def test_device_session_script_runs_the_check_and_leaves_its_files(tmp_path):
+    """``bench/gpu_session.sh`` (the one command for a lent GPU machine) in smoke mode: versions, table and log land
+    in ``$OUT`` and its exit status is the check's."""
+    import subprocess
+
+    import transformers
+
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable,
+               GPU_CHECK_ARGS="--cpu-smoke --no-calibrate --cases dist_chunked")
+    done = subprocess.run(["bash", os.path.join(HERE, "..", "bench", "gpu_session.sh")], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"transformers {transformers.__version__}" in (out / "versions.txt").read_text()
+    table = (out / "gpu_check.md").read_text()
+    assert "CPU smoke run" in table and "FAILED" not in table
+    assert "DistTrainer eager, chunked loss" in (out / "gpu_check.log").read_text()
+    bad = dict(env, GPU_CHECK_ARGS="--cpu-smoke --cases no_such_case")  # the check's failure is the script's
+    assert subprocess.run(["bash", os.path.join(HERE, "..", "bench", "gpu_session.sh")], env=bad,
+                          capture_output=True, text=True).returncode != 0
