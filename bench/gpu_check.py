@@ -6,7 +6,8 @@
 Sections, each row one training run (fresh process on CUDA, so each peak is its own), bf16 (``bf16=True``: fp32
 weights under autocast, as one device trains), AdamW, no activation checkpointing, random tokens:
   1. a Llama-3.2-1B-shaped model built from its config (no download): the plain ``transformers.Trainer`` and
-     ``DistTrainer`` with the whole loss (eager), the chunked loss (its default) and per-block ``torch.compile``;
+     ``DistTrainer`` with the whole loss (eager), the chunked loss (its default), per-block ``torch.compile`` and
+     FSDP2 on one rank (a process group of one: FSDP2's units and buffers, nothing to shard);
      peak memory allocated / reserved (``torch.cuda.max_memory_allocated/reserved``) beside the planner's forecast
      for the same shape, batch and precision (``hf_dist.planner``, the functions ``hf-dist plan`` runs: chunked
      loss for DistTrainer, whole loss for the Trainer), tokens/s and MFU (``hf_dist.planner.flops``: model FLOPs
@@ -75,6 +76,9 @@ CASES: dict[str, dict] = {
     "dist_whole": {"model": "llama", "label": "DistTrainer eager, whole loss", "args": {"chunked_loss": False}},
     "dist_chunked": {"model": "llama", "label": "DistTrainer eager, chunked loss", "args": {}},
     "dist_compiled": {"model": "llama", "label": "DistTrainer compiled, chunked", "args": {"torch_compile": True}},
+    # FSDP2 on one rank (a process group of one, its own process): FSDP2's buffers and units, nothing sharded
+    "dist_fsdp2": {"model": "llama", "label": "DistTrainer FSDP2, chunked", "group": True,
+                   "args": {"fsdp": "full_shard", "fsdp_config": {"version": 2}}},
     "moe_eager": {"model": "moe", "label": "experts eager", "experts": "eager", "args": {}},
     "moe_batched_mm": {"model": "moe", "label": "experts batched_mm", "experts": "batched_mm", "args": {}},
     "moe_grouped_mm": {"model": "moe", "label": "experts grouped_mm", "experts": "grouped_mm", "args": {}},
@@ -143,6 +147,15 @@ def run_case(case: str, smoke: bool, chunk_tokens: int | None = None) -> dict:
 
     hf_logging.set_verbosity_error()
     spec, sizes, device = CASES[case], SMOKE if smoke else GPU, _device(smoke)
+    if spec.get("group"):  # a process group of one rank, as a launcher would describe it
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                               WORLD_SIZE="1").items():
+            os.environ.setdefault(key, value)
     peak, _ = _peak_flops(device)
     torch.manual_seed(0)
     experts = {"experts_implementation": spec["experts"]} if "experts" in spec else {}
@@ -164,6 +177,11 @@ def run_case(case: str, smoke: bool, chunk_tokens: int | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="hf_dist_gpu_check_") as out:
         trainer = _trainer(case, model, sizes, out, device, peak, [Timer()])
         trainer.train()
+    if spec.get("group"):  # measured as FSDP2, not as a layout it fell back to
+        from torch.distributed.fsdp import FSDPModule
+
+        if not any(isinstance(m, FSDPModule) for m in trainer.model.modules()):
+            raise RuntimeError(f"{case}: the trained model has no FSDP2 unit ({type(trainer.model).__name__})")
     step = statistics.median(times[sizes.warmup:])
     tokens = sizes.micro * sizes.seq
     model_flops, _ = module_flop_counts(model).per_token(sizes.seq)
@@ -177,8 +195,9 @@ def run_case(case: str, smoke: bool, chunk_tokens: int | None = None) -> dict:
 
 
 def measure(case: str, smoke: bool, isolate: bool) -> dict:
-    """``run_case`` here, or in a fresh process (``isolate``); a failure is returned as ``{"error": ...}``."""
-    if not isolate:
+    """``run_case`` here, or in a fresh process (``isolate``; always for a case with a process group, which would
+    outlive the run in this one); a failure is returned as ``{"error": ...}``."""
+    if not isolate and not CASES[case].get("group"):
         try:
             return run_case(case, smoke)
         except Exception as err:  # noqa: BLE001 -- a row saying what failed; the other rows still run
@@ -237,7 +256,9 @@ def forecasts(sizes: Sizes, gpu: str, calibrate: bool) -> dict:
     workload = Workload(seq_len=sizes.seq, micro_batch_size=sizes.micro, precision=assumed["precision"],
                         attention="sdpa", activation_checkpointing=False, chunked_loss=True)
     whole = estimate_memory(spec, dataclasses.replace(workload, chunked_loss=False), layout, MemoryAssumptions())
+    fsdp2 = estimate_memory(spec, workload, make_layout("fsdp_full_shard", 1), MemoryAssumptions())
     return {"chunked": assumed["memory"], "whole": {"allocated": whole.allocated, "reserved": whole.reserved},
+            "fsdp2": {"allocated": fsdp2.allocated, "reserved": fsdp2.reserved},
             "assumed": assumed["throughput"], "calibrated": calibrated and calibrated.get("throughput", calibrated),
             "layout": assumed["name"], "precision": assumed["precision"], "gpu": gpu}
 
@@ -251,7 +272,7 @@ def table(results: dict[str, dict], plan: dict, sizes: Sizes) -> list[str]:
             f"{'reserved':>10}{'plan alloc':>12}{'plan resv':>11}")
     lines = [f"1. {sizes.llama['hidden_size']}-hidden {sizes.llama['num_hidden_layers']}-layer Llama, micro "
              f"{sizes.micro} x {sizes.seq} tokens, bf16 ({plan.get('precision', '-')}), planner layout "
-             f"{plan.get('layout', '-')} on {plan.get('gpu', '-')}", head]
+             f"{plan.get('layout', '-')} (the FSDP2 row: fsdp_full_shard) on {plan.get('gpu', '-')}", head]
     moe_head = False
     for case, r in sorted(results.items(), key=lambda item: CASES[item[0]]["model"] != "llama"):  # section 1 first
         spec = CASES[case]
@@ -263,7 +284,8 @@ def table(results: dict[str, dict], plan: dict, sizes: Sizes) -> list[str]:
             lines.append(f"{spec['label']:<32}FAILED: {r['error']}")
             continue
         chunked = not spec.get("plain") and spec["args"].get("chunked_loss", True)
-        mem = plan.get("chunked" if chunked else "whole", {}) if spec["model"] == "llama" else {}
+        kind = "fsdp2" if spec.get("group") else "chunked" if chunked else "whole"
+        mem = plan.get(kind, {}) if spec["model"] == "llama" else {}
         tmfu = f"{r['trainer_mfu']:.1%}" if r["trainer_mfu"] is not None else "-"
         lines.append(f"{spec['label']:<32}{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>11.0f}{r['mfu']:>7.1%}"
                      f"{tmfu:>13}{_gib(r['allocated']):>11}{_gib(r['reserved']):>10}"
